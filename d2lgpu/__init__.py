@@ -1,0 +1,32 @@
+"""d2lgpu: the helpers of a course on finding, using and filling GPUs with PyTorch.
+
+Modules by concern: ``config`` (environment variables), ``devices`` (naming
+devices), ``report`` (what this machine can do, and why CUDA is missing),
+``precision`` (mixed-precision policy), ``benchmarking`` (timing GPU work
+correctly), ``data``, ``models``, ``parallel``, ``training``, ``plotting``,
+``distributed``.
+"""
+
+from d2lgpu.config import data_root, describe_mode, pick, quick_mode
+from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from d2lgpu.precision import PrecisionPolicy, native_tensor_core_formats, precision_policy
+from d2lgpu.report import print_setup, setup_summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PrecisionPolicy",
+    "cpu",
+    "data_root",
+    "describe_mode",
+    "gpu",
+    "native_tensor_core_formats",
+    "num_gpus",
+    "pick",
+    "precision_policy",
+    "print_setup",
+    "quick_mode",
+    "setup_summary",
+    "try_all_gpus",
+    "try_gpu",
+]
