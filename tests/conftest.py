@@ -1,0 +1,19 @@
+"""Markers for tests that need GPUs: skipped with a reason where there are too few."""
+
+import pytest
+import torch
+
+
+def _visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = _visible_gpus()
+    for item in items:
+        if "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs at least 2 CUDA GPUs; this machine has {gpus}")
+            )
