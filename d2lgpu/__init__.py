@@ -9,6 +9,13 @@ correctly), ``data``, ``models``, ``parallel``, ``training``, ``plotting``,
 
 from d2lgpu.config import data_root, describe_mode, pick, quick_mode
 from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from d2lgpu.parallel import (
+    allreduce,
+    data_parallel_step,
+    max_abs_difference,
+    replicate_params,
+    split_batch,
+)
 from d2lgpu.precision import PrecisionPolicy, native_tensor_core_formats, precision_policy
 from d2lgpu.report import print_setup, setup_summary
 
@@ -16,17 +23,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PrecisionPolicy",
+    "allreduce",
     "cpu",
+    "data_parallel_step",
     "data_root",
     "describe_mode",
     "gpu",
+    "max_abs_difference",
     "native_tensor_core_formats",
     "num_gpus",
     "pick",
     "precision_policy",
     "print_setup",
     "quick_mode",
+    "replicate_params",
     "setup_summary",
+    "split_batch",
     "try_all_gpus",
     "try_gpu",
 ]

@@ -1,0 +1,221 @@
+"""Data parallelism by hand: split a batch, copy the parameters, sum the gradients.
+
+These are the pieces of "Dive into Deep Learning" section 13.5, rebuilt so they
+run anywhere and are correct:
+
+* Every function takes a *list of devices* (or of replicas), never assumes a
+  second GPU exists. A list may name the same device several times, e.g.
+  ``[torch.device("cpu")] * 2``: that simulates two devices on one, so the
+  logic of data parallelism can be run and checked on a laptop.
+* :func:`allreduce` writes the sum *into* every tensor with ``copy_``. Writing
+  ``t = total`` in a loop only rebinds a local name and leaves the gradients
+  on the other devices untouched, which silently trains diverging replicas.
+* :func:`data_parallel_step` divides every shard's *summed* loss by the global
+  batch size, so that the summed gradients equal the gradient of the mean loss
+  over the whole batch, even when the shards have different sizes. Averaging
+  per-shard mean losses is only right when all shards are equally large.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "allreduce",
+    "data_parallel_step",
+    "max_abs_difference",
+    "replicate_params",
+    "split_batch",
+]
+
+#: A functional network: ``forward(X, params) -> outputs``.
+Forward = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+#: A loss that returns one value per example (``reduction="none"``).
+PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def split_batch(
+    X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device | str]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Split a minibatch along its first dimension into one shard per device.
+
+    Shard ``i`` of ``X`` and of ``y`` is moved to ``devices[i]``. The shards are
+    as even as possible, as :func:`torch.tensor_split` makes them: with ``n``
+    examples and ``k`` devices the first ``n % k`` shards hold ``n // k + 1``
+    examples and the rest ``n // k``. Devices may repeat (``[cpu, cpu]``
+    simulates two devices on the CPU); a shard that is already on its device is
+    not copied.
+
+    Raises ``ValueError`` for an empty device list, for ``X`` and ``y`` with
+    different numbers of examples, and for fewer examples than devices (a
+    device with an empty shard would have nothing to compute a gradient from).
+    """
+    devices = [torch.device(d) for d in devices]
+    if not devices:
+        raise ValueError(
+            "split_batch needs at least one device; pass e.g. d2lgpu.try_all_gpus(), "
+            "or [torch.device('cpu')] * 2 to simulate two devices on the CPU"
+        )
+    if X.dim() == 0 or y.dim() == 0:
+        raise ValueError(
+            f"X and y must have a batch dimension first; got shapes {tuple(X.shape)} "
+            f"and {tuple(y.shape)}"
+        )
+    if X.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"X has {X.shape[0]} examples but y has {y.shape[0]}; "
+            "pass features and labels of the same minibatch"
+        )
+    if X.shape[0] < len(devices):
+        raise ValueError(
+            f"cannot split {X.shape[0]} examples across {len(devices)} devices: every device "
+            "needs at least one example; use a batch size of at least the number of devices"
+        )
+    X_shards = [
+        shard.to(device)
+        for shard, device in zip(X.tensor_split(len(devices)), devices, strict=True)
+    ]
+    y_shards = [
+        shard.to(device)
+        for shard, device in zip(y.tensor_split(len(devices)), devices, strict=True)
+    ]
+    return X_shards, y_shards
+
+
+def allreduce(tensors: Sequence[torch.Tensor]) -> None:
+    """Sum tensors that live on (possibly) different devices, in place.
+
+    Afterwards every tensor in ``tensors`` holds the sum of all of them, on its
+    own device: the sum is accumulated on the device of ``tensors[0]`` and then
+    copied back into each tensor with ``copy_``, so the caller's tensors (for
+    example every replica's ``p.grad``) really change. Returns None, like other
+    in-place operations.
+
+    Raises ``ValueError`` for an empty list, or for tensors whose shapes or
+    dtypes differ (summing those would broadcast or round silently).
+    """
+    if len(tensors) == 0:
+        raise ValueError("allreduce needs at least one tensor; got an empty list")
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"allreduce sums tensors; item {i} is {type(t).__name__}. If it is a "
+                "gradient that is None, run backward() on every replica first"
+            )
+        if t.shape != first.shape or t.dtype != first.dtype:
+            raise ValueError(
+                f"allreduce needs tensors of one shape and dtype: tensor 0 is "
+                f"{tuple(first.shape)} {first.dtype}, tensor {i} is {tuple(t.shape)} {t.dtype}"
+            )
+    # no_grad: the tensors may be parameters (leaves that require grad), and
+    # summing them is bookkeeping, not part of any model's computation.
+    with torch.no_grad():
+        total = first.clone()
+        for t in tensors[1:]:
+            total += t.to(total.device)
+        for t in tensors:
+            t.copy_(total)
+
+
+def replicate_params(
+    params: Sequence[torch.Tensor], device: torch.device | str
+) -> list[torch.Tensor]:
+    """Independent copies of ``params`` on ``device``, each a leaf that requires grad.
+
+    The copies never share memory with the originals, even on the same device,
+    so replicas on ``[cpu, cpu]`` behave like replicas on two GPUs.
+    """
+    device = torch.device(device)
+    return [p.detach().to(device, copy=True).requires_grad_(True) for p in params]
+
+
+def max_abs_difference(
+    tensors_a: Sequence[torch.Tensor], tensors_b: Sequence[torch.Tensor]
+) -> float:
+    """The largest absolute element-wise difference between two lists of tensors.
+
+    Use it to check that replicas agree, or that two training runs followed the
+    same trajectory. Tensors may be on different devices; ``b`` is moved to ``a``'s.
+    """
+    if len(tensors_a) != len(tensors_b):
+        raise ValueError(f"the lists hold {len(tensors_a)} and {len(tensors_b)} tensors")
+    if len(tensors_a) == 0:
+        raise ValueError("max_abs_difference needs at least one pair of tensors")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(tensors_a, tensors_b, strict=True)):
+        if a.shape != b.shape:
+            raise ValueError(
+                f"tensor {i} has shape {tuple(a.shape)} in one list, {tuple(b.shape)} in the other"
+            )
+        worst = max(worst, (a.detach() - b.detach().to(a.device)).abs().max().item())
+    return worst
+
+
+def _per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def data_parallel_step(
+    forward: Forward,
+    replicas: Sequence[Sequence[torch.Tensor]],
+    X: torch.Tensor,
+    y: torch.Tensor,
+    lr: float,
+    loss_fn: PerExampleLoss = _per_example_cross_entropy,
+) -> float:
+    """One step of minibatch SGD, data parallel over the devices of ``replicas``.
+
+    ``replicas[d]`` is the list of parameters on device ``d`` (made with
+    :func:`replicate_params`; all replicas must hold equal values). The step:
+
+    1. split ``X, y`` into one shard per replica (:func:`split_batch`);
+    2. on every device, run ``forward`` on its shard and backpropagate the
+       shard's *summed* per-example loss divided by the *global* batch size;
+    3. :func:`allreduce` each parameter's gradient over the replicas, so every
+       device holds the gradient of the mean loss over the whole batch;
+    4. apply the same SGD update ``p -= lr * p.grad`` on every device, which
+       keeps the replicas equal without copying parameters around.
+
+    ``loss_fn(outputs, y)`` must return one loss per example (default: cross
+    entropy with ``reduction="none"``). Returns the mean loss over the batch.
+    """
+    if len(replicas) == 0:
+        raise ValueError("data_parallel_step needs at least one replica; see replicate_params")
+    num_params = len(replicas[0])
+    if num_params == 0 or any(len(r) != num_params for r in replicas):
+        raise ValueError(
+            "every replica must hold the same, non-empty list of parameters; "
+            f"got lengths {[len(r) for r in replicas]}"
+        )
+    devices = [r[0].device for r in replicas]
+    X_shards, y_shards = split_batch(X, y, devices)
+    batch_size = X.shape[0]
+
+    shard_losses = []
+    for params, X_shard, y_shard in zip(replicas, X_shards, y_shards, strict=True):
+        losses = loss_fn(forward(X_shard, params), y_shard)
+        if losses.shape != (X_shard.shape[0],):
+            raise ValueError(
+                f"loss_fn must return one loss per example (shape ({X_shard.shape[0]},)), got "
+                f"shape {tuple(losses.shape)}; use reduction='none'"
+            )
+        shard_loss = losses.sum() / batch_size
+        # On GPUs, backward is queued asynchronously: the devices work side by side
+        # while Python moves on to the next shard.
+        shard_loss.backward()
+        shard_losses.append(shard_loss.detach())
+
+    for i in range(num_params):
+        allreduce([params[i].grad for params in replicas])
+
+    with torch.no_grad():
+        for params in replicas:
+            for p in params:
+                p -= lr * p.grad
+                p.grad = None
+    # One host synchronisation for the reported loss, after all the work is queued.
+    return sum(loss.to(devices[0]) for loss in shard_losses).item()
