@@ -17,25 +17,46 @@ from d2lgpu.parallel import (
     split_batch,
 )
 from d2lgpu.precision import PrecisionPolicy, native_tensor_core_formats, precision_policy
-from d2lgpu.report import print_setup, setup_summary
+from d2lgpu.report import (
+    EnvironmentReport,
+    diagnose_cuda,
+    diagnose_this_machine,
+    environment_report,
+    format_report,
+    gpu_memory,
+    parse_cuda_visible_devices,
+    print_report,
+    print_setup,
+    read_nvml,
+    setup_summary,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EnvironmentReport",
     "PrecisionPolicy",
     "allreduce",
     "cpu",
     "data_parallel_step",
     "data_root",
     "describe_mode",
+    "diagnose_cuda",
+    "diagnose_this_machine",
+    "environment_report",
+    "format_report",
     "gpu",
+    "gpu_memory",
     "max_abs_difference",
     "native_tensor_core_formats",
     "num_gpus",
+    "parse_cuda_visible_devices",
     "pick",
     "precision_policy",
+    "print_report",
     "print_setup",
     "quick_mode",
+    "read_nvml",
     "replicate_params",
     "setup_summary",
     "split_batch",

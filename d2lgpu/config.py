@@ -74,5 +74,8 @@ def data_root() -> Path:
 def describe_mode() -> str:
     """One line saying which mode this process runs in, for notebooks to print."""
     if quick_mode():
-        return f"quick mode ({QUICK_ENV}=1): small data, few epochs; numbers are for checking, not for quoting"
+        return (
+            f"quick mode ({QUICK_ENV}=1): small data, few epochs; "
+            "numbers are for checking, not for quoting"
+        )
     return f"full mode ({QUICK_ENV} unset or 0): real data sizes and epochs"

@@ -1,13 +1,64 @@
-"""What this machine offers, and why CUDA is missing when it is."""
+"""What this machine offers, and why CUDA is missing when it is.
+
+Three layers, each usable on its own:
+
+* :func:`diagnose_cuda` is a pure function: given the facts (is torch a CUDA
+  build, what ``CUDA_VISIBLE_DEVICES`` says, is an NVIDIA driver present, how
+  many GPUs torch sees) it says whether CUDA is usable and, if not, why and how
+  to fix it. Being pure, every branch is tested on a machine without a GPU.
+  :func:`diagnose_this_machine` feeds it the real facts.
+* :func:`read_nvml` asks the driver (through NVML, the library behind
+  ``nvidia-smi``) for live readings: utilisation, memory, temperature, power.
+* :func:`environment_report` gathers versions, every visible GPU's properties,
+  the NVML view, optional pycuda attributes and the diagnosis into one
+  :class:`EnvironmentReport`; :func:`format_report` turns it into text and
+  ``python -m d2lgpu info`` prints it.
+
+Nothing here starts a subprocess or waits on anything, so a report cannot hang.
+"""
 
 from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from d2lgpu.config import describe_mode
 from d2lgpu.devices import num_gpus, try_all_gpus
+from d2lgpu.precision import native_tensor_core_formats
 
-__all__ = ["print_setup", "setup_summary"]
+__all__ = [
+    "CudaDiagnosis",
+    "CudaProblem",
+    "EnvironmentReport",
+    "GpuInfo",
+    "GpuMemory",
+    "NvmlGpuReading",
+    "NvmlView",
+    "diagnose_cuda",
+    "diagnose_this_machine",
+    "environment_report",
+    "format_report",
+    "gpu_memory",
+    "parse_cuda_visible_devices",
+    "print_report",
+    "print_setup",
+    "read_nvml",
+    "setup_summary",
+]
+
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+_MIB = 2**20
+_GIB = 2**30
+
+
+# --------------------------------------------------------------------------------------
+# The few lines at the top of every notebook
+# --------------------------------------------------------------------------------------
 
 
 def setup_summary() -> str:
@@ -31,3 +82,639 @@ def setup_summary() -> str:
 def print_setup() -> None:
     """Print :func:`setup_summary`."""
     print(setup_summary())
+
+
+# --------------------------------------------------------------------------------------
+# CUDA_VISIBLE_DEVICES and the diagnosis
+# --------------------------------------------------------------------------------------
+
+
+def _leading_int(entry: str) -> int | None:
+    """The integer an entry starts with, read the way C's ``strtoul`` does; None if none."""
+    digits = entry[1:] if entry[:1] in "+-" else entry
+    count = 0
+    while count < len(digits) and digits[count].isdigit():
+        count += 1
+    if count == 0:
+        return None
+    return int(entry[: len(entry) - len(digits) + count])
+
+
+def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
+    """Which GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible, as CUDA reads it.
+
+    Returns None when the variable is unset (every GPU is visible), else the
+    list of GPU indices (or ``GPU-``/``MIG-`` UUIDs) that CUDA will expose, in
+    order. CUDA does not reject a malformed value, it reads the comma-separated
+    entries from the left and silently *stops* at the first one that is not a
+    number (``""``, ``"abc"``, ``"-1"``, the empty entry in ``"0,,1"``); an
+    entry that merely starts with digits counts as that number (``"1gpu"`` is
+    1); a repeated entry hides every GPU. This mirrors the parser in
+    ``torch.cuda``, which copies CUDA's behaviour.
+    """
+    if value is None:
+        return None
+    entries = value.split(",")
+    for prefix in ("GPU-", "MIG-"):
+        if value.startswith(prefix):
+            uuids: list[str] = []
+            for entry in entries:
+                if entry in uuids:
+                    return []
+                if not entry.startswith(prefix):
+                    break
+                uuids.append(entry)
+            return uuids
+    indices: list[int] = []
+    for entry in entries:
+        index = _leading_int(entry.strip())
+        if index in indices:
+            return []
+        if index is None or index < 0:
+            break
+        indices.append(index)
+    return indices
+
+
+@dataclass(frozen=True)
+class CudaProblem:
+    """One reason CUDA is unusable (or less usable than intended), and its fix."""
+
+    code: str
+    why: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class CudaDiagnosis:
+    """Whether CUDA is usable, and every problem found, most fundamental first.
+
+    ``problems`` is empty when all is well. A usable CUDA can still carry a
+    problem, e.g. a malformed ``CUDA_VISIBLE_DEVICES`` that hides some GPUs.
+    """
+
+    usable: bool
+    device_count: int
+    problems: tuple[CudaProblem, ...] = ()
+
+    @property
+    def cause(self) -> str:
+        """The code of the first problem (``"ok"`` when there is none)."""
+        return self.problems[0].code if self.problems else "ok"
+
+    def __str__(self) -> str:
+        head = (
+            f"CUDA is usable: {self.device_count} GPU(s) visible."
+            if self.usable
+            else "CUDA is NOT usable: torch will run everything on the CPU."
+        )
+        lines = [head]
+        for problem in self.problems:
+            lines += [f"  why: {problem.why}", f"  fix: {problem.fix}"]
+        return "\n".join(lines)
+
+
+_FIX_CPU_BUILD = (
+    "install a CUDA build of torch: `pip uninstall -y torch torchvision`, then "
+    "`pip install torch torchvision --index-url https://download.pytorch.org/whl/cu126` "
+    "(choose the CUDA version your driver supports with the selector at "
+    "https://pytorch.org/get-started/locally/; on Linux the default `pip install torch` "
+    "from PyPI is already a CUDA build), then restart the Python process or kernel."
+)
+_FIX_VISIBLE_DEVICES = (
+    f"unset it (`unset {VISIBLE_DEVICES_ENV}` in the shell; in Python "
+    f"`os.environ.pop('{VISIBLE_DEVICES_ENV}', None)` before anything touches CUDA, so in a "
+    "notebook restart the kernel first) or set it to GPU indices such as `0` or `0,1`."
+)
+_FIX_NO_DRIVER = (
+    "on Colab: Runtime > Change runtime type > choose a GPU (e.g. T4), then rerun. "
+    "On Kaggle: Settings > Accelerator > GPU (e.g. 'GPU T4 x2'; needs a phone-verified "
+    "account). Locally: install the NVIDIA driver (check with `nvidia-smi`); in a "
+    "container, start it with GPUs passed through (e.g. `docker run --gpus all`, which "
+    "needs the NVIDIA Container Toolkit)."
+)
+
+
+def diagnose_cuda(
+    *,
+    cuda_build: str | None,
+    visible_devices_env: str | None,
+    driver_found: bool,
+    device_count: int,
+    physical_gpu_count: int | None = None,
+) -> CudaDiagnosis:
+    """Say whether CUDA is usable and, if not, why and how to fix it.
+
+    A pure function of the facts, so that every case can be tested anywhere:
+
+    cuda_build
+        ``torch.version.cuda``: the CUDA version torch was built with, None for
+        a CPU-only build.
+    visible_devices_env
+        The value of ``CUDA_VISIBLE_DEVICES`` (None when unset).
+    driver_found
+        Whether an NVIDIA driver is present (NVML loads, or ``/proc/driver/nvidia`` exists).
+    device_count
+        How many GPUs torch sees (``torch.cuda.device_count()`` when available, else 0).
+    physical_gpu_count
+        How many GPUs the driver sees regardless of ``CUDA_VISIBLE_DEVICES``
+        (NVML's count), or None when unknown.
+    """
+    if device_count < 0:
+        raise ValueError(f"device_count must be 0 or more, got {device_count}")
+    env_problems: list[CudaProblem] = []
+    visible = parse_cuda_visible_devices(visible_devices_env)
+    shown = repr(visible_devices_env)
+    hides_all = visible == []
+    if (
+        visible
+        and physical_gpu_count is not None
+        and all(isinstance(i, int) for i in visible)
+        and visible[0] >= physical_gpu_count
+    ):
+        # CUDA stops at the first index that does not exist, so a first entry
+        # past the end hides everything.
+        hides_all = True
+    if hides_all:
+        if visible_devices_env is not None and visible_devices_env.strip() == "":
+            detail = "is set to an empty string, which hides every GPU from CUDA"
+        elif visible == [] and visible_devices_env is not None and _has_repeat(visible_devices_env):
+            detail = "names a GPU twice, and CUDA then hides every GPU"
+        elif visible == []:
+            detail = (
+                "hides every GPU: CUDA reads a comma-separated list of GPU indices or UUIDs "
+                "and stops at the first entry that is neither"
+            )
+        else:
+            detail = (
+                f"hides every GPU: it starts with GPU {visible[0]}, but the driver sees only "
+                f"{physical_gpu_count} GPU(s), numbered from 0"
+            )
+        env_problems.append(
+            CudaProblem("hidden_by_env", f"{VISIBLE_DEVICES_ENV}={shown} {detail}.",
+                        _FIX_VISIBLE_DEVICES)
+        )
+    elif visible_devices_env is not None and _is_malformed(visible_devices_env, visible):
+        env_problems.append(
+            CudaProblem(
+                "malformed_env",
+                f"{VISIBLE_DEVICES_ENV}={shown} is malformed: CUDA reads only the number each "
+                "entry starts with and stops at the first entry without one, so it sees "
+                f"only {visible}.",
+                "write the indices you mean separated by commas, without gaps or spaces, "
+                "e.g. `0,1`.",
+            )
+        )
+
+    if device_count > 0:
+        return CudaDiagnosis(True, device_count, tuple(env_problems))
+
+    # Most fundamental first: the build, then the driver, then the variable.
+    problems: list[CudaProblem] = []
+    if cuda_build is None:
+        problems.append(
+            CudaProblem(
+                "cpu_build",
+                "this torch is a CPU-only build "
+                "(torch.version.cuda is None): it cannot use a GPU even if one is present.",
+                _FIX_CPU_BUILD,
+            )
+        )
+    if not driver_found:
+        problems.append(
+            CudaProblem(
+                "no_driver",
+                "no NVIDIA driver was found (NVML cannot load and /proc/driver/nvidia is "
+                "missing): this machine, VM or container has no usable NVIDIA GPU.",
+                _FIX_NO_DRIVER,
+            )
+        )
+    problems += env_problems
+    if not problems:
+        problems.append(
+            CudaProblem(
+                "no_usable_device",
+                f"an NVIDIA driver is present and torch is built for CUDA {cuda_build}, "
+                "yet CUDA finds no usable GPU. Usual causes: the driver is older than this "
+                f"CUDA {cuda_build} build needs (the header of `nvidia-smi` shows the "
+                "newest CUDA version the driver supports), the GPU is in exclusive-process "
+                "mode and taken by another process, or a container sees the driver but not "
+                "the device files.",
+                "update the NVIDIA driver, or install a torch built for an older CUDA "
+                "(https://pytorch.org/get-started/locally/); check `nvidia-smi` for "
+                "processes holding the GPU and its compute mode.",
+            )
+        )
+    return CudaDiagnosis(False, 0, tuple(problems))
+
+
+def _has_repeat(value: str) -> bool:
+    """Whether a CUDA_VISIBLE_DEVICES value repeats an entry before it stops being valid."""
+    seen: list[object] = []
+    for entry in value.split(","):
+        key: object = entry if entry.startswith(("GPU-", "MIG-")) else _leading_int(entry.strip())
+        if key is None or (isinstance(key, int) and key < 0):
+            return False
+        if key in seen:
+            return True
+        seen.append(key)
+    return False
+
+
+def _is_malformed(value: str, visible: list[int] | list[str] | None) -> bool:
+    """Whether CUDA ignores part of ``value`` (it stopped early or skipped trailing text)."""
+    entries = value.split(",")
+    if visible is None or len(visible) != len(entries):
+        return True
+    return any(str(item) != entry.strip() for item, entry in zip(visible, entries, strict=True))
+
+
+def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
+    """:func:`diagnose_cuda` for this process, with the facts read from the machine.
+
+    The driver counts as found when NVML starts or ``/proc/driver/nvidia``
+    exists (Linux). ``nvml`` reuses a view already read by :func:`read_nvml`.
+    """
+    nvml = read_nvml() if nvml is None else nvml
+    driver_found = nvml.error is None or Path("/proc/driver/nvidia").exists()
+    return diagnose_cuda(
+        cuda_build=torch.version.cuda,
+        visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
+        driver_found=driver_found,
+        device_count=num_gpus(),
+        physical_gpu_count=len(nvml.gpus) if nvml.error is None else None,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# NVML: live readings from the driver
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NvmlGpuReading:
+    """One physical GPU as the driver sees it right now (None: not supported by this GPU)."""
+
+    index: int
+    name: str
+    uuid: str
+    utilization_percent: int | None
+    memory_used_bytes: int | None
+    memory_total_bytes: int | None
+    temperature_c: int | None
+    power_watts: float | None
+    power_limit_watts: float | None
+
+
+@dataclass(frozen=True)
+class NvmlView:
+    """The driver's view: its version and every physical GPU, or why NVML is unavailable.
+
+    NVML ignores ``CUDA_VISIBLE_DEVICES``: it lists every GPU in the machine, and
+    its indices need not match torch's ``cuda:i``. Match them by UUID when needed.
+    """
+
+    driver_version: str | None
+    gpus: tuple[NvmlGpuReading, ...]
+    error: str | None
+
+
+def _nvml_or_none(call, *args):  # type: ignore[no-untyped-def]
+    """Call an NVML query; None when this GPU or driver does not support it."""
+    import pynvml
+
+    try:
+        return call(*args)
+    except pynvml.NVMLError:
+        return None
+
+
+def _as_str(value: str | bytes) -> str:
+    # Older nvidia-ml-py releases return bytes, newer ones str.
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def read_nvml() -> NvmlView:
+    """Read driver version and live per-GPU readings through NVML (``pynvml``).
+
+    Never raises: when NVML is missing or cannot start (no driver, no GPU, a
+    CPU-only container), the view says why in ``error``.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return NvmlView(None, (), "pynvml is not installed (pip install nvidia-ml-py)")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        why = str(exc)
+        if isinstance(exc, pynvml.NVMLError_LibraryNotFound):
+            why += " (NVML ships with the NVIDIA driver, so no driver is installed here)"
+        elif isinstance(exc, pynvml.NVMLError_DriverNotLoaded):
+            why += " (the driver is installed but its kernel module is not loaded)"
+        return NvmlView(None, (), f"NVML cannot start: {why}")
+    try:
+        driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
+        readings = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = _nvml_or_none(pynvml.nvmlDeviceGetMemoryInfo, handle)
+            rates = _nvml_or_none(pynvml.nvmlDeviceGetUtilizationRates, handle)
+            power_mw = _nvml_or_none(pynvml.nvmlDeviceGetPowerUsage, handle)
+            limit_mw = _nvml_or_none(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+            readings.append(
+                NvmlGpuReading(
+                    index=index,
+                    name=_as_str(pynvml.nvmlDeviceGetName(handle)),
+                    uuid=_as_str(pynvml.nvmlDeviceGetUUID(handle)),
+                    utilization_percent=None if rates is None else int(rates.gpu),
+                    memory_used_bytes=None if memory is None else int(memory.used),
+                    memory_total_bytes=None if memory is None else int(memory.total),
+                    temperature_c=_nvml_or_none(
+                        pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
+                    ),
+                    power_watts=None if power_mw is None else power_mw / 1000,
+                    power_limit_watts=None if limit_mw is None else limit_mw / 1000,
+                )
+            )
+        return NvmlView(driver, tuple(readings), None)
+    except pynvml.NVMLError as exc:
+        return NvmlView(None, (), f"NVML query failed: {exc}")
+    finally:
+        pynvml.nvmlShutdown()
+
+
+# --------------------------------------------------------------------------------------
+# The full environment report
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU visible to torch, as ``cuda:index``.
+
+    ``native_formats`` are the reduced precisions its Tensor Cores run
+    (from the compute capability). ``torch_says_bf16`` is what
+    ``torch.cuda.is_bf16_supported()`` answers; it counts emulation as support,
+    so on a 7.x GPU it can say True although bf16 is slow there.
+    """
+
+    index: int
+    name: str
+    capability: tuple[int, int]
+    total_memory_bytes: int
+    free_memory_bytes: int
+    multiprocessor_count: int
+    native_formats: tuple[str, ...]
+    torch_says_bf16: bool
+    uuid: str
+    pycuda_attributes: dict[str, int] | None = None
+
+    @property
+    def bf16_emulated(self) -> bool:
+        """True when torch reports bf16 support that the hardware does not have natively."""
+        return self.torch_says_bf16 and "bf16" not in self.native_formats
+
+
+@dataclass(frozen=True)
+class EnvironmentReport:
+    """Everything about this machine that decides how (and whether) torch uses GPUs."""
+
+    python_version: str
+    platform: str
+    torch_version: str
+    cuda_build: str | None
+    cudnn_version: str | None
+    nccl_version: str | None
+    visible_devices_env: str | None
+    gpus: tuple[GpuInfo, ...]
+    nvml: NvmlView
+    pycuda_status: str
+    diagnosis: CudaDiagnosis
+    mode: str = field(default_factory=describe_mode)
+
+
+def _format_cudnn(version: int) -> str:
+    """cuDNN encodes its version as one int: 9.x as MMmmpp (92400), 8.x as Mmpp (8902)."""
+    if version >= 90000:
+        return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
+    return f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+
+
+def _cudnn_version() -> str | None:
+    if torch.version.cuda is None or not torch.backends.cudnn.is_available():
+        return None
+    version = torch.backends.cudnn.version()
+    return None if version is None else _format_cudnn(version)
+
+
+def _nccl_version() -> str | None:
+    if torch.version.cuda is None:
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        # Builds without NCCL (Windows, macOS) raise or lack the binding.
+        return None
+    return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
+
+
+def _pycuda_attributes(count: int) -> tuple[str, list[dict[str, int] | None]]:
+    """pycuda's raw device attributes per visible GPU, or a note on why there are none."""
+    try:
+        import pycuda.driver as pycuda_driver
+    except ImportError:
+        return (
+            "pycuda is not installed (optional: `pip install pycuda` or "
+            "`pip install 'd2lgpu[pycuda]'`; building it needs the CUDA toolkit)",
+            [None] * count,
+        )
+    if count == 0:
+        return "pycuda is installed; no GPU to query", []
+    try:
+        pycuda_driver.init()
+        attributes = []
+        for i in range(count):
+            raw = pycuda_driver.Device(i).get_attributes()
+            attributes.append({str(name): int(value) for name, value in raw.items()})
+    except pycuda_driver.Error as exc:
+        return f"pycuda is installed but cannot query the GPUs: {exc}", [None] * count
+    return "pycuda is installed", list(attributes)
+
+
+def environment_report() -> EnvironmentReport:
+    """Collect the :class:`EnvironmentReport` of this process.
+
+    On a GPU machine this initialises CUDA on every visible GPU (to read free
+    memory with ``torch.cuda.mem_get_info``), which costs a few hundred MiB of
+    GPU memory per GPU for the CUDA context.
+    """
+    count = num_gpus()
+    nvml = read_nvml()
+    pycuda_status, pycuda_attrs = _pycuda_attributes(count)
+    gpus = []
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        with torch.cuda.device(i):
+            torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
+        capability = (props.major, props.minor)
+        gpus.append(
+            GpuInfo(
+                index=i,
+                name=props.name,
+                capability=capability,
+                total_memory_bytes=int(total),
+                free_memory_bytes=int(free),
+                multiprocessor_count=props.multi_processor_count,
+                native_formats=tuple(native_tensor_core_formats(capability)),
+                torch_says_bf16=torch_says_bf16,
+                uuid=str(getattr(props, "uuid", "")),
+                pycuda_attributes=pycuda_attrs[i],
+            )
+        )
+    return EnvironmentReport(
+        python_version=sys.version.split()[0],
+        platform=platform.platform(),
+        torch_version=torch.__version__,
+        cuda_build=torch.version.cuda,
+        cudnn_version=_cudnn_version(),
+        nccl_version=_nccl_version(),
+        visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
+        gpus=tuple(gpus),
+        nvml=nvml,
+        pycuda_status=pycuda_status,
+        diagnosis=diagnose_this_machine(nvml),
+    )
+
+
+# pycuda exposes ~100 attributes; these are the ones the course talks about.
+_PYCUDA_SHOWN = (
+    "MAX_THREADS_PER_BLOCK",
+    "WARP_SIZE",
+    "MAX_SHARED_MEMORY_PER_BLOCK",
+    "L2_CACHE_SIZE",
+    "GLOBAL_MEMORY_BUS_WIDTH",
+    "ASYNC_ENGINE_COUNT",
+    "ECC_ENABLED",
+)
+
+
+def _or_na(value: object, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value}{unit}"
+
+
+def format_report(report: EnvironmentReport) -> str:
+    """The report as readable text (what ``python -m d2lgpu info`` prints)."""
+    lines = [
+        "== d2lgpu environment report ==",
+        f"python {report.python_version} on {report.platform}",
+        f"torch {report.torch_version}; built with CUDA {_or_na(report.cuda_build)}, "
+        f"cuDNN {_or_na(report.cudnn_version)}, NCCL {_or_na(report.nccl_version)}",
+        f"{VISIBLE_DEVICES_ENV}: "
+        + ("unset (all GPUs visible)" if report.visible_devices_env is None
+           else repr(report.visible_devices_env)),
+        report.mode,
+        "",
+        f"-- GPUs visible to torch: {len(report.gpus)} --",
+    ]
+    for gpu in report.gpus:
+        major, minor = gpu.capability
+        formats = ", ".join(gpu.native_formats) or "none (fp32 only)"
+        lines += [
+            f"cuda:{gpu.index}  {gpu.name}  (compute capability {major}.{minor}, "
+            f"{gpu.multiprocessor_count} SMs)",
+            f"  memory: {gpu.free_memory_bytes / _GIB:.2f} GiB free of "
+            f"{gpu.total_memory_bytes / _GIB:.2f} GiB",
+            f"  Tensor Core formats (native): {formats}",
+        ]
+        if gpu.bf16_emulated:
+            lines.append(
+                "  note: torch.cuda.is_bf16_supported() says True, but this GPU has no bf16 "
+                "Tensor Cores: bf16 runs emulated (correct, slow). Use fp16 with a GradScaler."
+            )
+        if gpu.pycuda_attributes:
+            shown = {k: v for k, v in gpu.pycuda_attributes.items() if k in _PYCUDA_SHOWN}
+            lines.append("  pycuda: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    if not report.gpus:
+        lines.append("(none)")
+    lines += ["", "-- NVML (the driver's live view, all physical GPUs) --"]
+    if report.nvml.error is not None:
+        lines.append(report.nvml.error)
+    else:
+        lines.append(f"driver {report.nvml.driver_version}, {len(report.nvml.gpus)} GPU(s)")
+        for r in report.nvml.gpus:
+            memory = (
+                "n/a" if r.memory_used_bytes is None or r.memory_total_bytes is None
+                else f"{r.memory_used_bytes / _GIB:.2f}/{r.memory_total_bytes / _GIB:.2f} GiB"
+            )
+            power = "n/a" if r.power_watts is None else f"{r.power_watts:.0f} W"
+            if r.power_watts is not None and r.power_limit_watts is not None:
+                power += f" of {r.power_limit_watts:.0f} W"
+            lines.append(
+                f"nvml:{r.index}  {r.name}  util {_or_na(r.utilization_percent, '%')}, "
+                f"memory used {memory}, {_or_na(r.temperature_c, ' C')}, power {power}"
+            )
+    lines += ["", "-- pycuda --", report.pycuda_status, "", "-- diagnosis --",
+              str(report.diagnosis)]
+    return "\n".join(lines)
+
+
+def print_report(report: EnvironmentReport | None = None) -> None:
+    """Print :func:`format_report` of ``report`` (by default, of this machine)."""
+    print(format_report(environment_report() if report is None else report))
+
+
+# --------------------------------------------------------------------------------------
+# GPU memory, as the caching allocator and the driver see it
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """A snapshot of one GPU's memory, in bytes.
+
+    ``allocated``: held by live tensors. ``reserved``: held by PyTorch's caching
+    allocator (allocated plus cached free blocks; older posts call it
+    ``memory_cached``). ``peak_allocated``: the most ``allocated`` reached since
+    the last ``reset_peak_memory_stats``. ``free``/``total``: the driver's
+    numbers for the whole GPU, which also count the CUDA context and other processes.
+    """
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    free: int
+    total: int
+
+    def __str__(self) -> str:
+        return (
+            f"allocated {self.allocated / _MIB:8.1f} MiB | reserved {self.reserved / _MIB:8.1f} MiB"
+            f" | peak {self.peak_allocated / _MIB:8.1f} MiB | driver: free "
+            f"{self.free / _MIB:8.0f} of {self.total / _MIB:.0f} MiB"
+        )
+
+
+def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
+    """Read :class:`GpuMemory` for a CUDA device; a clear error for a CPU device."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(
+            f"gpu_memory needs a CUDA device, got {device}: the CPU has no caching allocator "
+            "statistics. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
+        )
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= num_gpus():
+        raise RuntimeError(
+            f"{device} does not exist: this process sees {num_gpus()} GPU(s). "
+            "Run `python -m d2lgpu info` to see why."
+        )
+    free, total = torch.cuda.mem_get_info(device)
+    return GpuMemory(
+        allocated=torch.cuda.memory_allocated(device),
+        reserved=torch.cuda.memory_reserved(device),
+        peak_allocated=torch.cuda.max_memory_allocated(device),
+        free=int(free),
+        total=int(total),
+    )
