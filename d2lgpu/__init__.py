@@ -7,8 +7,28 @@ correctly), ``data``, ``models``, ``parallel``, ``training``, ``plotting``,
 ``distributed``.
 """
 
+from d2lgpu.benchmarking import (
+    Timing,
+    benchmark_autorange,
+    gbps,
+    measure_copy_bandwidth,
+    measure_host_to_device,
+    tflops,
+    time_fn,
+    time_naive,
+)
 from d2lgpu.config import data_root, describe_mode, pick, quick_mode
+from d2lgpu.data import (
+    FASHION_MNIST_LABELS,
+    QUICK_TEST_SIZE,
+    QUICK_TRAIN_SIZE,
+    fashion_mnist_tensors,
+    get_fashion_mnist_labels,
+    load_data_fashion_mnist,
+    synthetic_regression,
+)
 from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from d2lgpu.models import Residual, resnet18, small_cnn
 from d2lgpu.parallel import (
     allreduce,
     data_parallel_step,
@@ -16,6 +36,7 @@ from d2lgpu.parallel import (
     replicate_params,
     split_batch,
 )
+from d2lgpu.plotting import LivePlot, plot_history, plot_lines
 from d2lgpu.precision import PrecisionPolicy, native_tensor_core_formats, precision_policy
 from d2lgpu.report import (
     EnvironmentReport,
@@ -30,13 +51,22 @@ from d2lgpu.report import (
     read_nvml,
     setup_summary,
 )
+from d2lgpu.training import History, evaluate_accuracy, init_weights, set_seed, train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "EnvironmentReport",
+    "FASHION_MNIST_LABELS",
+    "History",
+    "LivePlot",
     "PrecisionPolicy",
+    "QUICK_TEST_SIZE",
+    "QUICK_TRAIN_SIZE",
+    "Residual",
+    "Timing",
     "allreduce",
+    "benchmark_autorange",
     "cpu",
     "data_parallel_step",
     "data_root",
@@ -44,22 +74,40 @@ __all__ = [
     "diagnose_cuda",
     "diagnose_this_machine",
     "environment_report",
+    "evaluate_accuracy",
+    "fashion_mnist_tensors",
     "format_report",
+    "gbps",
+    "get_fashion_mnist_labels",
     "gpu",
     "gpu_memory",
+    "init_weights",
+    "load_data_fashion_mnist",
     "max_abs_difference",
+    "measure_copy_bandwidth",
+    "measure_host_to_device",
     "native_tensor_core_formats",
     "num_gpus",
     "parse_cuda_visible_devices",
     "pick",
+    "plot_history",
+    "plot_lines",
     "precision_policy",
     "print_report",
     "print_setup",
     "quick_mode",
     "read_nvml",
     "replicate_params",
+    "resnet18",
+    "set_seed",
     "setup_summary",
+    "small_cnn",
     "split_batch",
+    "synthetic_regression",
+    "tflops",
+    "time_fn",
+    "time_naive",
+    "train",
     "try_all_gpus",
     "try_gpu",
 ]

@@ -1,0 +1,135 @@
+"""Plots for the course: a live plot that updates during training, and simple line plots.
+
+Everything draws with matplotlib on an explicit figure and axes (never pyplot's
+"current" ones), so plots do not leak into each other between cells.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+
+__all__ = ["LivePlot", "plot_history", "plot_lines"]
+
+
+class LivePlot:
+    """A line plot that grows point by point and redraws in place in a notebook.
+
+    The idea of d2l's ``Animator``: call :meth:`add` once per epoch with one value per
+    line. Inside Jupyter the figure is shown once and then updated through a display
+    handle; elsewhere it is only drawn, and can be saved from ``self.fig``.
+    """
+
+    def __init__(
+        self,
+        xlabel: str,
+        legend: Sequence[str],
+        ylabel: str | None = None,
+        xlim: tuple[float, float] | None = None,
+        ylim: tuple[float, float] | None = None,
+        title: str | None = None,
+        figsize: tuple[float, float] = (5.0, 3.2),
+    ) -> None:
+        if not legend:
+            raise ValueError("legend must name at least one line")
+        self.legend = list(legend)
+        self.xs: list[float] = []
+        self.ys: list[list[float]] = [[] for _ in self.legend]
+        self.fig, self.ax = plt.subplots(figsize=figsize)
+        self._labels = dict(xlabel=xlabel, ylabel=ylabel, xlim=xlim, ylim=ylim, title=title)
+        self._handle = None
+
+    def add(self, x: float, values: Sequence[float]) -> None:
+        """Append one point to every line and redraw."""
+        if len(values) != len(self.legend):
+            raise ValueError(f"got {len(values)} values for {len(self.legend)} lines {self.legend}")
+        self.xs.append(x)
+        for line, value in zip(self.ys, values, strict=True):
+            line.append(value)
+        self.ax.cla()
+        for name, line in zip(self.legend, self.ys, strict=True):
+            self.ax.plot(self.xs, line, marker="o" if len(self.xs) < 20 else None, label=name)
+        _label_axes(self.ax, **self._labels)
+        self.ax.legend()
+        self._show()
+
+    def _show(self) -> None:
+        try:
+            from IPython.display import display
+        except ImportError:
+            self.fig.canvas.draw_idle()
+            return
+        if self._handle is None:
+            self._handle = display(self.fig, display_id=True)
+        else:
+            self._handle.update(self.fig)
+
+    def close(self) -> None:
+        """Release the figure; the last drawing stays in the notebook output."""
+        plt.close(self.fig)
+
+
+def _label_axes(ax, xlabel=None, ylabel=None, xlim=None, ylim=None, title=None,
+                xscale="linear", yscale="linear") -> None:
+    ax.set_xscale(xscale)
+    ax.set_yscale(yscale)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    if xlim:
+        ax.set_xlim(*xlim)
+    if ylim:
+        ax.set_ylim(*ylim)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+
+
+def plot_lines(
+    x: Sequence[float],
+    ys: Sequence[float] | Sequence[Sequence[float]],
+    legend: Sequence[str] | None = None,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    xscale: str = "linear",
+    yscale: str = "linear",
+    title: str | None = None,
+    ax=None,
+):
+    """Plot one line (``ys`` a list of numbers) or several (a list of lists) against ``x``.
+
+    Returns the axes; pass ``ax`` to draw into an existing one (e.g. a subplot).
+    """
+    ys_list = list(ys)
+    if ys_list and not isinstance(ys_list[0], (Sequence,)) and not hasattr(ys_list[0], "__len__"):
+        ys_list = [ys_list]
+    for y in ys_list:
+        if len(y) != len(x):
+            raise ValueError(f"every line needs one y per x: got {len(y)} values for {len(x)} x")
+    if legend is not None and len(legend) != len(ys_list):
+        raise ValueError(f"legend has {len(legend)} names for {len(ys_list)} lines")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5.0, 3.2))
+    for i, y in enumerate(ys_list):
+        ax.plot(list(x), list(y), label=None if legend is None else legend[i])
+    _label_axes(ax, xlabel, ylabel, title=title, xscale=xscale, yscale=yscale)
+    if legend is not None:
+        ax.legend()
+    return ax
+
+
+def plot_history(history, ax=None, title: str | None = None):
+    """Train loss, train accuracy and test accuracy per epoch of a :class:`d2lgpu.History`."""
+    if not history.train_loss:
+        raise ValueError("the history has no epochs to plot")
+    epochs = list(range(1, len(history.train_loss) + 1))
+    return plot_lines(
+        epochs,
+        [history.train_loss, history.train_acc, history.test_acc],
+        legend=["train loss", "train acc", "test acc"],
+        xlabel="epoch",
+        title=title or history.device,
+        ax=ax,
+    )
