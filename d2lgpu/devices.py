@@ -9,6 +9,8 @@ it lets code written for "a list of devices" run unchanged everywhere.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 __all__ = ["cpu", "gpu", "num_gpus", "try_gpu", "try_all_gpus"]
@@ -16,11 +18,21 @@ __all__ = ["cpu", "gpu", "num_gpus", "try_gpu", "try_all_gpus"]
 
 def _check_index(i: object) -> int:
     # bool is a subclass of int; gpu(True) is almost certainly a mistake.
-    if isinstance(i, bool) or not isinstance(i, int):
-        raise TypeError(f"a GPU index must be an int, got {type(i).__name__} {i!r}")
-    if i < 0:
-        raise ValueError(f"a GPU index must be 0 or more, got {i}; GPUs are numbered 0, 1, ...")
-    return i
+    if isinstance(i, bool):
+        raise TypeError(f"a GPU index must be an int, got bool {i!r}")
+    try:
+        # operator.index accepts int-like values (e.g. numpy integers), not floats or strings.
+        index = operator.index(i)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"a GPU index must be an int, got {type(i).__name__} {i!r}"
+            + (f"; write {int(i)} instead" if isinstance(i, str) and i.strip().isdigit() else "")
+        ) from None
+    if index < 0:
+        raise ValueError(
+            f"a GPU index must be 0 or more, got {index}; GPUs are numbered 0, 1, ..."
+        )
+    return index
 
 
 def cpu() -> torch.device:

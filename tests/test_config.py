@@ -1,0 +1,83 @@
+"""Tests of d2lgpu.config: quick mode, pick, the data root and the mode line."""
+
+from pathlib import Path
+
+import pytest
+
+from d2lgpu import config
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", " on "])
+def test_quick_mode_on(monkeypatch, value):
+    monkeypatch.setenv("D2LGPU_QUICK", value)
+    assert config.quick_mode() is True
+
+
+@pytest.mark.parametrize("value", ["0", "", "false", "No", "off"])
+def test_quick_mode_off(monkeypatch, value):
+    monkeypatch.setenv("D2LGPU_QUICK", value)
+    assert config.quick_mode() is False
+
+
+def test_quick_mode_unset_means_full(monkeypatch):
+    monkeypatch.delenv("D2LGPU_QUICK", raising=False)
+    assert config.quick_mode() is False
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "quick"])
+def test_quick_mode_rejects_unknown_values(monkeypatch, value):
+    monkeypatch.setenv("D2LGPU_QUICK", value)
+    with pytest.raises(ValueError, match="D2LGPU_QUICK") as excinfo:
+        config.quick_mode()
+    # The message shows the bad value and how to fix it.
+    assert repr(value) in str(excinfo.value)
+    assert "set it to 1" in str(excinfo.value)
+
+
+def test_pick_follows_quick_mode(monkeypatch):
+    monkeypatch.setenv("D2LGPU_QUICK", "1")
+    assert config.pick(full=10, quick=1) == 1
+    monkeypatch.setenv("D2LGPU_QUICK", "0")
+    assert config.pick(full=10, quick=1) == 10
+
+
+def test_pick_propagates_bad_quick_value(monkeypatch):
+    monkeypatch.setenv("D2LGPU_QUICK", "maybe")
+    with pytest.raises(ValueError, match="D2LGPU_QUICK"):
+        config.pick(full=10, quick=1)
+
+
+def test_data_root_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("D2LGPU_DATA", str(tmp_path))
+    assert config.data_root() == tmp_path
+
+
+def test_data_root_expands_user(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("D2LGPU_DATA", "~/datasets")
+    assert config.data_root() == tmp_path / "datasets"
+
+
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_data_root_defaults_to_cache(monkeypatch, tmp_path, value):
+    if value is None:
+        monkeypatch.delenv("D2LGPU_DATA", raising=False)
+    else:
+        monkeypatch.setenv("D2LGPU_DATA", value)
+    monkeypatch.setattr(config, "default_cache_dir", lambda: tmp_path / "cache")
+    assert config.data_root() == tmp_path / "cache" / "data"
+
+
+def test_default_cache_dir_honours_xdg_on_linux(monkeypatch, tmp_path):
+    monkeypatch.setattr(config.sys, "platform", "linux")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert config.default_cache_dir() == tmp_path / "d2lgpu"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert config.default_cache_dir() == Path.home() / ".cache" / "d2lgpu"
+
+
+def test_describe_mode_names_the_mode(monkeypatch):
+    monkeypatch.setenv("D2LGPU_QUICK", "1")
+    assert config.describe_mode().startswith("quick mode")
+    monkeypatch.setenv("D2LGPU_QUICK", "0")
+    assert config.describe_mode().startswith("full mode")
