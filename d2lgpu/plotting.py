@@ -10,7 +10,17 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 
-__all__ = ["LivePlot", "plot_history", "plot_lines"]
+__all__ = ["LivePlot", "in_notebook", "plot_history", "plot_lines"]
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel, where figures can be displayed and updated."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
 
 
 class LivePlot:
@@ -55,11 +65,12 @@ class LivePlot:
         self._show()
 
     def _show(self) -> None:
-        try:
-            from IPython.display import display
-        except ImportError:
+        if not in_notebook():
+            # In a script or a test there is nowhere to display it; keep it drawn.
             self.fig.canvas.draw_idle()
             return
+        from IPython.display import display
+
         if self._handle is None:
             self._handle = display(self.fig, display_id=True)
         else:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from d2lgpu.devices import try_all_gpus
+from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
 __all__ = [
@@ -228,16 +229,6 @@ def train_epoch(
     return loss_sum.item() / count, correct.item() / count, count
 
 
-def _in_notebook() -> bool:
-    """True inside a Jupyter kernel (where a live plot can be displayed)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
-
-
 def _warmup_scheduler(
     optimizer: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int | None
 ) -> torch.optim.lr_scheduler.LambdaLR | None:
@@ -312,9 +303,7 @@ def train(
 
     history = History(device=", ".join(str(d) for d in devices))
     live = None
-    if plot or (plot is None and _in_notebook()):
-        from d2lgpu.plotting import LivePlot
-
+    if plot or (plot is None and in_notebook()):
         live = LivePlot(
             xlabel="epoch", legend=["train loss", "train acc", "test acc"], xlim=(1, num_epochs)
         )
