@@ -1,0 +1,511 @@
+"""Timing GPU work correctly, and turning times into bandwidth and FLOP rates.
+
+CUDA runs asynchronously: a call such as ``a * b`` on GPU tensors *queues* a
+kernel and returns to Python at once. A stopwatch read right after the call
+measures how long it took to queue the work, not to do it. Every timer here
+therefore waits for the device (``torch.cuda.synchronize``) before it starts
+the clock and again before it stops it, and repeats the measurement so that a
+median and a spread can be reported. :func:`time_naive` leaves out the second
+wait on purpose, so that chapter 2 can show what goes wrong.
+
+On the CPU, PyTorch ops run synchronously, so the plain wall clock
+(``time.perf_counter``) is already correct and both timers agree.
+
+The helpers further down are the measurements the course quotes: the copy
+bandwidth of a device (the practical ceiling for memory-bound work), the
+multiply-add benchmark of chapter 2, and host-to-device transfer rates from
+pageable and pinned memory.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ElementwiseRow",
+    "Timing",
+    "TransferRow",
+    "FUSED_TENSOR_PASSES",
+    "UNFUSED_TENSOR_PASSES",
+    "benchmark_autorange",
+    "compile_or_reason",
+    "format_seconds",
+    "format_table",
+    "gbps",
+    "measure_copy_bandwidth",
+    "measure_host_to_device",
+    "multiply_add_benchmark",
+    "multiply_add_bytes",
+    "multiply_add_fused",
+    "multiply_add_unfused",
+    "resolve_device",
+    "run_multiply_add",
+    "tflops",
+    "time_fn",
+    "time_naive",
+]
+
+DeviceLike = torch.device | str | int | None
+
+
+# --------------------------------------------------------------------------- #
+# Results
+# --------------------------------------------------------------------------- #
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration with a readable unit: ``'3.20 ms'``, ``'41.0 us'``, ``'1.50 s'``."""
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    if seconds >= 1e-6:
+        return f"{seconds * 1e6:.1f} us"
+    return f"{seconds * 1e9:.0f} ns"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Repeated measurements of one piece of work, in seconds.
+
+    Report the median (robust to the odd slow run caused by another process)
+    with the interquartile range as the spread; ``min`` is the best case.
+    """
+
+    times: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        times = tuple(float(t) for t in self.times)
+        if not times:
+            raise ValueError("a Timing needs at least one measurement; got an empty list")
+        if any(not math.isfinite(t) or t < 0 for t in times):
+            raise ValueError(f"times must be finite and non-negative seconds, got {times}")
+        object.__setattr__(self, "times", times)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def max(self) -> float:
+        return max(self.times)
+
+    @property
+    def iqr(self) -> float:
+        """Interquartile range (75th minus 25th percentile, linear interpolation)."""
+        if len(self.times) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.times, n=4, method="inclusive")
+        return q3 - q1
+
+    def __str__(self) -> str:
+        return (
+            f"median {format_seconds(self.median)} "
+            f"(IQR {format_seconds(self.iqr)}, {len(self.times)} runs)"
+        )
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Bandwidth in GB/s (10**9 bytes per second, the unit of GPU spec sheets)."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"seconds must be a positive finite duration, got {seconds!r}")
+    if not (math.isfinite(nbytes) and nbytes >= 0):
+        raise ValueError(f"nbytes must be a non-negative finite byte count, got {nbytes!r}")
+    return nbytes / seconds / 1e9
+
+
+def tflops(flops: float, seconds: float) -> float:
+    """Throughput in TFLOP/s (10**12 floating-point operations per second)."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"seconds must be a positive finite duration, got {seconds!r}")
+    if not (math.isfinite(flops) and flops >= 0):
+        raise ValueError(f"flops must be a non-negative finite count, got {flops!r}")
+    return flops / seconds / 1e12
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Plain-text table with right-aligned columns (floats shown with 3 significant digits)."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+        return str(value)
+
+    text = [[str(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(line[i]) for line in text) for i in range(len(headers))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in text]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- #
+# Devices and synchronisation
+# --------------------------------------------------------------------------- #
+
+
+def resolve_device(device: DeviceLike) -> torch.device | None:
+    """Turn a device spelling into a ``torch.device`` that exists here, or fail clearly.
+
+    ``None`` stays ``None`` (meaning: whatever the timed function uses). An int
+    means a CUDA GPU, as in ``tensor.to(0)``. A bare ``'cuda'`` is resolved to
+    the *current* CUDA device, which is what PyTorch does with it.
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, a string or a GPU index, got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"{device!r} is not a device name PyTorch understands; "
+            "use 'cpu', 'cuda', 'cuda:0' or torch.device('cuda', 0)"
+        ) from err
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise RuntimeError(
+                f"{dev} was asked for, but this process sees no CUDA GPU; "
+                "use d2lgpu.try_gpu() to fall back to the CPU, "
+                "or run `python -m d2lgpu info` to see why CUDA is missing"
+            )
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= count:
+            raise RuntimeError(
+                f"{dev} does not exist: this process sees {count} GPU(s), numbered 0 to {count - 1}"
+            )
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise RuntimeError("'mps' was asked for, but Apple's MPS backend is not available")
+        return dev
+    raise ValueError(
+        f"cannot time work on a {dev.type!r} device: only 'cpu', 'cuda' and 'mps' are supported"
+    )
+
+
+def _synchronize(device: torch.device | None) -> None:
+    """Wait until all work queued on ``device`` has finished.
+
+    With ``device=None`` every visible CUDA GPU is waited for (when CUDA has
+    been used in this process), so that a timer without a device is never
+    silently wrong about GPU work.
+    """
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(i)
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int of at least 1, got {repeats!r}; try repeats=10")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int of 0 or more, got {warmup!r}; try warmup=2")
+
+
+# --------------------------------------------------------------------------- #
+# Timers
+# --------------------------------------------------------------------------- #
+
+
+def time_fn(
+    fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
+) -> Timing:
+    """Time ``fn()`` correctly: ``warmup`` untimed calls, then ``repeats`` timed ones.
+
+    Warm-up calls absorb one-off costs (CUDA context creation, kernel selection,
+    the caching allocator growing, ``torch.compile``). Each timed call is
+    bracketed by a synchronisation of ``device``, so the time includes the work
+    the call queued on the GPU, not just the Python call that queued it. On the
+    CPU this is the plain wall clock. ``device=None`` waits for every GPU this
+    process has used.
+    """
+    _check_counts(warmup, repeats)
+    dev = resolve_device(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _synchronize(dev)
+        start = time.perf_counter()
+        fn()
+        _synchronize(dev)
+        times.append(time.perf_counter() - start)
+    return Timing(tuple(times))
+
+
+def time_naive(
+    fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
+) -> Timing:
+    """The WRONG way to time GPU work, kept to show what goes wrong.
+
+    Like :func:`time_fn` (the device is idle when the clock starts) but the
+    clock stops as soon as ``fn()`` returns, without waiting for the GPU. For
+    GPU work that is the time to *queue* the kernels, often a tiny fraction of
+    the time to run them. On the CPU it agrees with :func:`time_fn`.
+    """
+    _check_counts(warmup, repeats)
+    dev = resolve_device(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _synchronize(dev)  # start from an idle device so earlier work does not leak in
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)  # no synchronisation: the mistake
+    _synchronize(dev)
+    return Timing(tuple(times))
+
+
+def benchmark_autorange(fn: Callable[[], object], *, min_run_time: float = 0.2) -> Timing:
+    """Time ``fn()`` with ``torch.utils.benchmark.Timer.blocked_autorange``.
+
+    PyTorch's own timer picks how many calls to put in each block so that the
+    clock's resolution does not matter, and synchronises the accelerator
+    around each block. Each entry of the returned ``times`` is the per-call
+    average of one block. Use it for very short operations; :func:`time_fn` is
+    simpler to reason about for long ones.
+    """
+    if not (math.isfinite(min_run_time) and min_run_time > 0):
+        raise ValueError(f"min_run_time must be a positive number of seconds, got {min_run_time}")
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    return Timing(tuple(measurement.times))
+
+
+# --------------------------------------------------------------------------- #
+# Copy bandwidth: the ceiling for memory-bound work
+# --------------------------------------------------------------------------- #
+
+
+def measure_copy_bandwidth(
+    device: DeviceLike, nbytes: int | None = None, *, warmup: int = 2, repeats: int = 10
+) -> float:
+    """Measured peak copy bandwidth of ``device``'s memory, in GB/s.
+
+    Copies a buffer of ``nbytes`` bytes into another buffer on the same device
+    (``dst.copy_(src)``) and counts the bytes read *plus* the bytes written,
+    ``2 * nbytes`` per copy, because both cross the memory bus. The best of
+    ``repeats`` runs is used: this is the practical ceiling that memory-bound
+    kernels are compared with (spec-sheet numbers are never reached).
+
+    ``nbytes`` defaults to 256 MiB on a GPU and 64 MiB on the CPU, both well
+    beyond the caches, so that memory and not cache is measured.
+    """
+    dev = resolve_device(device)
+    if dev is None:
+        raise ValueError("measure_copy_bandwidth needs a device, e.g. 'cpu' or 'cuda:0'")
+    if nbytes is None:
+        nbytes = 256 * 2**20 if dev.type != "cpu" else 64 * 2**20
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
+        raise ValueError(f"nbytes must be an int of at least 4 bytes, got {nbytes!r}")
+    numel = nbytes // 4
+    src = torch.ones(numel, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    timing = time_fn(lambda: dst.copy_(src), dev, warmup=warmup, repeats=repeats)
+    return gbps(2 * numel * 4, timing.min)
+
+
+# --------------------------------------------------------------------------- #
+# The multiply-add benchmark of chapter 2
+# --------------------------------------------------------------------------- #
+
+# Tensor-sized memory passes per step of `result = result + a * b`:
+# a * b reads 2 and writes 1 temporary, then + reads 2 and writes 1.
+UNFUSED_TENSOR_PASSES = 6
+# A fused kernel (result.addcmul_(a, b), or torch.compile) reads 3 and writes 1.
+FUSED_TENSOR_PASSES = 4
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def multiply_add_unfused(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One step ``result + a * b`` as written: two kernels and a temporary."""
+    return result + a * b
+
+
+def multiply_add_fused(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The same step as one in-place kernel, ``result += a * b`` (``addcmul_``)."""
+    return result.addcmul_(a, b)
+
+
+def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int) -> torch.Tensor:
+    """Start from zeros and apply ``result = step(result, a, b)`` ``steps`` times."""
+    result = torch.zeros_like(a)
+    for _ in range(steps):
+        result = step(result, a, b)
+    return result
+
+
+def multiply_add_bytes(numel: int, element_size: int, steps: int, tensor_passes: int) -> int:
+    """Bytes moved by ``steps`` multiply-add steps over tensors of ``numel`` elements."""
+    return tensor_passes * numel * element_size * steps
+
+
+@dataclass(frozen=True)
+class ElementwiseRow:
+    """One point of the multiply-add benchmark."""
+
+    device: str
+    variant: str
+    numel: int
+    steps: int
+    seconds: float  # median time of the whole loop of `steps` steps
+    gbps: float  # achieved bandwidth, counting tensor_passes tensor-sizes per step
+    share_of_copy_peak: float  # gbps / measured copy bandwidth of the device
+
+
+def multiply_add_benchmark(
+    device: DeviceLike,
+    numel: int,
+    *,
+    steps: int,
+    step: StepFn,
+    tensor_passes: int,
+    copy_gbps: float,
+    variant: str,
+    warmup: int = 1,
+    repeats: int = 5,
+    seed: int = 0,
+) -> ElementwiseRow:
+    """Time ``steps`` multiply-add steps on float32 tensors of ``numel`` elements.
+
+    The tensors are created directly on ``device`` (no copy), the loop is
+    timed with :func:`time_fn`, and the achieved bandwidth is reported with
+    ``tensor_passes`` tensor-sized reads and writes per step (6 unfused, 4
+    fused) as a share of ``copy_gbps``, the device's measured copy bandwidth.
+    """
+    dev = resolve_device(device)
+    if dev is None:
+        raise ValueError("multiply_add_benchmark needs a device, e.g. 'cpu' or 'cuda:0'")
+    if numel < 1 or steps < 1:
+        raise ValueError(f"numel and steps must be at least 1, got numel={numel}, steps={steps}")
+    if not copy_gbps > 0:
+        raise ValueError(
+            f"copy_gbps must be positive (measure it with measure_copy_bandwidth), got {copy_gbps}"
+        )
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    a = torch.randn(numel, device=dev, generator=generator)
+    b = torch.randn(numel, device=dev, generator=generator)
+    timing = time_fn(
+        lambda: run_multiply_add(step, a, b, steps), dev, warmup=warmup, repeats=repeats
+    )
+    moved = multiply_add_bytes(numel, a.element_size(), steps, tensor_passes)
+    achieved = gbps(moved, timing.median)
+    return ElementwiseRow(
+        device=str(dev),
+        variant=variant,
+        numel=numel,
+        steps=steps,
+        seconds=timing.median,
+        gbps=achieved,
+        share_of_copy_peak=achieved / copy_gbps,
+    )
+
+
+def compile_or_reason(
+    step: StepFn, device: DeviceLike, *, backend: str = "inductor"
+) -> tuple[StepFn | None, str]:
+    """``torch.compile(step, backend=backend)`` if it works on ``device`` here, else why not.
+
+    Compilation is lazy, so the compiled function is run once on a small input
+    and checked against the eager one; any failure (no C++ compiler for the
+    CPU backend, no Triton for the GPU one, an unsupported Python) is turned
+    into a one-line reason for the notebook to print instead of an error.
+    """
+    dev = resolve_device(device)
+    try:
+        compiled = torch.compile(step, backend=backend)
+        a = torch.randn(1024, device=dev)
+        b = torch.randn(1024, device=dev)
+        got = compiled(torch.zeros_like(a), a, b)
+        expected = step(torch.zeros_like(a), a, b)
+        if not torch.allclose(got, expected):
+            return None, "torch.compile ran but its result differs from eager mode"
+    except Exception as err:  # any failure means "not usable here"; the reason is shown
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return None, f"torch.compile is not usable here: {type(err).__name__}: {first_line}"
+    return compiled, f"torch.compile (backend={backend!r}) works here"
+
+
+# --------------------------------------------------------------------------- #
+# Host-to-device transfers
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class TransferRow:
+    """Host-to-device copy of ``nbytes`` bytes from pageable and from pinned memory."""
+
+    nbytes: int
+    pageable_gbps: float
+    pinned_gbps: float
+    pinned_seconds: float  # median time until a pinned copy has finished
+    non_blocking_call_seconds: float  # median time until .to(non_blocking=True) returned
+
+
+def measure_host_to_device(
+    device: DeviceLike, sizes: Sequence[int], *, warmup: int = 2, repeats: int = 10
+) -> list[TransferRow]:
+    """Host-to-device bandwidth for each byte count in ``sizes``.
+
+    Pageable memory is ordinary host memory: the driver first copies it into
+    a pinned staging buffer, then DMA-transfers it. Pinned (page-locked)
+    memory is transferred directly, which is faster, and only from pinned
+    memory does ``non_blocking=True`` return before the copy is done (the
+    last column: the host is free to queue more work meanwhile).
+    """
+    dev = resolve_device(device)
+    if dev is None or dev.type != "cuda":
+        raise RuntimeError(
+            f"host-to-device transfers are measured on a CUDA GPU, got {dev}; "
+            "there is no host-to-device link to measure on the CPU"
+        )
+    rows = []
+    for nbytes in sizes:
+        if nbytes < 1:
+            raise ValueError(f"sizes must be positive byte counts, got {nbytes}")
+        pageable = torch.ones(nbytes, dtype=torch.uint8)
+        pinned = pageable.pin_memory()
+        pageable_t = time_fn(partial(pageable.to, dev), dev, warmup=warmup, repeats=repeats)
+        pinned_t = time_fn(partial(pinned.to, dev), dev, warmup=warmup, repeats=repeats)
+        call_t = time_naive(
+            partial(pinned.to, dev, non_blocking=True), dev, warmup=warmup, repeats=repeats
+        )
+        rows.append(
+            TransferRow(
+                nbytes=nbytes,
+                pageable_gbps=gbps(nbytes, pageable_t.median),
+                pinned_gbps=gbps(nbytes, pinned_t.median),
+                pinned_seconds=pinned_t.median,
+                non_blocking_call_seconds=call_t.median,
+            )
+        )
+    return rows

@@ -1,0 +1,315 @@
+"""Tests of the timers, the rate arithmetic and the chapter-2 measurements."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from d2lgpu import benchmarking as bm
+
+# ----------------------------------------------------------------------------- Timing
+
+
+def test_timing_statistics_match_an_independent_computation() -> None:
+    times = [0.5, 0.1, 0.4, 0.2, 0.3, 0.9]
+    timing = bm.Timing(tuple(times))
+    as_tensor = torch.tensor(times, dtype=torch.float64)
+    # torch.quantile interpolates linearly, the definition Timing documents.
+    expected_iqr = (torch.quantile(as_tensor, 0.75) - torch.quantile(as_tensor, 0.25)).item()
+    assert timing.median == pytest.approx((0.3 + 0.4) / 2)  # even count: mean of the middle two
+    assert timing.mean == pytest.approx(sum(times) / len(times))
+    assert timing.min == 0.1 and timing.max == 0.9
+    assert timing.iqr == pytest.approx(expected_iqr)
+
+
+def test_timing_of_known_list() -> None:
+    # Sorted 1..5: the quartiles sit exactly on 2 and 4.
+    timing = bm.Timing((5.0, 1.0, 4.0, 2.0, 3.0))
+    assert timing.median == 3.0
+    assert timing.iqr == pytest.approx(2.0)
+
+
+def test_timing_single_measurement_has_no_spread() -> None:
+    assert bm.Timing((0.25,)).iqr == 0.0
+
+
+@pytest.mark.parametrize("bad", [(), (-1.0,), (float("nan"),), (float("inf"), 1.0)])
+def test_timing_rejects_impossible_times(bad: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError):
+        bm.Timing(bad)
+
+
+def test_timing_str_names_median_and_runs() -> None:
+    text = str(bm.Timing((0.002, 0.002, 0.002)))
+    assert text.startswith("median 2.00 ms") and "3 runs" in text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(1.5, "1.50 s"), (0.0032, "3.20 ms"), (41e-6, "41.0 us"), (5e-9, "5 ns")],
+)
+def test_format_seconds_picks_a_readable_unit(seconds: float, text: str) -> None:
+    assert bm.format_seconds(seconds) == text
+
+
+# ----------------------------------------------------------------------------- rates
+
+
+def test_gbps_and_tflops_arithmetic() -> None:
+    assert bm.gbps(2e9, 2.0) == pytest.approx(1.0)
+    assert bm.gbps(0, 1.0) == 0.0
+    assert bm.tflops(3e12, 1.5) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan"), float("inf")])
+def test_rates_reject_non_positive_durations(seconds: float) -> None:
+    with pytest.raises(ValueError, match="seconds"):
+        bm.gbps(1e9, seconds)
+    with pytest.raises(ValueError, match="seconds"):
+        bm.tflops(1e12, seconds)
+
+
+def test_rates_reject_negative_amounts() -> None:
+    with pytest.raises(ValueError, match="nbytes"):
+        bm.gbps(-1, 1.0)
+    with pytest.raises(ValueError, match="flops"):
+        bm.tflops(-1, 1.0)
+
+
+def test_format_table_aligns_columns() -> None:
+    text = bm.format_table(["size", "GB/s"], [[1024, 1.23456], [4, 100.0]])
+    lines = text.splitlines()
+    assert lines[0].split() == ["size", "GB/s"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    assert lines[2].split() == ["1024", "1.23"]
+    assert len({len(line) for line in lines}) == 1  # every line equally wide
+
+
+# ----------------------------------------------------------------------------- timers
+
+
+class CallCounter:
+    """A callable that records how often it was called and sleeps a little."""
+
+    def __init__(self, sleep: float = 0.0) -> None:
+        self.calls = 0
+        self.sleep = sleep
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.sleep:
+            time.sleep(self.sleep)
+
+
+@pytest.mark.parametrize("timer", [bm.time_fn, bm.time_naive])
+def test_timers_call_fn_warmup_plus_repeats_times(timer) -> None:
+    fn = CallCounter()
+    timing = timer(fn, "cpu", warmup=3, repeats=7)
+    assert fn.calls == 10
+    assert len(timing.times) == 7
+
+
+@pytest.mark.parametrize("timer", [bm.time_fn, bm.time_naive])
+def test_timers_measure_at_least_the_work_on_cpu(timer) -> None:
+    # time.sleep sleeps at least as long as asked, so no run can be shorter.
+    timing = timer(CallCounter(sleep=0.005), None, warmup=0, repeats=3)
+    assert timing.min >= 0.005
+
+
+@pytest.mark.parametrize("timer", [bm.time_fn, bm.time_naive])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"repeats": 0}, "repeats"),
+        ({"repeats": -3}, "repeats"),
+        ({"repeats": 2.5}, "repeats"),
+        ({"repeats": True}, "repeats"),
+        ({"warmup": -1}, "warmup"),
+    ],
+)
+def test_timers_reject_bad_counts(timer, kwargs: dict, match: str) -> None:
+    fn = CallCounter()
+    with pytest.raises(ValueError, match=match):
+        timer(fn, "cpu", **kwargs)
+    assert fn.calls == 0  # rejected before doing any work
+
+
+def test_missing_gpu_is_a_clear_error() -> None:
+    # cuda:7 does not exist here: either there is no CUDA at all, or fewer GPUs.
+    with pytest.raises(RuntimeError, match="no CUDA GPU|does not exist"):
+        bm.time_fn(CallCounter(), "cuda:7")
+
+
+# The ids avoid the bare word "gpu", which the GPU-marker hook would take for a marker.
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cpu:-"], ids=["word", "index", "sign"])
+def test_malformed_device_string_is_a_clear_error(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a device name"):
+        bm.resolve_device(bad)
+
+
+def test_devices_that_do_no_work_are_rejected() -> None:
+    with pytest.raises(ValueError, match="meta"):
+        bm.resolve_device("meta")
+    with pytest.raises(TypeError):
+        bm.resolve_device(True)
+
+
+def test_resolve_device_keeps_cpu_and_none() -> None:
+    assert bm.resolve_device("cpu") == torch.device("cpu")
+    assert bm.resolve_device(torch.device("cpu")) == torch.device("cpu")
+    assert bm.resolve_device(None) is None
+
+
+def test_benchmark_autorange_returns_per_call_times() -> None:
+    timing = bm.benchmark_autorange(lambda: torch.ones(64).sum(), min_run_time=0.01)
+    assert len(timing.times) >= 1 and timing.min > 0
+    with pytest.raises(ValueError, match="min_run_time"):
+        bm.benchmark_autorange(lambda: None, min_run_time=0)
+
+
+# ----------------------------------------------------------------------------- bandwidth
+
+
+class ByteCounter(TorchDispatchMode):
+    """Adds up the bytes every aten op reads (tensor inputs) and writes (tensor outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+        self.written = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors_in = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors_out = out if isinstance(out, tuple | list) else [out]
+        self.read += sum(t.numel() * t.element_size() for t in tensors_in)
+        self.written += sum(
+            t.numel() * t.element_size() for t in tensors_out if isinstance(t, torch.Tensor)
+        )
+        return out
+
+
+@pytest.mark.parametrize(
+    ("step", "passes"),
+    [
+        (bm.multiply_add_unfused, bm.UNFUSED_TENSOR_PASSES),
+        (bm.multiply_add_fused, bm.FUSED_TENSOR_PASSES),
+    ],
+)
+def test_tensor_passes_match_what_the_ops_touch(step, passes: int) -> None:
+    numel, steps = 1000, 3
+    a, b = torch.randn(numel), torch.randn(numel)
+    result = torch.zeros(numel)
+    counter = ByteCounter()
+    with counter:
+        for _ in range(steps):
+            result = step(result, a, b)
+    assert counter.read + counter.written == bm.multiply_add_bytes(numel, 4, steps, passes)
+    assert bm.multiply_add_bytes(numel, 4, steps, passes) == passes * numel * 4 * steps
+
+
+@pytest.mark.parametrize("step", [bm.multiply_add_unfused, bm.multiply_add_fused])
+def test_multiply_add_loop_computes_steps_times_a_times_b(step) -> None:
+    a, b = torch.randn(100), torch.randn(100)
+    result = bm.run_multiply_add(step, a, b, steps=5)
+    torch.testing.assert_close(result, 5 * a * b)
+
+
+def test_multiply_add_benchmark_row_is_self_consistent() -> None:
+    row = bm.multiply_add_benchmark(
+        "cpu",
+        4096,
+        steps=3,
+        step=bm.multiply_add_fused,
+        tensor_passes=bm.FUSED_TENSOR_PASSES,
+        copy_gbps=10.0,
+        variant="fused",
+        repeats=2,
+    )
+    assert (row.device, row.variant, row.numel, row.steps) == ("cpu", "fused", 4096, 3)
+    assert row.gbps == pytest.approx(4 * 4096 * 4 * 3 / row.seconds / 1e9)
+    assert row.share_of_copy_peak == pytest.approx(row.gbps / 10.0)
+
+
+def test_multiply_add_benchmark_rejects_bad_input() -> None:
+    common = dict(step=bm.multiply_add_fused, tensor_passes=4, variant="fused")
+    with pytest.raises(ValueError, match="copy_gbps"):
+        bm.multiply_add_benchmark("cpu", 16, steps=1, copy_gbps=0.0, **common)
+    with pytest.raises(ValueError, match="numel"):
+        bm.multiply_add_benchmark("cpu", 0, steps=1, copy_gbps=1.0, **common)
+
+
+def test_copy_bandwidth_on_cpu_is_a_positive_rate() -> None:
+    rate = bm.measure_copy_bandwidth("cpu", 2**20, warmup=1, repeats=3)
+    assert math.isfinite(rate) and rate > 0
+
+
+def test_copy_bandwidth_rejects_bad_sizes_and_no_device() -> None:
+    with pytest.raises(ValueError, match="nbytes"):
+        bm.measure_copy_bandwidth("cpu", 2)
+    with pytest.raises(ValueError, match="needs a device"):
+        bm.measure_copy_bandwidth(None)
+
+
+def test_host_to_device_needs_a_gpu() -> None:
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        bm.measure_host_to_device("cpu", [1024])
+
+
+def test_compile_or_reason_returns_a_working_function() -> None:
+    # The eager backend exercises torch.compile's wrapping without a C++ compiler.
+    compiled, reason = bm.compile_or_reason(bm.multiply_add_unfused, "cpu", backend="eager")
+    assert compiled is not None and "works" in reason
+    a, b = torch.randn(8), torch.randn(8)
+    torch.testing.assert_close(compiled(torch.zeros(8), a, b), a * b)
+
+
+def test_compile_or_reason_explains_a_failure() -> None:
+    compiled, reason = bm.compile_or_reason(bm.multiply_add_unfused, "cpu", backend="no_such")
+    assert compiled is None
+    assert reason.startswith("torch.compile is not usable here:") and "no_such" in reason
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_synchronised_timer_sees_gpu_work_the_naive_one_misses() -> None:
+    device = torch.device("cuda", 0)
+    # _sleep spins the GPU for a number of clock cycles: 50M cycles are well over
+    # 10 ms at any GPU clock, while queueing the kernel takes microseconds.
+    synced = bm.time_fn(lambda: torch.cuda._sleep(50_000_000), device, warmup=1, repeats=3)
+    naive = bm.time_naive(lambda: torch.cuda._sleep(50_000_000), device, warmup=1, repeats=3)
+    assert synced.min > 0.01
+    assert synced.median > naive.median
+
+
+@pytest.mark.gpu
+def test_bare_cuda_resolves_to_the_current_gpu() -> None:
+    assert bm.resolve_device("cuda") == torch.device("cuda", torch.cuda.current_device())
+    assert bm.resolve_device(0) == torch.device("cuda", 0)
+
+
+@pytest.mark.gpu
+def test_gpu_copy_bandwidth_is_positive() -> None:
+    rate = bm.measure_copy_bandwidth("cuda:0", 2**24, warmup=1, repeats=3)
+    assert math.isfinite(rate) and rate > 0
+
+
+@pytest.mark.gpu
+def test_gpu_multiply_add_matches_the_cpu() -> None:
+    a, b = torch.randn(1000), torch.randn(1000)
+    on_gpu = bm.run_multiply_add(bm.multiply_add_fused, a.cuda(), b.cuda(), steps=4)
+    torch.testing.assert_close(on_gpu.cpu(), 4 * a * b)
+
+
+@pytest.mark.gpu
+def test_host_to_device_rows_cover_every_size() -> None:
+    rows = bm.measure_host_to_device("cuda:0", [2**16, 2**20], warmup=1, repeats=2)
+    assert [r.nbytes for r in rows] == [2**16, 2**20]
+    assert all(r.pageable_gbps > 0 and r.pinned_gbps > 0 for r in rows)
+    assert all(r.non_blocking_call_seconds >= 0 for r in rows)
