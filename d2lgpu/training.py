@@ -305,7 +305,8 @@ def train(
     live = None
     if plot or (plot is None and in_notebook()):
         live = LivePlot(
-            xlabel="epoch", legend=["train loss", "train acc", "test acc"], xlim=(1, num_epochs)
+            xlabel="epoch", legend=["train loss", "train acc", "test acc"],
+            xlim=(1, num_epochs) if num_epochs > 1 else None,
         )
     bar = None
     if progress:

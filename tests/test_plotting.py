@@ -1,0 +1,65 @@
+"""Tests of d2lgpu.plotting: line plots, history plots and the live plot."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from d2lgpu.plotting import LivePlot, in_notebook, plot_history, plot_lines  # noqa: E402
+from d2lgpu.training import History  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def test_plot_lines_draws_one_line_per_series_with_its_data():
+    ax = plot_lines([1, 2, 3], [[1, 4, 9], [1, 8, 27]], legend=["square", "cube"],
+                    xlabel="n", ylabel="value", yscale="log", title="powers")
+    lines = ax.get_lines()
+    assert [list(line.get_ydata()) for line in lines] == [[1, 4, 9], [1, 8, 27]]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["square", "cube"]
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "n" and ax.get_title() == "powers"
+
+
+def test_plot_lines_accepts_a_single_series_and_an_existing_axes():
+    _, ax = plt.subplots()
+    assert plot_lines([0, 1], [5, 6], ax=ax) is ax
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[5, 6]]
+
+
+def test_plot_lines_rejects_mismatched_input():
+    with pytest.raises(ValueError, match="one y per x"):
+        plot_lines([1, 2], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="legend"):
+        plot_lines([1, 2], [[1, 2]], legend=["a", "b"])
+
+
+def test_plot_history_plots_the_three_curves_per_epoch():
+    history = History([1.0, 0.5], [0.6, 0.8], [0.55, 0.7], [1.0, 1.0], [10.0, 10.0], "cpu")
+    ax = plot_history(history)
+    lines = ax.get_lines()
+    assert [list(line.get_xdata()) for line in lines] == [[1, 2]] * 3
+    assert [list(line.get_ydata()) for line in lines] == [[1.0, 0.5], [0.6, 0.8], [0.55, 0.7]]
+    with pytest.raises(ValueError, match="no epochs"):
+        plot_history(History(device="cpu"))
+
+
+def test_live_plot_grows_and_closes():
+    assert not in_notebook()  # pytest is not a Jupyter kernel
+    live = LivePlot(xlabel="epoch", legend=["loss", "acc"], xlim=(1, 3))
+    live.add(1, [2.0, 0.3])
+    live.add(2, [1.0, 0.6])
+    assert [list(line.get_ydata()) for line in live.ax.get_lines()] == [[2.0, 1.0], [0.3, 0.6]]
+    assert live.ax.get_xlim() == (1, 3)
+    with pytest.raises(ValueError, match="2 lines"):
+        live.add(3, [1.0])
+    number = live.fig.number
+    live.close()
+    assert number not in plt.get_fignums()
+    with pytest.raises(ValueError, match="legend"):
+        LivePlot(xlabel="x", legend=[])

@@ -1,0 +1,237 @@
+"""Tests of d2lgpu.training: seeding, initialisation, devices, evaluation and the train loop."""
+
+import math
+import warnings
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import d2lgpu
+from d2lgpu.models import small_cnn
+from d2lgpu.training import (
+    History,
+    _warmup_scheduler,
+    evaluate_accuracy,
+    init_weights,
+    resolve_devices,
+    set_seed,
+    train,
+)
+
+
+@pytest.fixture(scope="module")
+def quick_loaders():
+    """The quick Fashion-MNIST subset as in-memory loaders (no file reads per test)."""
+    if not (d2lgpu.data_root() / "FashionMNIST" / "raw").is_dir():
+        pytest.skip("Fashion-MNIST raw files are not under D2LGPU_DATA")
+    train_x, train_y = d2lgpu.fashion_mnist_tensors(train=True, quick=True)
+    test_x, test_y = d2lgpu.fashion_mnist_tensors(train=False, quick=True)
+    train_set = TensorDataset(train_x.float() / 255, train_y)
+    test_set = TensorDataset(test_x.float() / 255, test_y)
+    return DataLoader(train_set, batch_size=50, shuffle=True), DataLoader(test_set, batch_size=100)
+
+
+def tiny_loaders(n: int = 40):
+    """Random images in a tiny loader, for tests that only need the loop to run."""
+    gen = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 1, 28, 28, generator=gen)
+    y = torch.randint(0, 10, (n,), generator=gen)
+    return DataLoader(TensorDataset(X, y), batch_size=10, shuffle=True), DataLoader(
+        TensorDataset(X, y), batch_size=20
+    )
+
+
+def test_set_seed_repeats_torch_draws_and_rejects_bad_seeds():
+    set_seed(5)
+    first = torch.rand(4)
+    set_seed(5)
+    assert torch.equal(torch.rand(4), first)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="seed"):
+            set_seed(bad)
+
+
+def test_init_weights_resets_everything_and_is_seeded():
+    net = small_cnn()
+    bn = net[1]
+    with torch.no_grad():
+        bn.weight.fill_(3.0)
+        bn.running_mean.fill_(5.0)
+        net[0].bias.fill_(2.0)
+    set_seed(0)
+    init_weights(net)
+    assert torch.equal(bn.weight, torch.ones_like(bn.weight))
+    assert torch.equal(bn.running_mean, torch.zeros_like(bn.running_mean))
+    assert torch.equal(net[0].bias, torch.zeros_like(net[0].bias))
+    # Xavier-uniform bound for a 5x5 conv from 1 to 6 channels: sqrt(6 / (fan_in + fan_out)).
+    bound = math.sqrt(6 / (1 * 25 + 6 * 25))
+    assert net[0].weight.abs().max() <= bound
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    set_seed(0)
+    init_weights(net)
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+
+
+def test_resolve_devices():
+    assert resolve_devices(None) == d2lgpu.try_all_gpus()
+    assert resolve_devices("cpu") == [torch.device("cpu")]
+    assert resolve_devices([torch.device("cpu")]) == [torch.device("cpu")]
+    with pytest.raises(ValueError, match="one CPU device"):
+        resolve_devices(["cpu", "cpu"])
+    with pytest.raises(ValueError, match="empty"):
+        resolve_devices([])
+    with pytest.raises(ValueError, match="repeats"):
+        resolve_devices(["cuda:0", "cuda:0"])
+
+
+class ConstantClassifier(nn.Module):
+    """Always predicts class 0; has one parameter so that it has a device."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, X):
+        logits = torch.zeros(X.shape[0], 10)
+        logits[:, 0] = self.scale
+        return logits
+
+
+def test_evaluate_accuracy_counts_and_restores_the_mode():
+    y = torch.tensor([0, 0, 0, 1, 2, 3, 0, 4])  # 4 of 8 are class 0
+    loader = DataLoader(TensorDataset(torch.zeros(8, 3), y), batch_size=3)
+    net = ConstantClassifier()
+    net.train()
+    assert evaluate_accuracy(net, loader) == 0.5
+    assert net.training
+    net.eval()
+    assert evaluate_accuracy(net, loader, "cpu") == 0.5
+    assert not net.training
+    with pytest.raises(ValueError, match="no examples"):
+        evaluate_accuracy(net, [])
+
+
+def test_warmup_ramps_linearly_then_holds():
+    param = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = _warmup_scheduler(optimizer, warmup_epochs=1, steps_per_epoch=4)
+    lrs = []
+    for _ in range(6):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert _warmup_scheduler(optimizer, 0, 4) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(num_epochs=0, lr=0.1), "num_epochs"), (dict(num_epochs=1.5, lr=0.1), "num_epochs"),
+     (dict(num_epochs=1, lr=0.0), "lr"), (dict(num_epochs=1, lr=-0.1), "lr"),
+     (dict(num_epochs=1, lr=0.1, momentum=1.0), "momentum"),
+     (dict(num_epochs=2, lr=0.1, warmup_epochs=3), "warmup_epochs"),
+     (dict(num_epochs=1, lr=0.1, devices=["cpu", "cpu"]), "one CPU device")],
+)
+def test_train_rejects_bad_input(kwargs, match):
+    train_iter, test_iter = tiny_loaders()
+    with pytest.raises(ValueError, match=match):
+        train(small_cnn(), train_iter, test_iter, progress=False, plot=False, **kwargs)
+
+
+def test_train_beats_chance_and_returns_a_well_formed_history(quick_loaders):
+    train_iter, test_iter = quick_loaders
+    epochs = 4
+    history = train(small_cnn(), train_iter, test_iter, epochs, lr=0.1, devices="cpu",
+                    seed=0, progress=False, plot=False)
+    for name in ("train_loss", "train_acc", "test_acc", "epoch_seconds", "examples_per_second"):
+        values = getattr(history, name)
+        assert len(values) == epochs and all(math.isfinite(v) for v in values), name
+    assert all(0 <= a <= 1 for a in history.train_acc + history.test_acc)
+    assert all(s > 0 for s in history.epoch_seconds + history.examples_per_second)
+    assert history.device == "cpu" and history.num_epochs == epochs
+    assert history.train_loss[-1] < history.train_loss[0]
+    assert history.test_acc[-1] > 0.5  # chance is 0.1 on ten balanced classes
+    assert "test acc" in history.summary()
+    assert history.to_dict()["test_acc"] == history.test_acc
+
+
+def test_same_seed_same_history_even_when_the_model_object_is_reused(quick_loaders):
+    train_iter, test_iter = quick_loaders
+    net = small_cnn()
+    options = dict(num_epochs=1, lr=0.1, devices="cpu", seed=1, progress=False, plot=False)
+    first = train(net, train_iter, test_iter, **options)
+    # The same object again: every parameter and BN statistic is reset under the seed,
+    # so the second run does not continue from the first (d2l's 13.6 pitfall).
+    second = train(net, train_iter, test_iter, **options)
+    assert second.train_loss == first.train_loss
+    assert second.test_acc == first.test_acc
+    other = train(small_cnn(), train_iter, test_iter, **{**options, "seed": 2})
+    assert other.train_loss != first.train_loss
+
+
+def test_init_false_continues_from_the_current_weights():
+    train_iter, test_iter = tiny_loaders()
+    net = small_cnn()
+    options = dict(lr=0.1, devices="cpu", seed=0, progress=False, plot=False)
+    first = train(net, train_iter, test_iter, num_epochs=3, **options)
+    resumed = train(net, train_iter, test_iter, num_epochs=1, init=False, **options)
+    fresh = train(small_cnn(), train_iter, test_iter, num_epochs=1, **options)
+    assert fresh.train_loss == first.train_loss[:1]
+    assert resumed.train_loss[0] < first.train_loss[0]
+
+
+def test_amp_on_cpu_trains_in_bf16_without_cuda_warnings():
+    train_iter, test_iter = tiny_loaders()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = train(small_cnn(), train_iter, test_iter, 1, lr=0.1, devices="cpu",
+                        seed=0, amp=True, progress=False, plot=False)
+    assert math.isfinite(history.train_loss[0])
+    assert not [w for w in caught if "cuda" in str(w.message).lower()]
+
+
+def test_plot_none_outside_a_notebook_draws_nothing_and_plot_true_cleans_up():
+    train_iter, test_iter = tiny_loaders()
+    before = set(plt.get_fignums())
+    train(small_cnn(), train_iter, test_iter, 1, lr=0.1, devices="cpu", progress=False)
+    train(small_cnn(), train_iter, test_iter, 1, lr=0.1, devices="cpu", progress=False,
+          plot=True)
+    assert set(plt.get_fignums()) == before
+
+
+def test_history_summary_and_dict():
+    history = History([0.5], [0.8], [0.75], [2.0], [100.0], device="cpu")
+    assert history.summary() == (
+        "loss 0.500, train acc 0.800, test acc 0.750; 100.0 examples/sec on cpu"
+    )
+    assert history.to_dict() == dict(
+        train_loss=[0.5], train_acc=[0.8], test_acc=[0.75], epoch_seconds=[2.0],
+        examples_per_second=[100.0], device="cpu",
+    )
+    assert "no epochs" in History(device="cpu").summary()
+
+
+@pytest.mark.gpu
+def test_train_on_one_gpu_with_amp(quick_loaders):
+    train_iter, test_iter = quick_loaders
+    net = small_cnn()
+    history = train(net, train_iter, test_iter, 3, lr=0.1, devices=[d2lgpu.gpu(0)], seed=0,
+                    amp=True, progress=False, plot=False)
+    assert next(net.parameters()).device == torch.device("cuda", 0)
+    assert history.device == "cuda:0"
+    assert history.test_acc[-1] > 0.5
+
+
+@pytest.mark.multigpu
+def test_train_with_data_parallel_on_two_gpus(quick_loaders):
+    train_iter, test_iter = quick_loaders
+    net = small_cnn()
+    history = train(net, train_iter, test_iter, 3, lr=0.1, devices=[d2lgpu.gpu(0), d2lgpu.gpu(1)],
+                    seed=0, progress=False, plot=False)
+    assert history.device == "cuda:0, cuda:1"
+    assert not isinstance(net, nn.DataParallel)  # trained in place, returned unwrapped
+    assert next(net.parameters()).device == torch.device("cuda", 0)
+    assert history.test_acc[-1] > 0.5
