@@ -7,10 +7,14 @@ Everything draws with matplotlib on an explicit figure and axes (never pyplot's
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 
-__all__ = ["LivePlot", "in_notebook", "plot_history", "plot_lines"]
+if TYPE_CHECKING:
+    from d2lgpu.precision import SweepRow
+
+__all__ = ["LivePlot", "in_notebook", "plot_history", "plot_lines", "plot_precision_sweep"]
 
 
 def in_notebook() -> bool:
@@ -144,3 +148,44 @@ def plot_history(history, ax=None, title: str | None = None):
         title=title or history.device,
         ax=ax,
     )
+
+
+def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
+    """Step time and peak memory against batch size, one line per precision mode.
+
+    The classic mixed-precision figure, drawn from the rows of
+    :func:`d2lgpu.precision_sweep`. Rows that did not run (``"OOM"``, ``"needs
+    CUDA"``) have no point; where no row has a peak memory (the CPU keeps no
+    peak statistic) the memory panel says so rather than staying silently empty.
+    Returns the figure.
+    """
+    if not rows:
+        raise ValueError("no sweep rows to plot: run d2lgpu.precision_sweep first")
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(10.0, 3.5))
+    for mode in dict.fromkeys(r.mode for r in rows):  # modes in sweep order
+        ran = sorted((r for r in rows if r.mode == mode and r.ok), key=lambda r: r.batch_size)
+        if ran:
+            sizes = [r.batch_size for r in ran]
+            time_ax.plot(sizes, [1000 * r.median_seconds for r in ran], marker="o", label=mode)
+        measured = [r for r in ran if r.peak_memory_bytes is not None]
+        if measured:
+            memory_ax.plot(
+                [r.batch_size for r in measured],
+                [r.peak_memory_bytes / 2**20 for r in measured],
+                marker="o",
+                label=mode,
+            )
+    _label_axes(time_ax, "batch size", "median step time (ms)", title="time per training step",
+                yscale="log")
+    _label_axes(memory_ax, "batch size", "peak memory (MiB)", title="peak GPU memory")
+    for ax in (time_ax, memory_ax):
+        ax.set_xscale("log", base=2)  # batch sizes double from point to point
+        if ax.lines:
+            ax.legend()
+    if not memory_ax.lines:
+        memory_ax.text(0.5, 0.5, "peak memory is measured on CUDA GPUs only",
+                       ha="center", va="center", transform=memory_ax.transAxes)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig

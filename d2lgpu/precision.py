@@ -1,21 +1,46 @@
-"""Which reduced precision a device really runs fast, and how to use it.
+"""Which reduced precision a device really runs fast, how to use it, and how to measure it.
 
 Tensor Cores run fp16 from compute capability 7.0 (Volta, Turing) and bf16
 and tf32 from 8.0 (Ampere, Ada, Hopper). ``torch.cuda.is_bf16_supported()``
 is not enough to decide: on a 7.x GPU such as Kaggle's T4 it can say True
 because bf16 is *emulated*, which is correct but slow. The policy here goes
 by compute capability instead.
+
+The second half of the module is the precision sweep of chapter 6: the same
+model trained for a few steps in strict FP32, TF32, fp16 autocast with a
+GradScaler and bf16 autocast, over a range of batch sizes, recording step
+time, peak memory and the loss reached. A batch size that does not fit is
+recorded as ``"OOM"`` and the sweep goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
+from torch import nn
 
-__all__ = ["PrecisionPolicy", "native_tensor_core_formats", "precision_policy"]
+from d2lgpu.benchmarking import time_fn
+
+__all__ = [
+    "PRECISION_MODES",
+    "PrecisionPolicy",
+    "SweepComparison",
+    "SweepRow",
+    "compare_sweep_modes",
+    "format_sweep_table",
+    "mode_unavailable_reason",
+    "native_tensor_core_formats",
+    "precision_policy",
+    "precision_sweep",
+    "random_batch_maker",
+    "sweep_mlp",
+    "tf32_matmuls",
+]
 
 
 def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
@@ -44,7 +69,7 @@ class PrecisionPolicy:
             return "fp32"
         return names[self.dtype] + (" + GradScaler" if self.use_scaler else "")
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         """``torch.autocast`` for this policy, or a context that does nothing for fp32."""
         if self.dtype is None:
             return contextlib.nullcontext()
@@ -61,6 +86,16 @@ _ALIASES = {
 }
 
 
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device, with an error that says what to do without one."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{device} was asked for, but this process sees no CUDA GPU: pass d2lgpu.try_gpu() "
+            "as the device to fall back to the CPU, or pass capability=(major, minor)"
+        )
+    return torch.cuda.get_device_capability(device)
+
+
 def precision_policy(
     device: torch.device | str,
     amp: bool | str | torch.dtype | None = "auto",
@@ -68,21 +103,36 @@ def precision_policy(
 ) -> PrecisionPolicy:
     """Choose the precision for training on ``device``.
 
-    ``amp`` is False/None/"off"/"fp32" for plain fp32; "fp16"/"bf16" (or the
-    dtype) to force one; True/"auto" to let the device decide: bf16 from
-    compute capability 8.0, fp16 with a GradScaler below it, bf16 on the CPU.
-    ``capability`` overrides the one read from the device (for tests).
+    ``amp`` is False/None/"off"/"fp32" (or ``torch.float32``) for plain fp32;
+    "fp16"/"bf16" (or the dtype) to force one; True/"auto" to let the device
+    decide: bf16 from compute capability 8.0, fp16 with a GradScaler on 7.x,
+    and plain fp32 below 7.0, where there are no Tensor Cores to gain from
+    (a GTX 10xx runs fp16 arithmetic far slower than fp32). On the CPU "auto"
+    means bf16 autocast; on other device types it means fp32, because there is
+    no rule here for what they run fast. ``capability`` overrides the one read
+    from the device (for tests and for tables of GPUs you do not have).
     """
     device = torch.device(device)
-    if amp is None or amp is False or (isinstance(amp, str) and amp.lower() in {"off", "fp32"}):
-        return PrecisionPolicy(device.type, None, False)
+    fp32 = PrecisionPolicy(device.type, None, False)
+    if amp is None or amp is False or amp is torch.float32:
+        return fp32
+    if isinstance(amp, str) and amp.lower() in {"off", "fp32", "float32"}:
+        return fp32
     if amp is True or (isinstance(amp, str) and amp.lower() == "auto"):
         if device.type == "cuda":
             if capability is None:
-                capability = torch.cuda.get_device_capability(device)
-            dtype = torch.bfloat16 if "bf16" in native_tensor_core_formats(capability) else torch.float16
-        else:
+                capability = _cuda_capability(device)
+            formats = native_tensor_core_formats(capability)
+            if "bf16" in formats:
+                dtype = torch.bfloat16
+            elif "fp16" in formats:
+                dtype = torch.float16
+            else:
+                return fp32
+        elif device.type == "cpu":
             dtype = torch.bfloat16
+        else:
+            return fp32
     elif isinstance(amp, torch.dtype):
         dtype = amp
     elif isinstance(amp, str) and amp.lower() in _ALIASES:
@@ -92,6 +142,313 @@ def precision_policy(
             f"amp={amp!r} is not understood: use False or 'fp32', True or 'auto', 'fp16' or 'bf16'"
         )
     if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"autocast runs in torch.float16 or torch.bfloat16, not {dtype}")
+        raise ValueError(
+            f"autocast runs in torch.float16 or torch.bfloat16, not {dtype}; "
+            "use amp='fp16', amp='bf16', or amp=False for fp32"
+        )
     # fp16 has a narrow range: small gradients underflow to zero without loss scaling.
+    # bf16 has fp32's range, so it needs none.
     return PrecisionPolicy(device.type, dtype, use_scaler=dtype == torch.float16)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit.
+
+    TF32 keeps fp32's 8-bit exponent but rounds the mantissa to 10 bits inside
+    Tensor Core matmuls on compute capability 8.0 and newer. PyTorch's defaults
+    differ per library (matmuls: off; cuDNN convolutions: on), so "strict fp32"
+    has to switch off both. The previous settings come back even if the body
+    raises. On a CPU or a GPU older than 8.0 the flags change nothing.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"tf32_matmuls(enabled) takes True or False, got {enabled!r}")
+    previous_precision = torch.get_float32_matmul_precision()
+    previous_cudnn = torch.backends.cudnn.allow_tf32
+    # "high" lets fp32 matmuls use TF32; "highest" keeps them in full fp32.
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous_precision)
+        torch.backends.cudnn.allow_tf32 = previous_cudnn
+
+
+# ---------------------------------------------------------------------------
+# The precision sweep
+# ---------------------------------------------------------------------------
+
+#: The modes a sweep can compare: strict fp32 (TF32 off), fp32 with TF32 matmuls,
+#: fp16 autocast with a GradScaler, and bf16 autocast (no scaler needed).
+PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One cell of the sweep: a mode at a batch size.
+
+    ``status`` is ``"ok"`` when measured, ``"OOM"`` when the batch did not fit,
+    or the reason the mode cannot run on this device (then the numbers are None).
+    ``peak_memory_bytes`` is None on the CPU, where PyTorch keeps no peak statistic.
+    ``loss`` is the training loss of the last step, after ``steps_run`` steps.
+    """
+
+    mode: str
+    batch_size: int
+    median_seconds: float | None
+    peak_memory_bytes: int | None
+    loss: float | None
+    steps_run: int
+    status: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def examples_per_second(self) -> float | None:
+        if self.median_seconds is None:
+            return None
+        return self.batch_size / self.median_seconds
+
+
+def mode_unavailable_reason(
+    mode: str, device: torch.device | str, capability: tuple[int, int] | None = None
+) -> str | None:
+    """Why ``mode`` cannot run (usefully) on ``device``, or None when it can.
+
+    On the CPU only fp32 and bf16 autocast exist as fast paths; TF32 and the
+    fp16 + GradScaler recipe are CUDA features. On a GPU below compute
+    capability 8.0 TF32 does not exist and bf16 is only emulated, so measuring
+    them would say nothing about Tensor Cores.
+    """
+    if mode not in PRECISION_MODES:
+        raise ValueError(f"unknown precision mode {mode!r}; choose from {PRECISION_MODES}")
+    device = torch.device(device)
+    if mode == "fp32":
+        return None
+    if device.type == "cpu":
+        return None if mode == "bf16" else "needs CUDA"
+    if device.type != "cuda":
+        return f"not measured on {device.type}"
+    if capability is None:
+        capability = _cuda_capability(device)
+    formats = native_tensor_core_formats(capability)
+    major, minor = capability
+    if mode in ("tf32", "bf16") and mode not in formats:
+        return f"needs compute capability 8.0 (this GPU: {major}.{minor})"
+    return None
+
+
+def _mode_policy(mode: str, device: torch.device) -> PrecisionPolicy:
+    """The autocast policy of a sweep mode (fp32 and tf32 both run without autocast)."""
+    amp = {"fp32": False, "tf32": False, "fp16": "fp16", "bf16": "bf16"}[mode]
+    return precision_policy(device, amp)
+
+
+def _measure_one(
+    model_fn: Callable[[], nn.Module],
+    make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
+    mode: str,
+    batch_size: int,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    lr: float,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    seed: int,
+) -> SweepRow:
+    """Train a fresh model for ``warmup + steps`` steps in one mode; time the last ``steps``."""
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(seed)  # every mode starts from the same weights
+    model = model_fn().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    features, labels = make_batch(batch_size, device)
+    policy = _mode_policy(mode, device)
+    scaler = policy.make_scaler()  # disabled (a pass-through) unless the mode is fp16
+    losses: list[torch.Tensor] = []
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with policy.autocast():
+            loss = loss_fn(model(features), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped when the unscaled gradients hold inf/nan
+        scaler.update()
+        losses.append(loss.detach())
+
+    with tf32_matmuls(mode == "tf32"):
+        timing = time_fn(train_step, device, warmup=warmup, repeats=steps)
+    peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
+    return SweepRow(
+        mode=mode,
+        batch_size=batch_size,
+        median_seconds=timing.median,
+        peak_memory_bytes=peak,
+        loss=float(losses[-1]),
+        steps_run=len(losses),
+        status="ok",
+    )
+
+
+def _release_memory(device: torch.device) -> None:
+    """On a GPU, give cached blocks back so the next row starts from an empty allocator.
+
+    Reference cycles can keep GPU tensors alive after a row, so they are collected
+    first. On the CPU freed tensors go straight back to the system and a full
+    ``gc.collect()`` (a fraction of a second with torch loaded) would only cost time.
+    """
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def precision_sweep(
+    model_fn: Callable[[], nn.Module],
+    make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
+    modes: Sequence[str],
+    batch_sizes: Sequence[int],
+    device: torch.device | str,
+    *,
+    steps: int = 10,
+    warmup: int = 3,
+    lr: float = 0.01,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
+    seed: int = 0,
+) -> list[SweepRow]:
+    """Train ``model_fn()`` briefly in each mode at each batch size and measure it.
+
+    For every (mode, batch size) a fresh model (same seed, so same weights) is
+    trained with SGD on one fixed batch from ``make_batch(batch_size, device)``
+    for ``warmup`` untimed and ``steps`` timed steps. Each row holds the median
+    step time (synchronised, via :func:`d2lgpu.time_fn`), the peak memory on a
+    GPU (``torch.cuda.max_memory_allocated`` after resetting the peak) and the
+    loss of the last step. A ``torch.OutOfMemoryError`` becomes an ``"OOM"``
+    row, the memory is released, and the sweep goes on; modes the device cannot
+    run become rows whose status says why (see :func:`mode_unavailable_reason`).
+    """
+    device = torch.device(device)
+    unknown = [m for m in modes if m not in PRECISION_MODES]
+    if unknown:
+        raise ValueError(f"unknown precision mode(s) {unknown}; choose from {PRECISION_MODES}")
+    if not batch_sizes or any(
+        isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes
+    ):
+        raise ValueError(
+            f"batch_sizes must be a non-empty list of positive ints, got {batch_sizes!r}"
+        )
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+
+    rows = []
+    for mode in modes:
+        reason = mode_unavailable_reason(mode, device)
+        for batch_size in batch_sizes:
+            if reason is not None:
+                rows.append(SweepRow(mode, batch_size, None, None, None, 0, reason))
+                continue
+            try:
+                row = _measure_one(
+                    model_fn, make_batch, mode, batch_size, device, steps, warmup, lr, loss_fn, seed
+                )
+            except torch.OutOfMemoryError:
+                # Only running out of memory is expected; any other error is a bug and propagates.
+                row = SweepRow(mode, batch_size, None, None, None, 0, "OOM")
+            # Outside the except block the traceback (and the tensors its frames hold) is gone.
+            _release_memory(device)
+            rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class SweepComparison:
+    """A reduced-precision mode against a baseline at the largest batch where both ran."""
+
+    baseline: str
+    candidate: str
+    batch_size: int
+    speedup: float
+    memory_ratio: float | None  # candidate peak / baseline peak; None where not measured
+
+    def describe(self) -> str:
+        text = (
+            f"{self.candidate} vs {self.baseline} at batch {self.batch_size}: "
+            f"{self.speedup:.2f}x speed-up"
+        )
+        if self.memory_ratio is None:
+            return text + "; peak memory not measured on this device"
+        return text + f", peak memory {100 * (1 - self.memory_ratio):.0f}% lower"
+
+
+def compare_sweep_modes(
+    rows: Sequence[SweepRow], baseline: str = "fp32", candidate: str = "bf16"
+) -> SweepComparison | None:
+    """Speed-up and memory ratio of ``candidate`` over ``baseline`` at the largest shared batch.
+
+    Returns None when no batch size ran in both modes (e.g. the candidate needs CUDA).
+    """
+    times = {
+        m: {r.batch_size: r for r in rows if r.mode == m and r.ok} for m in (baseline, candidate)
+    }
+    shared = sorted(set(times[baseline]) & set(times[candidate]))
+    if not shared:
+        return None
+    base, cand = times[baseline][shared[-1]], times[candidate][shared[-1]]
+    memory_ratio = None
+    if base.peak_memory_bytes and cand.peak_memory_bytes is not None:
+        memory_ratio = cand.peak_memory_bytes / base.peak_memory_bytes
+    return SweepComparison(
+        baseline, candidate, shared[-1], base.median_seconds / cand.median_seconds, memory_ratio
+    )
+
+
+def format_sweep_table(rows: Sequence[SweepRow]) -> str:
+    """The sweep as a fixed-width text table, one line per row."""
+    header = ("mode", "batch", "step ms", "examples/s", "peak MiB", "loss")
+    lines = ["{:<5} {:>6} {:>9} {:>11} {:>9} {:>8}  status".format(*header)]
+    for r in rows:
+        seconds, peak, eps = r.median_seconds, r.peak_memory_bytes, r.examples_per_second
+        ms = f"{1000 * seconds:9.2f}" if seconds is not None else f"{'-':>9}"
+        rate = f"{eps:11.0f}" if eps is not None else f"{'-':>11}"
+        mib = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
+        # A diverged run prints its loss as inf or nan, never as a dash.
+        loss = f"{r.loss:8.4f}" if r.loss is not None else f"{'-':>8}"
+        lines.append(f"{r.mode:<5} {r.batch_size:>6} {ms} {rate} {mib} {loss}  {r.status}")
+    return "\n".join(lines)
+
+
+def sweep_mlp(in_features: int, width: int, depth: int, num_classes: int = 10) -> nn.Sequential:
+    """A matmul-heavy model: ``depth`` wide Linear+ReLU layers, where Tensor Cores matter most.
+
+    Almost all its time is spent in (batch x width) @ (width x width) matmuls,
+    so it shows the raw speed-up of a precision more clearly than a CNN does.
+    """
+    if min(in_features, width, depth, num_classes) < 1:
+        raise ValueError("in_features, width, depth and num_classes must all be at least 1")
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(in_features, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def random_batch_maker(
+    input_shape: Sequence[int], num_classes: int = 10, seed: int = 0
+) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
+    """A ``make_batch(batch_size, device)`` for the sweep: a fixed random batch per size.
+
+    The batch is drawn on the CPU from its own generator, then moved, so every
+    mode and every device sees exactly the same data.
+    """
+
+    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        features = torch.randn(batch_size, *input_shape, generator=generator)
+        labels = torch.randint(0, num_classes, (batch_size,), generator=generator)
+        return features.to(device), labels.to(device)
+
+    return make_batch

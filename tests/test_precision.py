@@ -1,0 +1,486 @@
+"""Tests of d2lgpu.precision: the policy, the TF32 switch, GradScaler behaviour and the sweep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from d2lgpu import precision as P
+
+# ---------------------------------------------------------------------------
+# Which formats and which policy per compute capability
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capability", "formats"),
+    [
+        ((6, 1), []),
+        ((7, 0), ["fp16"]),
+        ((7, 5), ["fp16"]),
+        ((8, 0), ["fp16", "bf16", "tf32"]),
+        ((8, 9), ["fp16", "bf16", "tf32"]),
+        ((9, 0), ["fp16", "bf16", "tf32"]),
+    ],
+)
+def test_native_tensor_core_formats(capability, formats):
+    assert P.native_tensor_core_formats(capability) == formats
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "use_scaler"),
+    [
+        ((6, 1), None, False),  # no Tensor Cores: autocast would only slow it down
+        ((7, 0), torch.float16, True),
+        ((7, 5), torch.float16, True),  # T4: bf16 would be emulated
+        ((8, 0), torch.bfloat16, False),
+        ((9, 0), torch.bfloat16, False),
+    ],
+)
+@pytest.mark.parametrize("amp", [True, "auto", "AUTO"])
+def test_auto_policy_follows_compute_capability(capability, dtype, use_scaler, amp):
+    policy = P.precision_policy("cuda:0", amp, capability=capability)
+    assert (policy.device_type, policy.dtype, policy.use_scaler) == ("cuda", dtype, use_scaler)
+
+
+def test_auto_policy_on_cpu_is_bf16_without_scaler():
+    policy = P.precision_policy("cpu")
+    assert (policy.device_type, policy.dtype, policy.use_scaler) == ("cpu", torch.bfloat16, False)
+    assert policy.name == "bf16"
+
+
+@pytest.mark.parametrize("capability", [(6, 1), (7, 5), (9, 0)])
+@pytest.mark.parametrize(
+    ("amp", "dtype", "use_scaler", "name"),
+    [
+        ("fp16", torch.float16, True, "fp16 + GradScaler"),
+        ("half", torch.float16, True, "fp16 + GradScaler"),
+        (torch.float16, torch.float16, True, "fp16 + GradScaler"),
+        ("bf16", torch.bfloat16, False, "bf16"),
+        (torch.bfloat16, torch.bfloat16, False, "bf16"),
+        (False, None, False, "fp32"),
+        (None, None, False, "fp32"),
+        ("off", None, False, "fp32"),
+        ("fp32", None, False, "fp32"),
+        (torch.float32, None, False, "fp32"),
+    ],
+)
+def test_explicit_policy_ignores_capability(capability, amp, dtype, use_scaler, name):
+    policy = P.precision_policy("cuda", amp, capability=capability)
+    assert (policy.dtype, policy.use_scaler, policy.name) == (dtype, use_scaler, name)
+
+
+@pytest.mark.parametrize("amp", ["fp8", "yes", 1, 0.5, torch.float64, torch.int8])
+def test_bad_amp_values_are_rejected_with_the_valid_choices(amp):
+    with pytest.raises(ValueError, match="fp16|bf16"):
+        P.precision_policy("cpu", amp)
+
+
+def test_cuda_policy_without_a_gpu_says_how_to_fall_back(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="try_gpu"):
+        P.precision_policy("cuda:0", "auto")
+
+
+def test_fp32_policy_autocast_changes_nothing():
+    layer = nn.Linear(4, 3)
+    with P.precision_policy("cpu", False).autocast():
+        assert layer(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_cpu_bf16_autocast_lowers_matmuls_and_keeps_losses_in_fp32():
+    layer = nn.Linear(8, 4)
+    x = torch.randn(5, 8)
+    with P.precision_policy("cpu", "bf16").autocast():
+        logits = layer(x)
+        loss = nn.functional.cross_entropy(logits, torch.zeros(5, dtype=torch.long))
+        assert logits.dtype == torch.bfloat16
+        assert (x @ x.T).dtype == torch.bfloat16
+        assert loss.dtype == torch.float32
+    assert layer(x).dtype == torch.float32  # outside the context fp32 again
+
+
+def test_make_scaler_is_enabled_only_for_fp16():
+    # (A CUDA scaler on a machine without CUDA disables itself, so the fp16 case uses the CPU.)
+    assert P.precision_policy("cpu", "fp16").make_scaler().is_enabled()
+    assert not P.precision_policy("cpu", "bf16").make_scaler().is_enabled()
+    assert not P.precision_policy("cpu", False).make_scaler().is_enabled()
+
+
+# ---------------------------------------------------------------------------
+# The TF32 switch
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_matmul_settings():
+    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(precision)
+    torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@pytest.mark.usefixtures("restore_matmul_settings")
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf32_matmuls_sets_both_flags_and_restores_them(enabled):
+    torch.set_float32_matmul_precision("medium")
+    torch.backends.cudnn.allow_tf32 = not enabled
+    with P.tf32_matmuls(enabled):
+        assert torch.backends.cuda.matmul.allow_tf32 is enabled
+        assert torch.backends.cudnn.allow_tf32 is enabled
+        assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+    assert torch.get_float32_matmul_precision() == "medium"
+    assert torch.backends.cudnn.allow_tf32 is (not enabled)
+
+
+@pytest.mark.usefixtures("restore_matmul_settings")
+def test_tf32_matmuls_restores_after_an_error():
+    torch.set_float32_matmul_precision("highest")
+    with pytest.raises(KeyError), P.tf32_matmuls(True):
+        raise KeyError("inside")
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_tf32_matmuls_rejects_non_bools():
+    with pytest.raises(TypeError, match="True or False"), P.tf32_matmuls("yes"):
+        pass
+
+
+# ---------------------------------------------------------------------------
+# GradScaler: scaling, skipped steps, unscaling, checkpoints
+# ---------------------------------------------------------------------------
+
+
+def _tiny_regression():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    return model, x, y
+
+
+def test_grad_scaler_skips_a_step_with_an_inf_gradient_and_backs_off():
+    model, x, y = _tiny_regression()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    loss = nn.functional.mse_loss(model(x), y)
+    scaled = scaler.scale(loss)
+    assert torch.equal(scaled, loss * 2.0**16)  # multiplying by a power of two is exact
+    scaled.backward()
+    model.weight.grad[0, 0] = float("inf")  # what an fp16 overflow leaves behind
+    scaler.step(optimizer)
+    scaler.update()
+
+    for old, new in zip(before, model.parameters(), strict=True):
+        assert torch.equal(old, new)  # the step was skipped
+    assert scaler.get_scale() == 2.0**16 * scaler.get_backoff_factor()
+
+
+def test_grad_scaler_takes_a_finite_step_like_plain_sgd():
+    model, x, y = _tiny_regression()
+    reference, _, _ = _tiny_regression()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.mse_loss(reference(x), y).backward()
+    plain.step()
+
+    for scaled_p, plain_p in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(scaled_p, plain_p)
+    assert scaler.get_scale() == 2.0**10  # no growth before growth_interval clean steps
+
+
+def test_unscale_before_clipping_gives_the_true_gradients():
+    model, x, y = _tiny_regression()
+    reference, _, _ = _tiny_regression()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    scaled_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    scaler.unscale_(optimizer)
+    true_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+
+    nn.functional.mse_loss(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(scaled_norm, true_norm * 2.0**16)
+
+
+def test_grad_scaler_state_survives_a_checkpoint():
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    model, x, y = _tiny_regression()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    model.bias.grad.fill_(float("nan"))
+    scaler.step(optimizer)
+    scaler.update()
+
+    restored = torch.amp.GradScaler("cpu")
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.get_scale() == scaler.get_scale() == 2.0**15
+
+
+# ---------------------------------------------------------------------------
+# The sweep
+# ---------------------------------------------------------------------------
+
+
+class _RunsOutOfMemoryAt(nn.Module):
+    """A linear model that raises the CUDA OOM error for one batch size, like a full GPU."""
+
+    def __init__(self, failing_batch_size: int) -> None:
+        super().__init__()
+        self.failing_batch_size = failing_batch_size
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == self.failing_batch_size:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return self.linear(x)
+
+
+def test_sweep_records_oom_and_goes_on_to_the_next_size_and_mode():
+    rows = P.precision_sweep(
+        lambda: _RunsOutOfMemoryAt(16),
+        P.random_batch_maker((6,), num_classes=3),
+        ["fp32", "bf16"],
+        [4, 16, 8],
+        "cpu",
+        steps=2,
+        warmup=1,
+    )
+    assert [(r.mode, r.batch_size, r.status) for r in rows] == [
+        ("fp32", 4, "ok"), ("fp32", 16, "OOM"), ("fp32", 8, "ok"),
+        ("bf16", 4, "ok"), ("bf16", 16, "OOM"), ("bf16", 8, "ok"),
+    ]
+    oom = rows[1]
+    assert (oom.median_seconds, oom.peak_memory_bytes, oom.loss, oom.steps_run) == (
+        None, None, None, 0
+    )
+
+
+def test_sweep_lets_errors_other_than_oom_through():
+    def broken_model() -> nn.Module:
+        return nn.Linear(5, 3)  # the batch has 6 features: a shape bug, not a memory problem
+
+    with pytest.raises(RuntimeError) as excinfo:
+        P.precision_sweep(broken_model, P.random_batch_maker((6,)), ["fp32"], [4], "cpu", steps=1)
+    assert not isinstance(excinfo.value, torch.OutOfMemoryError)
+
+
+def test_sweep_on_cpu_measures_fp32_and_bf16_and_explains_the_rest():
+    make_batch = P.random_batch_maker((1, 4, 4), num_classes=3)
+    rows = P.precision_sweep(
+        lambda: P.sweep_mlp(16, 32, 2, num_classes=3),
+        make_batch,
+        P.PRECISION_MODES,
+        [8, 12],
+        "cpu",
+        steps=3,
+        warmup=2,
+        lr=0.1,
+    )
+    by_mode = {m: [r for r in rows if r.mode == m] for m in P.PRECISION_MODES}
+    assert [r.batch_size for r in rows] == [8, 12] * 4
+    for mode in ("tf32", "fp16"):
+        assert {r.status for r in by_mode[mode]} == {"needs CUDA"}
+    for mode in ("fp32", "bf16"):
+        for r in by_mode[mode]:
+            assert r.ok and r.steps_run == 5 and r.peak_memory_bytes is None
+            assert r.median_seconds > 0 and r.examples_per_second > 0
+
+    # The last loss is the loss of the model after four SGD steps: recompute it by hand.
+    torch.manual_seed(0)
+    model = P.sweep_mlp(16, 32, 2, num_classes=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_batch(8, torch.device("cpu"))
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+    assert by_mode["fp32"][0].loss == pytest.approx(loss.item(), rel=1e-5)
+    # bf16 keeps about 3 significant digits: close to fp32, not equal to it.
+    assert by_mode["bf16"][0].loss == pytest.approx(loss.item(), abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"modes": ["fp64"]}, "unknown precision mode"),
+        ({"batch_sizes": []}, "batch_sizes"),
+        ({"batch_sizes": [8, 0]}, "batch_sizes"),
+        ({"batch_sizes": [8.0]}, "batch_sizes"),
+        ({"steps": 0}, "steps"),
+    ],
+)
+def test_sweep_rejects_bad_arguments(kwargs, message):
+    arguments = {"modes": ["fp32"], "batch_sizes": [4], "steps": 1}
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        P.precision_sweep(lambda: nn.Linear(6, 3), P.random_batch_maker((6,)), device="cpu",
+                          **arguments)
+
+
+@pytest.mark.parametrize(
+    ("mode", "device", "capability", "expected"),
+    [
+        ("fp32", "cpu", None, None),
+        ("bf16", "cpu", None, None),
+        ("tf32", "cpu", None, "needs CUDA"),
+        ("fp16", "cpu", None, "needs CUDA"),
+        ("fp16", "cuda", (6, 1), None),  # runs, just without Tensor Cores
+        ("fp16", "cuda", (7, 5), None),
+        ("tf32", "cuda", (7, 5), "needs compute capability 8.0 (this GPU: 7.5)"),
+        ("bf16", "cuda", (7, 0), "needs compute capability 8.0 (this GPU: 7.0)"),
+        ("tf32", "cuda", (8, 0), None),
+        ("bf16", "cuda", (9, 0), None),
+    ],
+)
+def test_mode_unavailable_reason(mode, device, capability, expected):
+    assert P.mode_unavailable_reason(mode, device, capability) == expected
+
+
+def test_mode_unavailable_reason_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="choose from"):
+        P.mode_unavailable_reason("int8", "cpu")
+
+
+def _row(mode, batch, seconds, peak, status="ok"):
+    return P.SweepRow(mode, batch, seconds, peak, 1.0 if seconds else None, 3, status)
+
+
+def test_compare_uses_the_largest_batch_where_both_modes_ran():
+    rows = [
+        _row("fp32", 8, 2.0, 100),
+        _row("fp32", 16, 4.0, 200),
+        _row("fp32", 32, None, None, "OOM"),
+        _row("bf16", 8, 0.5, 40),
+        _row("bf16", 16, 1.0, 50),
+        _row("bf16", 32, 2.0, 90),
+    ]
+    result = P.compare_sweep_modes(rows, "fp32", "bf16")
+    assert (result.batch_size, result.speedup, result.memory_ratio) == (16, 4.0, 0.25)
+    assert "4.00x" in result.describe() and "75% lower" in result.describe()
+
+
+def test_compare_without_memory_or_without_shared_batches():
+    cpu_rows = [_row("fp32", 8, 3.0, None), _row("bf16", 8, 2.0, None)]
+    result = P.compare_sweep_modes(cpu_rows)
+    assert result.memory_ratio is None and result.speedup == 1.5
+    assert "not measured" in result.describe()
+    assert P.compare_sweep_modes([_row("fp32", 8, 3.0, None), _row("fp16", 8, None, None,
+                                                                   "needs CUDA")], "fp32",
+                                 "fp16") is None
+
+
+def test_format_sweep_table_has_one_line_per_row_and_shows_failures():
+    rows = [_row("fp32", 8, 0.002, 3 * 2**20), _row("fp16", 8, None, None, "OOM")]
+    lines = P.format_sweep_table(rows).splitlines()
+    assert len(lines) == 3
+    assert "2.00" in lines[1] and "3.0" in lines[1] and lines[1].endswith("ok")
+    assert lines[2].endswith("OOM")
+
+
+def test_sweep_mlp_shape_and_depth():
+    model = P.sweep_mlp(12, 20, 3, num_classes=5)
+    assert sum(isinstance(m, nn.Linear) for m in model) == 4
+    assert model(torch.randn(7, 3, 2, 2)).shape == (7, 5)
+    with pytest.raises(ValueError, match="at least 1"):
+        P.sweep_mlp(12, 20, 0)
+
+
+def test_random_batch_maker_is_deterministic_per_size():
+    make = P.random_batch_maker((2, 3), num_classes=4, seed=7)
+    (x1, y1), (x2, y2) = make(5, torch.device("cpu")), make(5, torch.device("cpu"))
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert x1.shape == (5, 2, 3) and y1.dtype == torch.int64 and int(y1.max()) < 4
+
+
+# ---------------------------------------------------------------------------
+# CUDA paths
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_autocast_keeps_reductions_and_norms_in_fp32():
+    device = torch.device("cuda")
+    layer = nn.Linear(16, 16).to(device)
+    x = torch.randn(4, 16, device=device)
+    with P.precision_policy(device, "fp16").autocast():
+        hidden = layer(x)
+        assert hidden.dtype == torch.float16
+        assert torch.softmax(hidden, dim=-1).dtype == torch.float32
+        assert nn.functional.layer_norm(hidden, (16,)).dtype == torch.float32
+        assert hidden.sum().dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_cuda_auto_policy_matches_this_gpus_capability():
+    capability = torch.cuda.get_device_capability(0)
+    assert P.precision_policy("cuda:0") == P.precision_policy("cuda:0", capability=capability)
+
+
+@pytest.mark.gpu
+def test_cuda_sweep_measures_peak_memory():
+    device = torch.device("cuda")
+    width = 512
+    model_bytes = sum(p.numel() * 4 for p in P.sweep_mlp(width, width, 2).parameters())
+    modes = [m for m in P.PRECISION_MODES if P.mode_unavailable_reason(m, device) is None]
+    rows = P.precision_sweep(
+        lambda: P.sweep_mlp(width, width, 2), P.random_batch_maker((width,)), modes, [64, 256],
+        device, steps=2, warmup=1,
+    )
+    assert all(r.ok for r in rows)
+    for r in rows:
+        # weights, their gradients and the batch at least were all allocated at once
+        assert r.peak_memory_bytes >= 2 * model_bytes + r.batch_size * width * 4
+        assert torch.isfinite(torch.tensor(r.loss))
+
+
+@pytest.mark.gpu
+def test_tf32_changes_cuda_matmul_results_only_from_capability_8():
+    if torch.cuda.get_device_capability(0) < (8, 0):
+        pytest.skip("TF32 needs compute capability 8.0; on this GPU the switch has no effect")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(1024, 1024, device="cuda", generator=generator)
+    b = torch.randn(1024, 1024, device="cuda", generator=generator)
+    exact = (a.double() @ b.double()).float()
+    with P.tf32_matmuls(False):
+        strict_error = (a @ b - exact).abs().max().item()
+    with P.tf32_matmuls(True):
+        tf32_error = (a @ b - exact).abs().max().item()
+    assert tf32_error > 10 * strict_error  # 10-bit vs 23-bit mantissa
+
+
+def test_plot_precision_sweep_draws_one_line_per_mode_that_ran():
+    import matplotlib.pyplot as plt
+
+    from d2lgpu.plotting import plot_precision_sweep
+
+    gpu_rows = [
+        _row("fp32", 8, 0.004, 300), _row("fp32", 16, 0.008, 500),
+        _row("bf16", 8, 0.002, 200), _row("bf16", 16, None, None, "OOM"),
+        _row("tf32", 8, None, None, "needs compute capability 8.0 (this GPU: 7.5)"),
+    ]
+    fig = plot_precision_sweep(gpu_rows)
+    time_ax, memory_ax = fig.axes
+    assert [line.get_label() for line in time_ax.lines] == ["fp32", "bf16"]
+    assert list(time_ax.lines[0].get_ydata()) == pytest.approx([4.0, 8.0])  # milliseconds
+    assert len(memory_ax.lines) == 2 and not memory_ax.texts
+    plt.close(fig)
+
+    fig = plot_precision_sweep([_row("fp32", 8, 0.004, None), _row("bf16", 8, 0.003, None)])
+    assert len(fig.axes[0].lines) == 2 and not fig.axes[1].lines
+    assert "CUDA GPUs only" in fig.axes[1].texts[0].get_text()
+    plt.close(fig)
+    with pytest.raises(ValueError, match="no sweep rows"):
+        plot_precision_sweep([])
