@@ -1,0 +1,463 @@
+"""Tests of d2lgpu.report and the command line: the diagnosis, NVML, the report, `d2lgpu info`."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import d2lgpu
+from d2lgpu import report
+from d2lgpu.__main__ import main
+from d2lgpu.report import (
+    CudaDiagnosis,
+    EnvironmentReport,
+    GpuInfo,
+    NvmlView,
+    diagnose_cuda,
+    parse_cuda_visible_devices,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _torch_gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# --- CUDA_VISIBLE_DEVICES ----------------------------------------------------------------
+
+PARSE_CASES = {
+    "": [],
+    "-1": [],
+    "abc": [],
+    "0,,1": [0],
+    "0,abc,1": [0],
+    "1,0": [1, 0],
+    " 0, 1": [0, 1],
+    "1gpu2,2ampere": [1, 2],
+    "0,0": [],
+    "GPU-aaaa,GPU-bbbb": ["GPU-aaaa", "GPU-bbbb"],
+    "MIG-aaaa,0": ["MIG-aaaa"],
+}
+
+
+def test_parse_unset_means_every_gpu():
+    assert parse_cuda_visible_devices(None) is None
+
+
+@pytest.mark.parametrize("value", list(PARSE_CASES))
+def test_parse_cuda_visible_devices(value):
+    assert parse_cuda_visible_devices(value) == PARSE_CASES[value]
+
+
+@pytest.mark.parametrize("value", list(PARSE_CASES))
+def test_parse_agrees_with_torch(monkeypatch, value):
+    # torch.cuda copies CUDA's reading of the variable; an independent check of ours.
+    torch_parse = getattr(torch.cuda, "_parse_visible_devices", None)
+    if torch_parse is None:
+        pytest.skip("this torch has no torch.cuda._parse_visible_devices to compare with")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    assert parse_cuda_visible_devices(value) == torch_parse()
+
+
+# --- the pure diagnosis --------------------------------------------------------------------
+
+
+def _diagnose(**overrides) -> CudaDiagnosis:
+    facts = dict(cuda_build="12.4", visible_devices_env=None, driver_found=True, device_count=0)
+    facts.update(overrides)
+    return diagnose_cuda(**facts)
+
+
+def _codes(diagnosis: CudaDiagnosis) -> list[str]:
+    return [problem.code for problem in diagnosis.problems]
+
+
+def test_diagnosis_all_well():
+    diagnosis = _diagnose(device_count=2)
+    assert diagnosis.usable and diagnosis.device_count == 2
+    assert diagnosis.cause == "ok" and diagnosis.problems == ()
+    assert str(diagnosis).startswith("CUDA is usable: 2 GPU(s)")
+
+
+def test_diagnosis_cpu_build():
+    diagnosis = _diagnose(cuda_build=None)
+    assert not diagnosis.usable
+    assert diagnosis.cause == "cpu_build"
+    assert "CPU-only build" in diagnosis.problems[0].why
+    assert "--index-url https://download.pytorch.org/whl/" in diagnosis.problems[0].fix
+
+
+@pytest.mark.parametrize("value", ["", "-1", "abc", "0,0"])
+def test_diagnosis_variable_hides_every_gpu(value):
+    diagnosis = _diagnose(visible_devices_env=value)
+    assert not diagnosis.usable
+    assert _codes(diagnosis) == ["hidden_by_env"]
+    problem = diagnosis.problems[0]
+    assert f"CUDA_VISIBLE_DEVICES={value!r}" in problem.why
+    assert "unset CUDA_VISIBLE_DEVICES" in problem.fix
+
+
+def test_diagnosis_variable_names_a_missing_gpu():
+    diagnosis = _diagnose(visible_devices_env="1", physical_gpu_count=1)
+    assert diagnosis.cause == "hidden_by_env"
+    assert "driver sees only 1 GPU(s)" in diagnosis.problems[0].why
+
+
+def test_diagnosis_malformed_variable_that_leaves_a_gpu():
+    diagnosis = _diagnose(visible_devices_env="0,,1", device_count=1)
+    assert diagnosis.usable
+    assert _codes(diagnosis) == ["malformed_env"]
+    assert "only [0]" in diagnosis.problems[0].why
+
+
+@pytest.mark.parametrize("value", ["0", "0,1", "1,0", "GPU-aaaa"])
+def test_diagnosis_well_formed_variable_is_no_problem(value):
+    assert _diagnose(visible_devices_env=value, device_count=1).problems == ()
+
+
+def test_diagnosis_no_driver():
+    diagnosis = _diagnose(driver_found=False)
+    assert not diagnosis.usable
+    assert _codes(diagnosis) == ["no_driver"]
+    fix = diagnosis.problems[0].fix
+    for where in ("Colab", "Kaggle", "driver"):
+        assert where in fix
+
+
+def test_diagnosis_lists_every_problem_most_fundamental_first():
+    diagnosis = _diagnose(cuda_build=None, driver_found=False, visible_devices_env="")
+    assert _codes(diagnosis) == ["cpu_build", "no_driver", "hidden_by_env"]
+    text = str(diagnosis)
+    assert text.startswith("CUDA is NOT usable")
+    assert text.count("  why: ") == 3 and text.count("  fix: ") == 3
+
+
+def test_diagnosis_driver_but_no_device():
+    diagnosis = _diagnose(cuda_build="13.0")
+    assert _codes(diagnosis) == ["no_usable_device"]
+    assert "CUDA 13.0" in diagnosis.problems[0].why
+
+
+def test_diagnosis_rejects_negative_count():
+    with pytest.raises(ValueError, match="device_count"):
+        _diagnose(device_count=-1)
+
+
+def test_diagnose_this_machine_agrees_with_torch():
+    diagnosis = d2lgpu.diagnose_this_machine()
+    assert diagnosis.usable == (_torch_gpu_count() > 0)
+    assert diagnosis.device_count == _torch_gpu_count()
+    no_driver = report.read_nvml().error is not None and not Path("/proc/driver/nvidia").exists()
+    assert ("no_driver" in _codes(diagnosis)) == (no_driver and not diagnosis.usable)
+    assert ("cpu_build" in _codes(diagnosis)) == (torch.version.cuda is None)
+
+
+def test_diagnose_this_machine_reads_the_variable(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "abc")
+    assert "hidden_by_env" in _codes(d2lgpu.diagnose_this_machine())
+
+
+def test_num_gpus_with_hiding_variable_in_subprocess():
+    # The variable must be set before CUDA starts, hence fresh processes (run side by side).
+    values = ["abc", ""]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import d2lgpu; print(d2lgpu.num_gpus())"],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": value},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for value in values
+    ]
+    for value, process in zip(values, processes, strict=True):
+        try:
+            out, err = process.communicate(timeout=120)
+        finally:
+            process.kill()
+        assert process.returncode == 0, f"CUDA_VISIBLE_DEVICES={value!r}: {err}"
+        assert out.strip() == "0", f"CUDA_VISIBLE_DEVICES={value!r} left GPUs visible: {out}"
+
+
+# --- NVML ----------------------------------------------------------------------------------
+
+
+def test_read_nvml_never_raises_and_is_consistent():
+    view = d2lgpu.read_nvml()
+    assert isinstance(view, NvmlView)
+    if view.error is None:
+        assert view.driver_version
+        assert len(view.gpus) >= _torch_gpu_count()
+    else:
+        assert view.gpus == () and view.driver_version is None
+
+
+def _fake_pynvml(fail_init: bool = False) -> types.ModuleType:
+    """A stand-in for pynvml with one GPU whose temperature query is unsupported."""
+    fake = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801 (pynvml's spelling)
+        pass
+
+    class NVMLError_DriverNotLoaded(NVMLError):  # noqa: N801
+        pass
+
+    def init():
+        if fail_init:
+            raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+
+    def temperature(handle, sensor):
+        raise NVMLError("Not Supported")
+
+    fake.NVMLError = NVMLError
+    fake.NVMLError_LibraryNotFound = NVMLError_LibraryNotFound
+    fake.NVMLError_DriverNotLoaded = NVMLError_DriverNotLoaded
+    fake.NVML_TEMPERATURE_GPU = 0
+    fake.nvmlInit = init
+    fake.nvmlShutdown = lambda: None
+    fake.nvmlSystemGetDriverVersion = lambda: b"550.54"
+    fake.nvmlDeviceGetCount = lambda: 1
+    fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
+    fake.nvmlDeviceGetName = lambda h: "Tesla T4"
+    fake.nvmlDeviceGetUUID = lambda h: "GPU-1234"
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        used=2 * 2**30, total=16 * 2**30, free=14 * 2**30
+    )
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=37, memory=5)
+    fake.nvmlDeviceGetPowerUsage = lambda h: 31_500  # milliwatts
+    fake.nvmlDeviceGetEnforcedPowerLimit = lambda h: 70_000
+    fake.nvmlDeviceGetTemperature = temperature
+    return fake
+
+
+def test_read_nvml_converts_units_and_tolerates_unsupported_queries(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
+    view = d2lgpu.read_nvml()
+    assert view.error is None and view.driver_version == "550.54"
+    (gpu,) = view.gpus
+    assert (gpu.name, gpu.uuid, gpu.utilization_percent) == ("Tesla T4", "GPU-1234", 37)
+    assert gpu.power_watts == pytest.approx(31.5) and gpu.power_limit_watts == pytest.approx(70)
+    assert gpu.memory_used_bytes == 2 * 2**30 and gpu.memory_total_bytes == 16 * 2**30
+    assert gpu.temperature_c is None
+
+
+def test_read_nvml_explains_a_missing_driver(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_init=True))
+    view = d2lgpu.read_nvml()
+    assert view.gpus == ()
+    assert "NVML cannot start" in view.error and "no driver" in view.error
+
+
+def test_read_nvml_without_pynvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
+    view = d2lgpu.read_nvml()
+    assert "pip install nvidia-ml-py" in view.error
+
+
+# --- the environment report -----------------------------------------------------------------
+
+
+def test_environment_report_matches_torch():
+    env_report = d2lgpu.environment_report()
+    assert isinstance(env_report, EnvironmentReport)
+    assert env_report.torch_version == torch.__version__
+    assert env_report.cuda_build == torch.version.cuda
+    assert len(env_report.gpus) == _torch_gpu_count()
+    assert env_report.diagnosis.usable == (_torch_gpu_count() > 0)
+    if torch.version.cuda is None:
+        assert env_report.cudnn_version is None
+
+
+def test_environment_report_without_pycuda(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pycuda", None)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", None)
+    env_report = d2lgpu.environment_report()
+    assert "pycuda is not installed" in env_report.pycuda_status
+    assert "pip install pycuda" in env_report.pycuda_status
+
+
+def test_format_cudnn_versions():
+    assert report._format_cudnn(92400) == "9.24.0"  # cuDNN 9: major*10000 + minor*100 + patch
+    assert report._format_cudnn(8902) == "8.9.2"  # cuDNN 8: major*1000 + minor*100 + patch
+
+
+def _fake_gpu(capability, torch_says_bf16, pycuda_attributes=None) -> GpuInfo:
+    return GpuInfo(
+        index=0, name="Fake GPU", capability=capability, total_memory_bytes=16 * 2**30,
+        free_memory_bytes=15 * 2**30, multiprocessor_count=40,
+        native_formats=tuple(d2lgpu.native_tensor_core_formats(capability)),
+        torch_says_bf16=torch_says_bf16, uuid="GPU-0", pycuda_attributes=pycuda_attributes,
+    )
+
+
+def _report_with(gpu: GpuInfo) -> EnvironmentReport:
+    real = d2lgpu.environment_report()
+    return EnvironmentReport(
+        python_version=real.python_version, platform=real.platform,
+        torch_version=real.torch_version, cuda_build="12.4", cudnn_version="9.1.0",
+        nccl_version="2.21.5", visible_devices_env="0", gpus=(gpu,),
+        nvml=NvmlView("550.54", (), None), pycuda_status="pycuda is installed",
+        diagnosis=diagnose_cuda(cuda_build="12.4", visible_devices_env="0", driver_found=True,
+                                device_count=1),
+    )
+
+
+def test_format_report_warns_about_emulated_bf16_on_a_turing_gpu():
+    gpu = _fake_gpu((7, 5), torch_says_bf16=True, pycuda_attributes={"WARP_SIZE": 32, "X": 1})
+    assert gpu.bf16_emulated
+    text = d2lgpu.format_report(_report_with(gpu))
+    assert "compute capability 7.5, 40 SMs" in text
+    assert "Tensor Core formats (native): fp16" in text
+    assert "bf16 runs emulated" in text
+    assert "15.00 GiB free of 16.00 GiB" in text
+    assert "pycuda: WARP_SIZE=32" in text and "X=1" not in text
+    assert "CUDA_VISIBLE_DEVICES: '0'" in text
+    assert "CUDA is usable: 1 GPU(s) visible." in text
+
+
+def test_format_report_no_warning_on_an_ampere_gpu():
+    gpu = _fake_gpu((8, 0), torch_says_bf16=True)
+    assert not gpu.bf16_emulated
+    text = d2lgpu.format_report(_report_with(gpu))
+    assert "fp16, bf16, tf32" in text
+    assert "emulated" not in text
+
+
+def test_format_report_of_this_machine():
+    env_report = d2lgpu.environment_report()
+    text = d2lgpu.format_report(env_report)
+    assert f"torch {torch.__version__}" in text
+    assert f"GPUs visible to torch: {_torch_gpu_count()}" in text
+    assert text.rstrip().endswith(str(env_report.diagnosis).rstrip())
+
+
+def test_print_report(capsys):
+    d2lgpu.print_report()
+    assert "-- diagnosis --" in capsys.readouterr().out
+
+
+def test_setup_summary():
+    summary = d2lgpu.setup_summary()
+    devices = ", ".join(str(d) for d in d2lgpu.try_all_gpus())
+    assert f"torch {torch.__version__}" in summary
+    assert f"try_all_gpus() -> [{devices}]" in summary
+    assert f"GPUs: {_torch_gpu_count()}" in summary
+
+
+# --- GPU memory -------------------------------------------------------------------------------
+
+
+def test_gpu_memory_refuses_the_cpu():
+    with pytest.raises(ValueError, match="try_gpu"):
+        d2lgpu.gpu_memory("cpu")
+
+
+def test_gpu_memory_refuses_a_missing_gpu():
+    with pytest.raises(RuntimeError, match="cuda:99 does not exist"):
+        d2lgpu.gpu_memory(99)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_follows_the_caching_allocator():
+    device = d2lgpu.gpu(0)
+    torch.cuda.empty_cache()
+    before = d2lgpu.gpu_memory(device)
+    nbytes = 64 * 2**20
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    held = d2lgpu.gpu_memory(device)
+    assert held.allocated - before.allocated >= nbytes
+    assert held.reserved >= held.allocated
+    assert held.peak_allocated >= held.allocated
+    assert 0 < held.free <= held.total
+    del x
+    freed = d2lgpu.gpu_memory(device)
+    assert freed.allocated == before.allocated
+    assert freed.reserved == held.reserved  # the allocator keeps the block cached
+    torch.cuda.empty_cache()
+    assert d2lgpu.gpu_memory(device).reserved < held.reserved
+
+
+# --- on a real GPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_environment_report_on_a_gpu():
+    env_report = d2lgpu.environment_report()
+    assert env_report.diagnosis.usable and env_report.diagnosis.problems == ()
+    assert env_report.cuda_build is not None and env_report.cudnn_version is not None
+    assert len(env_report.gpus) == torch.cuda.device_count()
+    for gpu in env_report.gpus:
+        assert gpu.name == torch.cuda.get_device_name(gpu.index) and gpu.name
+        assert isinstance(gpu.capability, tuple) and len(gpu.capability) == 2
+        assert all(isinstance(part, int) for part in gpu.capability)
+        assert gpu.capability == torch.cuda.get_device_capability(gpu.index)
+        assert 0 < gpu.free_memory_bytes <= gpu.total_memory_bytes
+        assert gpu.multiprocessor_count > 0
+        assert list(gpu.native_formats) == d2lgpu.native_tensor_core_formats(gpu.capability)
+    assert env_report.nvml.error is None
+    assert len(env_report.nvml.gpus) >= len(env_report.gpus)
+    text = d2lgpu.format_report(env_report)
+    for gpu in env_report.gpus:
+        assert f"cuda:{gpu.index}  {gpu.name}" in text
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== d2lgpu environment report ==")
+    assert "-- diagnosis --" in out
+
+
+def test_cli_info_json(capsys):
+    assert main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["torch_version"] == torch.__version__
+    assert data["diagnosis"]["usable"] == (_torch_gpu_count() > 0)
+
+
+def test_cli_require_gpu(capsys):
+    expected = 0 if _torch_gpu_count() else 1
+    assert main(["info", "--require-gpu"]) == expected
+
+
+def test_cli_needs_a_command(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "usage: d2lgpu" in err and "a command is required" in err
+
+
+def test_cli_unknown_command(capsys):
+    assert main(["bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: d2lgpu" in err and "invalid choice: 'bogus'" in err
+
+
+def test_cli_unknown_option(capsys):
+    assert main(["info", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_cli_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"d2lgpu {d2lgpu.__version__}"
+
+
+def test_python_dash_m_d2lgpu_info():
+    result = subprocess.run(
+        [sys.executable, "-m", "d2lgpu", "info"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "== d2lgpu environment report ==" in result.stdout
+    diagnosis = d2lgpu.diagnose_this_machine()
+    assert str(diagnosis) in result.stdout
