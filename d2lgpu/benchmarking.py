@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,6 +34,8 @@ __all__ = [
     "Timing",
     "TransferRow",
     "FUSED_TENSOR_PASSES",
+    "MULTIPLY_ADD_HEADERS",
+    "MULTIPLY_ADD_VARIANTS",
     "UNFUSED_TENSOR_PASSES",
     "benchmark_autorange",
     "compile_or_reason",
@@ -45,6 +47,8 @@ __all__ = [
     "multiply_add_benchmark",
     "multiply_add_bytes",
     "multiply_add_fused",
+    "multiply_add_sweep",
+    "multiply_add_table",
     "multiply_add_unfused",
     "resolve_device",
     "run_multiply_add",
@@ -140,11 +144,11 @@ def tflops(flops: float, seconds: float) -> float:
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain-text table with right-aligned columns (floats shown with 3 significant digits)."""
+    """Plain-text table with right-aligned columns (floats: 3 significant digits, at least units)."""
 
     def cell(value: Any) -> str:
         if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
+            return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
         return str(value)
 
     text = [[str(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
@@ -428,6 +432,90 @@ def multiply_add_benchmark(
         gbps=achieved,
         share_of_copy_peak=achieved / copy_gbps,
     )
+
+
+# name -> (step function, tensor-sized memory passes per step)
+MULTIPLY_ADD_VARIANTS: dict[str, tuple[StepFn, int]] = {
+    "unfused": (multiply_add_unfused, UNFUSED_TENSOR_PASSES),
+    "fused": (multiply_add_fused, FUSED_TENSOR_PASSES),
+}
+
+
+def multiply_add_sweep(
+    devices: Sequence[DeviceLike],
+    sizes: Sequence[int],
+    *,
+    steps: int,
+    copy_gbps: Mapping[str, float],
+    variants: Mapping[str, tuple[StepFn, int]] = MULTIPLY_ADD_VARIANTS,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> list[ElementwiseRow]:
+    """:func:`multiply_add_benchmark` for every device, size and variant.
+
+    ``copy_gbps`` maps ``str(device)`` (e.g. ``'cpu'``, ``'cuda:0'``) to the
+    device's measured copy bandwidth; ``variants`` maps a name to a step
+    function and its tensor passes (default: unfused and fused).
+    """
+    rows = []
+    for device in devices:
+        dev = resolve_device(device)
+        if dev is None or str(dev) not in copy_gbps:
+            raise ValueError(
+                f"no copy bandwidth for {dev}; measure it with measure_copy_bandwidth({dev!r}) "
+                f"and pass copy_gbps={{'{dev}': ...}}"
+            )
+        for numel in sizes:
+            for name, (step, passes) in variants.items():
+                rows.append(
+                    multiply_add_benchmark(
+                        dev,
+                        numel,
+                        steps=steps,
+                        step=step,
+                        tensor_passes=passes,
+                        copy_gbps=copy_gbps[str(dev)],
+                        variant=name,
+                        warmup=warmup,
+                        repeats=repeats,
+                    )
+                )
+    return rows
+
+
+MULTIPLY_ADD_HEADERS = (
+    "floats",
+    "variant",
+    "device",
+    "ms",
+    "speed-up vs cpu",
+    "GB/s",
+    "% of copy peak",
+)
+
+
+def multiply_add_table(rows: Sequence[ElementwiseRow]) -> list[list[Any]]:
+    """Table rows for :data:`MULTIPLY_ADD_HEADERS`, sorted by size, variant and device.
+
+    The speed-up divides the CPU time of the same size and variant by the
+    row's time ("-" when the sweep has no CPU row to compare with).
+    """
+    cpu_seconds = {(r.numel, r.variant): r.seconds for r in rows if r.device == "cpu"}
+    table = []
+    for r in sorted(rows, key=lambda r: (r.numel, r.variant, r.device)):
+        base = cpu_seconds.get((r.numel, r.variant))
+        table.append(
+            [
+                r.numel,
+                r.variant,
+                r.device,
+                r.seconds * 1e3,
+                base / r.seconds if base is not None else "-",
+                r.gbps,
+                100 * r.share_of_copy_peak,
+            ]
+        )
+    return table
 
 
 def compile_or_reason(

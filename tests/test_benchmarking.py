@@ -313,3 +313,38 @@ def test_host_to_device_rows_cover_every_size() -> None:
     assert [r.nbytes for r in rows] == [2**16, 2**20]
     assert all(r.pageable_gbps > 0 and r.pinned_gbps > 0 for r in rows)
     assert all(r.non_blocking_call_seconds >= 0 for r in rows)
+
+
+def test_sweep_covers_every_size_and_variant_and_table_divides_by_cpu() -> None:
+    rows = bm.multiply_add_sweep(
+        ["cpu"], [64, 256], steps=2, copy_gbps={"cpu": 5.0}, warmup=0, repeats=1
+    )
+    assert {(r.numel, r.variant) for r in rows} == {
+        (n, v) for n in (64, 256) for v in bm.MULTIPLY_ADD_VARIANTS
+    }
+    table = bm.multiply_add_table(rows)
+    assert len(table) == len(rows)
+    assert [line[0] for line in table] == sorted(line[0] for line in table)
+    for line in table:
+        assert len(line) == len(bm.MULTIPLY_ADD_HEADERS)
+        assert line[4] == pytest.approx(1.0)  # the CPU compared with itself
+    by_key = {(r.numel, r.variant): r for r in rows}
+    first = by_key[(table[0][0], table[0][1])]
+    assert table[0][3] == pytest.approx(first.seconds * 1e3)
+    assert table[0][6] == pytest.approx(100 * first.gbps / 5.0)
+
+
+def test_table_speed_up_is_cpu_time_over_device_time() -> None:
+    common = dict(numel=8, variant="fused", steps=1, gbps=1.0, share_of_copy_peak=0.5)
+    rows = [
+        bm.ElementwiseRow(device="cpu", seconds=0.4, **common),
+        bm.ElementwiseRow(device="cuda:0", seconds=0.1, **common),
+    ]
+    speedups = {line[2]: line[4] for line in bm.multiply_add_table(rows)}
+    assert speedups == {"cpu": pytest.approx(1.0), "cuda:0": pytest.approx(4.0)}
+    assert bm.multiply_add_table(rows[1:])[0][4] == "-"  # nothing to compare with
+
+
+def test_sweep_without_copy_bandwidth_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="measure_copy_bandwidth"):
+        bm.multiply_add_sweep(["cpu"], [64], steps=1, copy_gbps={})
