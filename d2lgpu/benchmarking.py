@@ -144,7 +144,7 @@ def tflops(flops: float, seconds: float) -> float:
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain-text table with right-aligned columns (floats: 3 significant digits, at least units)."""
+    """Plain-text table, columns right-aligned; floats get 3 significant digits."""
 
     def cell(value: Any) -> str:
         if isinstance(value, float):
