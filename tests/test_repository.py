@@ -1,0 +1,157 @@
+"""Checks on the repository as a whole: notebooks, lint, README vs CI, conda vs pip."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="on Python 3.10 reading TOML needs tomli")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+# The first code cell of every notebook, character for character.
+SETUP_CELL = """\
+# On Colab or Kaggle the course package is not installed yet: install it from the
+# course repository. Wherever d2lgpu is already importable this cell does nothing.
+import importlib.util
+import subprocess
+import sys
+
+COURSE_REPO = "https://github.com/d2lgpu/d2lgpu"
+if importlib.util.find_spec("d2lgpu") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{COURSE_REPO}"], check=True)
+"""
+
+IGNORE_OUTPUT_TAG = "nbval-ignore-output"
+
+
+def _cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text(encoding="utf-8"))["cells"]
+
+
+def _source(cell: dict) -> str:
+    source = cell["source"]
+    return source if isinstance(source, str) else "".join(source)
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "no notebooks found under notebooks/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_first_code_cell_is_the_setup_cell(path):
+    code_cells = [cell for cell in _cells(path) if cell["cell_type"] == "code"]
+    assert code_cells, f"{path.name} has no code cell"
+    first = code_cells[0]
+    assert _source(first).rstrip("\n") + "\n" == SETUP_CELL, (
+        f"{path.name}: the first code cell must be the canonical setup cell"
+    )
+    assert first.get("outputs", []) == [], f"{path.name}: the setup cell must have no output"
+
+
+def test_setup_cell_installs_from_the_repository_in_pyproject():
+    repository = PYPROJECT["project"]["urls"]["Repository"]
+    match = re.search(r'^COURSE_REPO = "([^"]+)"$', SETUP_CELL, re.MULTILINE)
+    assert match is not None
+    assert match.group(1) == repository
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_has_no_errors_and_enough_checked_outputs(path):
+    checked = 0
+    for index, cell in enumerate(_cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        outputs = cell.get("outputs", [])
+        errors = [o for o in outputs if o.get("output_type") == "error"]
+        assert not errors, f"{path.name}, cell {index}: committed with an error output {errors[0]}"
+        if outputs and IGNORE_OUTPUT_TAG not in cell.get("metadata", {}).get("tags", []):
+            checked += 1
+    assert checked >= 3, (
+        f"{path.name}: only {checked} code cell(s) with outputs that nbval checks; "
+        f"at least 3 must carry outputs not tagged {IGNORE_OUTPUT_TAG}"
+    )
+
+
+def test_ruff_passes():
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (pip install -e '.[dev]' installs it)")
+    paths = [p for p in ("d2lgpu", "tests", "notebooks", "benchmarks") if (REPO_ROOT / p).exists()]
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", *paths],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = REPO_ROOT / "README.md"
+    assert readme.exists(), "README.md is missing; it must show the test command that CI runs"
+    commands = [
+        line.strip()
+        for line in readme.read_text(encoding="utf-8").splitlines()
+        if line.strip().startswith("python3 -m venv") and line.strip().endswith("pytest")
+    ]
+    assert commands, (
+        "README.md has no line that starts with `python3 -m venv` and ends with `pytest` "
+        "(the test command)"
+    )
+    ci_script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    for command in commands:
+        assert command in ci_script, f"README's test command is not in .ci/run: {command}"
+
+
+def _requirement_name(requirement: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    assert match is not None, f"cannot read a package name from {requirement!r}"
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def _requirement_spec(requirement: str) -> str:
+    """The version part of a requirement (``>=2.1`` of ``torch>=2.1``), spaces removed."""
+    return re.sub(r"\s+", "", re.sub(r"^\s*[A-Za-z0-9][A-Za-z0-9._-]*", "", requirement))
+
+
+def _pip_section_of_environment_yml() -> list[str]:
+    """The entries under `- pip:` in environment.yml (a plain reader: no YAML library needed)."""
+    lines = (REPO_ROOT / "environment.yml").read_text(encoding="utf-8").splitlines()
+    entries: list[str] = []
+    pip_indent: int | None = None
+    for line in lines:
+        stripped = line.split("#", 1)[0].rstrip()
+        if not stripped.strip():
+            continue
+        indent = len(stripped) - len(stripped.lstrip())
+        if stripped.strip() == "- pip:":
+            pip_indent = indent
+            continue
+        if pip_indent is not None:
+            if indent <= pip_indent:
+                break
+            assert stripped.strip().startswith("- "), f"unexpected line in the pip section: {line}"
+            entries.append(stripped.strip()[2:].strip().strip("'\""))
+    assert pip_indent is not None, "environment.yml has no `- pip:` section"
+    return entries
+
+
+def test_environment_yml_matches_pip_dependencies():
+    project = PYPROJECT["project"]
+    extras = project["optional-dependencies"]
+    pip_requirements = project["dependencies"] + extras["course"] + extras["dev"]
+    expected = {_requirement_name(r): _requirement_spec(r) for r in pip_requirements}
+    conda_entries = [e for e in _pip_section_of_environment_yml() if not e.startswith("-e ")]
+    listed = {_requirement_name(e): _requirement_spec(e) for e in conda_entries}
+    expected.pop("pycuda", None)
+    listed.pop("pycuda", None)
+    assert sorted(listed) == sorted(expected), "environment.yml and pyproject.toml differ"
+    assert listed == expected, "environment.yml and pyproject.toml ask for different versions"
+    assert "-e ." in _pip_section_of_environment_yml(), "environment.yml must install `-e .`"
