@@ -57,7 +57,8 @@ def main() -> None:
         else:
             variants["compiled"] = (compiled, bm.FUSED_TENSOR_PASSES)
 
-    print(f"torch {torch.__version__}; devices: {', '.join(str(d) for d in devices)}")
+    names = ", ".join(str(d) for d in devices)
+    print(f"torch {torch.__version__}; devices: {names}; CPU threads: {torch.get_num_threads()}")
     print(f"{steps} steps per loop, median of {repeats} runs, float32")
     print(
         "copy bandwidth (read + write): "
