@@ -1,0 +1,438 @@
+"""Train on Fashion-MNIST with DistributedDataParallel: the torchrun entry point of chapter 5.
+
+One machine, two processes (GPUs when there are two, CPU and gloo otherwise)::
+
+    torchrun --standalone --nproc_per_node=2 -m d2lgpu.ddp_train --epochs 2
+
+Two machines (run the same line on both, with ``--node-rank`` 0 and 1, and the
+address of machine 0 in ``--rdzv-endpoint``)::
+
+    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=1 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 -m d2lgpu.ddp_train
+
+What every rank does, top to bottom in :func:`train_ddp`: same seed, same
+initial model (DDP also broadcasts rank 0's weights); a ``DistributedSampler``
+gives each rank a different slice of a shuffle that changes every epoch
+(``set_epoch``); DDP averages the gradients across ranks during ``backward``;
+losses and accuracies are summed over ranks with one all-reduce per epoch;
+rank 0 alone prints and writes the snapshot (model, optimizer, epochs done,
+history), atomically, after every epoch. With a snapshot path, a restarted job
+(``torchrun --max-restarts=N`` restarts all workers after a failure) continues
+from the last completed epoch instead of starting over.
+
+``--batch-size`` is the **global** batch: every step processes that many
+examples in total, ``batch_size / world_size`` on each rank, so the same
+command trains the same model whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from d2lgpu.config import quick_mode
+from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, all_reduce_sum, process_group
+
+__all__ = [
+    "MODELS",
+    "DDPConfig",
+    "DDPResult",
+    "build_model",
+    "ddp_worker",
+    "main",
+    "strip_batchnorm",
+    "train_ddp",
+]
+
+#: Model names accepted by ``--model``. ``small_cnn_nobn`` is small_cnn without its
+#: batch-norm layers: batch norm normalises with statistics of the *local* batch, so
+#: two ranks on half batches compute slightly different activations than one process
+#: on the whole batch; without it DDP matches single-process training to rounding error.
+MODELS = ("resnet18", "small_cnn", "small_cnn_nobn")
+
+#: Tensors a caller may pass instead of Fashion-MNIST:
+#: (train images, train labels, test images, test labels).
+Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class DDPConfig:
+    """Everything that defines a run; the command-line flags map one to one onto it."""
+
+    epochs: int = 2
+    #: Global batch size, split evenly over the ranks.
+    batch_size: int = 256
+    lr: float = 0.1
+    model: str = "small_cnn"
+    #: Where FashionMNIST/raw lives; None means d2lgpu.data_root().
+    data_root: str | None = None
+    #: Snapshot file to resume from and to write after each epoch; None: no snapshots.
+    snapshot: str | None = None
+    seed: int = 0
+    #: Quick-mode data subset; None follows D2LGPU_QUICK.
+    quick: bool | None = None
+    #: Rank 0 prints one line per epoch.
+    log: bool = True
+    #: For demonstrating restarts: the last rank raises after this epoch's snapshot,
+    #: on the first attempt only (torchrun counts attempts in TORCHELASTIC_RESTART_COUNT).
+    fail_after_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+
+
+@dataclass
+class DDPResult:
+    """What a run returns (on rank 0 in full; the same numbers on every rank).
+
+    The per-epoch lists cover every epoch of the run, including those done
+    before a restart (they come back from the snapshot). ``state_dict`` is the
+    final model on the CPU, for comparing runs.
+    """
+
+    world_size: int
+    backend: str
+    #: Epochs that were already done when this process started (0 without a snapshot).
+    resumed_from_epoch: int
+    train_loss: list[float] = field(default_factory=list)
+    train_acc: list[float] = field(default_factory=list)
+    test_acc: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)
+    examples_per_second: list[float] = field(default_factory=list)
+    state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def epochs_done(self) -> int:
+        return len(self.train_loss)
+
+
+def strip_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every batch-norm layer of ``module`` by ``nn.Identity``, in place; returns it."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            setattr(module, name, nn.Identity())
+        else:
+            strip_batchnorm(child)
+    return module
+
+
+def build_model(name: str) -> nn.Module:
+    """A fresh model by name (see :data:`MODELS`), for 1-channel 28x28 images and 10 classes."""
+    from d2lgpu.models import resnet18, small_cnn
+
+    if name == "resnet18":
+        return resnet18()
+    if name == "small_cnn":
+        return small_cnn()
+    if name == "small_cnn_nobn":
+        return strip_batchnorm(small_cnn())
+    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+def _load_tensors(cfg: DDPConfig) -> Tensors4:
+    from d2lgpu.data import fashion_mnist_tensors
+
+    train_x, train_y = fashion_mnist_tensors(train=True, root=cfg.data_root, quick=cfg.quick)
+    test_x, test_y = fashion_mnist_tensors(train=False, root=cfg.data_root, quick=cfg.quick)
+    return train_x, train_y, test_x, test_y
+
+
+def _as_float_images(images: torch.Tensor) -> torch.Tensor:
+    # uint8 pixels become floats in [0, 1], as torchvision's ToTensor does.
+    return images.float() / 255 if images.dtype == torch.uint8 else images.float()
+
+
+def _save_snapshot(path: Path, state: dict) -> None:
+    """Write to a temporary file and rename it: a crash mid-write leaves the old snapshot intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_snapshot(path: Path | None, ctx: DistContext | None) -> dict | None:
+    """Rank 0 reads the snapshot, if any, and sends it to every rank.
+
+    Only rank 0 needs to see the file, so it works when the other machines of a
+    multi-node job have no shared file system.
+    """
+    snapshot = None
+    if (ctx is None or ctx.is_main) and path is not None and path.exists():
+        snapshot = torch.load(path, map_location="cpu", weights_only=False)
+    if ctx is not None and ctx.world_size > 1:
+        box = [snapshot]
+        dist.broadcast_object_list(box, src=0)
+        snapshot = box[0]
+    return snapshot
+
+
+def train_ddp(
+    cfg: DDPConfig,
+    ctx: DistContext | None = None,
+    data: Tensors4 | None = None,
+    device: torch.device | None = None,
+) -> DDPResult:
+    """Train ``cfg.model`` with DDP inside the process group ``ctx``.
+
+    ``ctx=None`` trains in this one process without a process group or DDP,
+    with the same sampler, seed and batches as a one-rank job: the baseline
+    that DDP must reproduce. ``data`` replaces Fashion-MNIST (tests use small
+    synthetic tensors). ``device`` defaults to ``ctx.device`` (CPU without ctx).
+    """
+    world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
+    is_main = rank == 0
+    device = device or (ctx.device if ctx is not None else torch.device("cpu"))
+    if cfg.batch_size % world_size:
+        raise ValueError(
+            f"batch_size={cfg.batch_size} is the global batch and must be divisible by the "
+            f"{world_size} ranks: use a multiple of {world_size}"
+        )
+    local_batch = cfg.batch_size // world_size
+
+    train_x, train_y, test_x, test_y = data if data is not None else _load_tensors(cfg)
+    train_set = TensorDataset(_as_float_images(train_x), train_y)
+    # Evaluation: every rank takes every world_size-th test example; no padding,
+    # so the summed counts are exactly the test set.
+    test_set = Subset(
+        TensorDataset(_as_float_images(test_x), test_y), range(rank, len(test_y), world_size)
+    )
+    # The same permutation on every rank (seed + epoch); rank r takes positions r, r+W, ...
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed
+    )
+    train_loader = DataLoader(train_set, batch_size=local_batch, sampler=sampler)
+    test_loader = DataLoader(test_set, batch_size=local_batch)
+
+    snapshot_path = Path(cfg.snapshot) if cfg.snapshot else None
+    snapshot = _load_snapshot(snapshot_path, ctx)
+    if snapshot is not None and snapshot["config"]["model"] != cfg.model:
+        raise ValueError(
+            f"snapshot {snapshot_path} holds a {snapshot['config']['model']!r} model but "
+            f"this run trains {cfg.model!r}: pass a different --snapshot path or delete it"
+        )
+
+    torch.manual_seed(cfg.seed)  # the same initial weights everywhere
+    model = build_model(cfg.model).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    loss_fn = nn.CrossEntropyLoss()
+
+    history: dict[str, list[float]] = {
+        k: []
+        for k in ("train_loss", "train_acc", "test_acc", "epoch_seconds", "examples_per_second")
+    }
+    start_epoch = 0
+    if snapshot is not None:
+        model.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+        start_epoch = snapshot["epochs_done"]
+        history = snapshot["history"]
+        if is_main and cfg.log:
+            print(f"resuming from {snapshot_path} after epoch {start_epoch}", flush=True)
+
+    # DDP registers hooks that all-reduce gradient buckets while backward is still running.
+    net: nn.Module = model
+    if ctx is not None:
+        net = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    for epoch in range(start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
+        net.train()
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), device=device)
+        seen = 0
+        for X, y in train_loader:
+            X, y = X.to(device), y.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            logits = net(X)
+            loss = loss_fn(logits, y)
+            loss.backward()  # with DDP, gradients arrive here already averaged over ranks
+            optimizer.step()
+            loss_sum += loss.detach() * len(y)
+            correct += (logits.argmax(dim=1) == y).sum()
+            seen += len(y)
+        test_correct, test_seen = _count_correct(net, test_loader, device)
+        stats = [loss_sum.item(), correct.item(), seen, test_correct, test_seen]
+        if ctx is not None:
+            stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
+        seconds = time.perf_counter() - started
+        history["train_loss"].append(stats[0] / stats[2])
+        history["train_acc"].append(stats[1] / stats[2])
+        history["test_acc"].append(stats[3] / max(stats[4], 1))
+        history["epoch_seconds"].append(seconds)
+        history["examples_per_second"].append(stats[2] / seconds)
+        if is_main and cfg.log:
+            print(
+                f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
+                f"train acc {history['train_acc'][-1]:.3f}, "
+                f"test acc {history['test_acc'][-1]:.3f}, "
+                f"{seconds:.1f} s, {history['examples_per_second'][-1]:.0f} examples/s "
+                f"({world_size} rank(s), {ctx.backend if ctx else 'no process group'})",
+                flush=True,
+            )
+        if is_main and snapshot_path is not None:
+            _save_snapshot(
+                snapshot_path,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "epochs_done": epoch + 1,
+                    "history": history,
+                    "config": asdict(cfg),
+                },
+            )
+        if ctx is not None:
+            dist.barrier()  # nobody moves on (or fails, below) before the snapshot is on disk
+        _maybe_fail(cfg, epoch + 1, rank, world_size)
+
+    return DDPResult(
+        world_size=world_size,
+        backend=ctx.backend if ctx is not None else "none",
+        resumed_from_epoch=start_epoch,
+        state_dict={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        **history,
+    )
+
+
+def _count_correct(net: nn.Module, loader: DataLoader, device: torch.device) -> tuple[int, int]:
+    net.eval()
+    correct = seen = 0
+    with torch.no_grad():
+        for X, y in loader:
+            X, y = X.to(device), y.to(device)
+            correct += int((net(X).argmax(dim=1) == y).sum())
+            seen += len(y)
+    return correct, seen
+
+
+def _maybe_fail(cfg: DDPConfig, epochs_done: int, rank: int, world_size: int) -> None:
+    """Simulate a crashed worker once, to show that a restarted job resumes from its snapshot."""
+    if cfg.fail_after_epoch != epochs_done or rank != world_size - 1:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return  # already restarted: the failure happened on an earlier attempt
+    raise RuntimeError(
+        f"simulated failure of rank {rank} after epoch {epochs_done} (--fail-after-epoch)"
+    )
+
+
+def ddp_worker(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    cfg: DDPConfig,
+    data: Tensors4 | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> DDPResult:
+    """Entry point for :func:`d2lgpu.distributed.launch`: join the group, train, leave."""
+    with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
+        return train_ddp(cfg, ctx, data)
+
+
+def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m d2lgpu.ddp_train",
+        description="Train on Fashion-MNIST with DistributedDataParallel.",
+    )
+    parser.add_argument("--epochs", type=int, default=DDPConfig.epochs)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DDPConfig.batch_size,
+        help="global batch size, split evenly over the ranks (default %(default)s)",
+    )
+    parser.add_argument("--lr", type=float, default=DDPConfig.lr)
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default=None,
+        help="default: small_cnn in quick mode, resnet18 otherwise",
+    )
+    parser.add_argument("--data-root", default=None, help="directory holding FashionMNIST/raw")
+    parser.add_argument(
+        "--snapshot",
+        default=None,
+        help="resume from this file if it exists, and rewrite it after every epoch",
+    )
+    parser.add_argument("--seed", type=int, default=DDPConfig.seed)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick",
+        dest="quick",
+        action="store_true",
+        default=None,
+        help="small balanced data subset (default: follow D2LGPU_QUICK)",
+    )
+    mode.add_argument("--full", dest="quick", action="store_false", help="the whole data set")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a collective waits for the other ranks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--fail-after-epoch",
+        type=int,
+        default=None,
+        help="make the last rank crash once after this epoch (to try --max-restarts)",
+    )
+    args = parser.parse_args(argv)
+    quick = quick_mode() if args.quick is None else args.quick
+    cfg = DDPConfig(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        model=args.model or ("small_cnn" if quick else "resnet18"),
+        data_root=args.data_root,
+        snapshot=args.snapshot,
+        seed=args.seed,
+        quick=quick,
+        fail_after_epoch=args.fail_after_epoch,
+    )
+    return cfg, args.timeout
+
+
+def main(argv: Sequence[str] | None = None) -> DDPResult:
+    """Command line: under torchrun every process joins the group; run directly, it trains alone."""
+    cfg, timeout_s = _parse_args(argv)
+    if "RANK" not in os.environ:
+        print("not started by torchrun: training in this one process, without a process group")
+        return train_ddp(cfg, None)
+    with process_group(timeout_s=timeout_s) as ctx:
+        if ctx.is_main:
+            print(
+                f"{ctx.world_size} ranks, backend {ctx.backend}, model {cfg.model}, "
+                f"global batch {cfg.batch_size} ({cfg.batch_size // ctx.world_size} per rank)",
+                flush=True,
+            )
+        result = train_ddp(cfg, ctx)
+        if ctx.is_main:
+            print(
+                f"done: {result.epochs_done} epochs, final test acc {result.test_acc[-1]:.3f}",
+                flush=True,
+            )
+        return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Is the distributed setup healthy? Every rank all-reduces, waits at a barrier, and reports.
+
+Run it before a long job, on one machine or several, with the same torchrun
+flags the job will use::
+
+    torchrun --standalone --nproc_per_node=2 -m d2lgpu.healthcheck
+
+Each rank contributes ``rank + 1`` to an all-reduce (the sum must be
+``W (W + 1) / 2`` on every rank, which proves every rank's number arrived
+everywhere), then waits at a barrier, then sends rank 0 a line about itself
+(host, process id, device). Rank 0 prints the versions, the backend and one
+OK (or what was wrong) per rank. A rank that never arrives makes the others
+fail after ``--timeout`` seconds instead of hanging; the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from d2lgpu.distributed import DistContext, process_group
+
+__all__ = ["health_check", "healthcheck_worker", "main"]
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
+    """Run the checks in the current process group; every rank gets (all OK?, report lines).
+
+    The lines are the same on every rank (gathered from all of them), so rank 0
+    can print them and every rank can exit with the same status.
+    """
+    expected = ctx.world_size * (ctx.world_size + 1) / 2
+    total = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    got = total.item()
+    dist.barrier()
+    mine = {
+        "rank": ctx.rank,
+        "local_rank": ctx.local_rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": _device_name(ctx.device),
+        "all_reduce": got,
+    }
+    everyone: list[dict | None] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
+    lines = [
+        f"python {platform.python_version()}, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda or 'n/a'}, NCCL {nccl}",
+        f"backend {ctx.backend}, world size {ctx.world_size}, "
+        f"all_reduce of rank+1 must give {expected:g}",
+    ]
+    healthy = True
+    for info in everyone:
+        assert info is not None  # all_gather_object filled every slot
+        ok = info["all_reduce"] == expected
+        healthy &= ok
+        verdict = "OK" if ok else f"WRONG: all_reduce gave {info['all_reduce']:g}"
+        lines.append(
+            f"rank {info['rank']} (local {info['local_rank']}) on {info['host']} "
+            f"pid {info['pid']}, {info['device']}: all_reduce {verdict}, barrier OK"
+        )
+    return healthy, lines
+
+
+def healthcheck_worker(
+    rank: int, world_size: int, master_port: int, timeout_s: float = 60.0
+) -> tuple[bool, list[str]]:
+    """Entry point for :func:`d2lgpu.distributed.launch` (one machine, spawned processes)."""
+    with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
+        return health_check(ctx)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line for torchrun; returns the exit status (0 healthy, 1 not)."""
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m d2lgpu.healthcheck", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the other ranks (default %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK", "?")
+    try:
+        with process_group(timeout_s=args.timeout) as ctx:
+            healthy, lines = health_check(ctx)
+            if ctx.is_main:
+                print("\n".join(lines))
+                print("HEALTHY" if healthy else "UNHEALTHY: see the WRONG lines above", flush=True)
+    except Exception as exc:  # report what broke on this rank, then fail the job
+        print(
+            f"rank {rank}: health check FAILED: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

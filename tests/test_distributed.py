@@ -1,0 +1,289 @@
+"""torch.distributed on CPU (gloo): process groups, the spawn launcher, DDP training, torchrun.
+
+The multi-process tests start real processes, so each costs seconds (mostly the
+import of torch in every new process). Every launch and subprocess has a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from d2lgpu.ddp_train import DDPConfig, ddp_worker, strip_batchnorm, train_ddp
+from d2lgpu.distributed import (
+    DistContext,
+    RemoteTraceback,
+    all_reduce_sum,
+    choose_backend,
+    faulty_worker,
+    find_free_port,
+    hogwild_train,
+    launch,
+    process_group,
+)
+from d2lgpu.healthcheck import health_check
+
+# Child processes: one intra-op thread each, so two ranks do not fight over two cores.
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "D2LGPU_QUICK": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _synthetic_images(n_train: int = 96, n_test: int = 40, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (n_train + n_test, 1, 28, 28), generator=gen, dtype=torch.uint8)
+    y = torch.randint(0, 10, (n_train + n_test,), generator=gen)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# --- backend choice and process groups (in this process) ------------------------------
+
+
+def test_choose_backend_needs_one_gpu_per_local_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert choose_backend(2) == "nccl"
+    assert choose_backend(3) == "gloo"  # a third rank would share a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert choose_backend(1) == "gloo"
+    with pytest.raises(ValueError, match="at least 1"):
+        choose_backend(0)
+
+
+def test_process_group_without_torchrun_env_names_the_fix(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"), process_group():
+        pass
+    with pytest.raises(ValueError, match="find_free_port"), process_group(0, 2):
+        pass
+    with (
+        pytest.raises(ValueError, match="rank < world_size"),
+        process_group(2, 2, master_port=1234),
+    ):
+        pass
+    assert not dist.is_initialized()
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with (
+        pytest.raises(RuntimeError, match="one GPU per process"),
+        process_group(0, 1, master_port=find_free_port(), backend="nccl"),
+    ):
+        pass
+    assert not dist.is_initialized()
+
+
+def test_process_group_is_destroyed_even_after_an_error():
+    with (
+        pytest.raises(KeyError),
+        process_group(0, 1, master_port=find_free_port(), timeout_s=20) as ctx,
+    ):
+        assert dist.is_initialized() and ctx.backend == "gloo" and ctx.is_main
+        assert all_reduce_sum([1.5, 2.0], ctx) == [1.5, 2.0]  # one rank: the sum is itself
+        raise KeyError("boom")
+    assert not dist.is_initialized()
+
+
+def test_health_check_single_rank():
+    with process_group(0, 1, master_port=find_free_port(), timeout_s=20) as ctx:
+        healthy, lines = health_check(ctx)
+    assert healthy
+    assert "all_reduce of rank+1 must give 1" in lines[1]
+    assert "rank 0 (local 0)" in lines[2] and "all_reduce OK" in lines[2]
+
+
+def test_launch_refuses_functions_a_spawned_process_cannot_import():
+    def local_worker(rank: int) -> int:
+        return rank
+
+    with pytest.raises(ValueError, match="move it into a .py module"):
+        launch(local_worker, 2)
+    with pytest.raises(ValueError, match="nprocs"):
+        launch(faulty_worker, 0)
+
+
+# --- training in one process: snapshots and resume -------------------------------------
+
+
+def test_strip_batchnorm_removes_every_batchnorm():
+    from d2lgpu.models import small_cnn
+
+    net = strip_batchnorm(small_cnn())
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
+    assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_resume_from_snapshot_continues_the_epoch_count(tmp_path):
+    data = _synthetic_images()
+    snapshot = tmp_path / "snap.pt"
+    common = dict(batch_size=32, lr=0.1, model="small_cnn", log=False)
+    first = train_ddp(DDPConfig(epochs=1, snapshot=str(snapshot), **common), None, data)
+    assert first.epochs_done == 1 and first.resumed_from_epoch == 0
+    saved = torch.load(snapshot, weights_only=False)
+    assert saved["epochs_done"] == 1 and not snapshot.with_name("snap.pt.tmp").exists()
+
+    resumed = train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **common), None, data)
+    straight = train_ddp(DDPConfig(epochs=2, **common), None, data)
+    assert resumed.resumed_from_epoch == 1
+    assert resumed.epochs_done == 2  # history of epoch 1 came back from the snapshot
+    assert resumed.train_loss[0] == first.train_loss[0]
+    # Interrupted + resumed training is the same computation as uninterrupted training.
+    assert _max_abs_diff(resumed.state_dict, straight.state_dict) < 1e-6
+    assert torch.load(snapshot, weights_only=False)["epochs_done"] == 2
+
+    with pytest.raises(ValueError, match="holds a 'small_cnn' model"):
+        train_ddp(
+            DDPConfig(epochs=3, snapshot=str(snapshot), **{**common, "model": "resnet18"}),
+            None,
+            data,
+        )
+
+
+def test_global_batch_must_split_evenly():
+    # The check comes before any collective, so a context without a real group suffices.
+    ctx = DistContext(
+        rank=0,
+        world_size=3,
+        local_rank=0,
+        local_world_size=3,
+        backend="gloo",
+        device=torch.device("cpu"),
+    )
+    with pytest.raises(ValueError, match="multiple of 3"):
+        train_ddp(DDPConfig(batch_size=32), ctx, _synthetic_images())
+
+
+# --- several processes through the launcher --------------------------------------------
+
+
+def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch():
+    data = _synthetic_images()
+    # No batch norm: it normalises with local-batch statistics, which DDP does not average.
+    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False)
+    two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 30.0), timeout_s=180)
+    one = train_ddp(cfg, None, data)
+    assert two.world_size == 2 and two.backend == "gloo" and two.epochs_done == 2
+    diff = _max_abs_diff(two.state_dict, one.state_dict)
+    assert diff < 1e-5, f"DDP and single-process weights differ by {diff}"
+    # The parameters moved (otherwise equality would prove nothing).
+    init = DDPConfig(epochs=1, batch_size=32, lr=1e-12, model="small_cnn_nobn", log=False)
+    assert _max_abs_diff(train_ddp(init, None, data).state_dict, one.state_dict) > 1e-3
+    assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
+
+
+def test_a_failing_rank_ends_the_job_with_its_error_quickly():
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="rank 1 found a bad batch") as info:
+        # The process-group timeout (30 s) is the slow way out; launch must be faster.
+        launch(faulty_worker, 2, (2, find_free_port(), 1, 30.0), timeout_s=120)
+    elapsed = time.monotonic() - started
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback) and "in faulty_worker" in cause.text
+    assert any("raised by rank 1 of 2" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_hogwild_updates_the_shared_model_in_the_caller():
+    gen = torch.Generator().manual_seed(0)
+    true_w = torch.tensor([[2.0], [-3.0]])
+    X = torch.randn(400, 2, generator=gen)
+    y = X @ true_w + 1.0
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    before = model.weight.detach().clone()
+    hogwild_train(model, X, y, nprocs=2, epochs=3, batch_size=10, lr=0.1, timeout_s=120)
+    # Only the child processes trained; the caller's tensors changed because they are shared.
+    assert model.weight.is_shared()
+    assert not torch.equal(model.weight.detach(), before)
+    assert torch.allclose(model.weight.detach(), true_w.T, atol=0.05)
+    assert abs(model.bias.item() - 1.0) < 0.05
+
+
+def test_hogwild_refuses_mismatched_data():
+    with pytest.raises(ValueError, match="feature rows"):
+        hogwild_train(torch.nn.Linear(2, 1), torch.zeros(4, 2), torch.zeros(3, 1))
+
+
+# --- torchrun --------------------------------------------------------------------------
+
+
+def test_torchrun_two_processes_restart_and_resume(tmp_path):
+    snapshot = tmp_path / "snapshot.pt"
+    cmd = TORCHRUN + [
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "-m",
+        "d2lgpu.ddp_train",
+        "--quick",
+        "--epochs=2",
+        "--batch-size=64",
+        f"--snapshot={snapshot}",
+        "--fail-after-epoch=1",
+        "--timeout=60",
+    ]
+    proc = subprocess.run(cmd, env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "simulated failure of rank 1 after epoch 1" in out  # the first attempt crashed
+    assert f"resuming from {snapshot} after epoch 1" in proc.stdout  # the restart resumed
+    assert "epoch 1/2" in proc.stdout and "epoch 2/2" in proc.stdout
+    assert "2 ranks, backend gloo" in proc.stdout
+    saved = torch.load(snapshot, weights_only=False)
+    assert saved["epochs_done"] == 2 and len(saved["history"]["train_loss"]) == 2
+    assert saved["config"]["model"] == "small_cnn"  # quick mode picks the small model
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    port = find_free_port()
+    procs = [
+        subprocess.Popen(
+            TORCHRUN
+            + [
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc_per_node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-conf=timeout=60",
+                "-m",
+                "d2lgpu.ddp_train",
+                "--quick",
+                "--epochs=1",
+                "--batch-size=64",
+                "--timeout=60",
+            ],
+            env=CHILD_ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(outputs)[-4000:]
+    combined = "".join(outputs)
+    # One job of two ranks (one per "node"); only global rank 0 logs, whichever node it is on.
+    assert combined.count("2 ranks, backend gloo") == 1
+    assert combined.count("done: 1 epochs") == 1
