@@ -11,9 +11,9 @@ def _visible_gpus() -> int:
 def pytest_collection_modifyitems(config, items):
     gpus = _visible_gpus()
     for item in items:
-        if "gpu" in item.keywords and gpus < 1:
+        if item.get_closest_marker("gpu") and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
-        if "multigpu" in item.keywords and gpus < 2:
+        if item.get_closest_marker("multigpu") and gpus < 2:
             item.add_marker(
                 pytest.mark.skip(reason=f"needs at least 2 CUDA GPUs; this machine has {gpus}")
             )
