@@ -491,7 +491,15 @@ class EnvironmentReport:
     nvml: NvmlView
     pycuda_status: str
     diagnosis: CudaDiagnosis
-    mode: str = field(default_factory=describe_mode)
+    mode: str = field(default_factory=lambda: _describe_mode_or_error())
+
+
+def _describe_mode_or_error() -> str:
+    """The mode line, or the configuration error: a report must not fail on a bad setting."""
+    try:
+        return describe_mode()
+    except ValueError as exc:
+        return f"configuration error: {exc}"
 
 
 def _format_cudnn(version: int) -> str:
@@ -632,6 +640,11 @@ def format_report(report: EnvironmentReport) -> str:
             lines.append(
                 "  note: torch.cuda.is_bf16_supported() says True, but this GPU has no bf16 "
                 "Tensor Cores: bf16 runs emulated (correct, slow). Use fp16 with a GradScaler."
+            )
+        elif "bf16" not in gpu.native_formats:
+            lines.append(
+                "  note: no bf16 Tensor Cores on this GPU; use fp16 with a GradScaler. "
+                "torch.cuda.is_bf16_supported() counts emulation as support: do not go by it."
             )
         if gpu.pycuda_attributes:
             shown = {k: v for k, v in gpu.pycuda_attributes.items() if k in _PYCUDA_SHOWN}

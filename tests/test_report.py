@@ -283,6 +283,48 @@ def test_environment_report_without_pycuda(monkeypatch):
     assert "pip install pycuda" in env_report.pycuda_status
 
 
+def _fake_pycuda(monkeypatch) -> None:
+    """Stand-ins for pycuda and pycuda.driver: every device reports two attributes."""
+
+    class Attribute:  # pycuda's device_attribute enum prints as its bare name
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return self.name
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def get_attributes(self):
+            return {Attribute("WARP_SIZE"): 32, Attribute("MULTIPROCESSOR_COUNT"): 40 + self.index}
+
+    driver = types.ModuleType("pycuda.driver")
+    driver.Error = RuntimeError
+    driver.init = lambda: None
+    driver.Device = Device
+    package = types.ModuleType("pycuda")
+    package.driver = driver
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
+
+
+def test_pycuda_attributes_per_gpu(monkeypatch):
+    _fake_pycuda(monkeypatch)
+    status, attributes = report._pycuda_attributes(2)
+    assert status == "pycuda is installed"
+    assert attributes == [
+        {"WARP_SIZE": 32, "MULTIPROCESSOR_COUNT": 40},
+        {"WARP_SIZE": 32, "MULTIPROCESSOR_COUNT": 41},
+    ]
+
+
+def test_pycuda_without_gpus(monkeypatch):
+    _fake_pycuda(monkeypatch)
+    assert report._pycuda_attributes(0) == ("pycuda is installed; no GPU to query", [])
+
+
 def test_format_cudnn_versions():
     assert report._format_cudnn(92400) == "9.24.0"  # cuDNN 9: major*10000 + minor*100 + patch
     assert report._format_cudnn(8902) == "8.9.2"  # cuDNN 8: major*1000 + minor*100 + patch
@@ -322,12 +364,20 @@ def test_format_report_warns_about_emulated_bf16_on_a_turing_gpu():
     assert "CUDA is usable: 1 GPU(s) visible." in text
 
 
+def test_format_report_warns_about_bf16_on_a_volta_gpu_even_if_torch_says_no():
+    gpu = _fake_gpu((7, 0), torch_says_bf16=False)
+    assert not gpu.bf16_emulated
+    text = d2lgpu.format_report(_report_with(gpu))
+    assert "no bf16 Tensor Cores on this GPU" in text
+    assert "is_bf16_supported() counts emulation as support" in text
+
+
 def test_format_report_no_warning_on_an_ampere_gpu():
     gpu = _fake_gpu((8, 0), torch_says_bf16=True)
     assert not gpu.bf16_emulated
     text = d2lgpu.format_report(_report_with(gpu))
     assert "fp16, bf16, tf32" in text
-    assert "emulated" not in text
+    assert "emulated" not in text and "no bf16 Tensor Cores" not in text
 
 
 def test_format_report_of_this_machine():
@@ -416,6 +466,12 @@ def test_cli_info(capsys):
     out = capsys.readouterr().out
     assert out.startswith("== d2lgpu environment report ==")
     assert "-- diagnosis --" in out
+
+
+def test_cli_info_reports_a_bad_setting_instead_of_failing(monkeypatch, capsys):
+    monkeypatch.setenv("D2LGPU_QUICK", "maybe")
+    assert main(["info"]) == 0
+    assert "configuration error: D2LGPU_QUICK='maybe' is not understood" in capsys.readouterr().out
 
 
 def test_cli_info_json(capsys):
