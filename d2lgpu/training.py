@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from d2lgpu.devices import try_all_gpus
+from d2lgpu.devices import try_all_gpus, try_gpu
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
@@ -127,6 +127,13 @@ def resolve_devices(
     resolved = [torch.device(d) for d in devices]
     if not resolved:
         raise ValueError("devices is empty: pass None for all GPUs (or the CPU), or a device list")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for d in resolved:
+        if d.type == "cuda" and (d.index or 0) >= visible:
+            raise ValueError(
+                f"{d} is not available: this process sees {visible} GPU(s). "
+                "Pass devices=None (d2lgpu.try_all_gpus()) to use whatever is there."
+            )
     if resolved[0].type == "cuda" and resolved[0].index is None:
         resolved[0] = torch.device("cuda", torch.cuda.current_device())
     if len(resolved) > 1:
@@ -259,6 +266,7 @@ def train(
     momentum: float = 0.0,
     warmup_epochs: float = 0.0,
     init: bool = True,
+    fast: bool = False,
 ) -> History:
     """Train a classifier with SGD and cross-entropy; evaluate on ``test_iter`` every epoch.
 
@@ -271,7 +279,29 @@ def train(
     ``warmup_epochs`` ramps the learning rate linearly from ``lr / steps`` to ``lr``
     over that many epochs. ``progress`` shows a tqdm bar; ``plot`` a live plot (None:
     only inside a notebook). The model is trained in place and stays on ``devices[0]``.
+    ``fast=True`` hands over to :func:`d2lgpu.train_fast` (one device, data on it:
+    ``train_iter``/``test_iter`` from :func:`d2lgpu.fashion_mnist_on_device`; pass
+    ``amp="auto"`` for the GPU's fast precision).
     """
+    if fast:
+        from d2lgpu.fast import train_fast  # imported here: d2lgpu.fast builds on this module
+
+        if plot:
+            raise ValueError(
+                "plot=True is not available with fast=True: plot the returned History "
+                "with d2lgpu.plot_history"
+            )
+        fast_devices = [try_gpu()] if devices is None else resolve_devices(devices)
+        if len(fast_devices) > 1:
+            raise ValueError(
+                f"fast=True trains on one device, got {[str(d) for d in fast_devices]}: "
+                "pass one, e.g. devices=d2lgpu.try_gpu()"
+            )
+        return train_fast(
+            net, train_iter, test_iter, num_epochs, lr, fast_devices[0], seed=seed, amp=amp,
+            progress=progress, weight_decay=weight_decay, momentum=momentum,
+            warmup_epochs=warmup_epochs, init=init,
+        )
     if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
         raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
     if not lr > 0:

@@ -83,8 +83,9 @@ def test_resolve_devices():
         resolve_devices(["cpu", "cpu"])
     with pytest.raises(ValueError, match="empty"):
         resolve_devices([])
-    with pytest.raises(ValueError, match="repeats"):
-        resolve_devices(["cuda:0", "cuda:0"])
+    missing = f"cuda:{d2lgpu.num_gpus()}"  # one past the last visible GPU
+    with pytest.raises(ValueError, match="devices=None"):
+        resolve_devices(missing)
 
 
 class ConstantClassifier(nn.Module):
@@ -223,6 +224,12 @@ def test_train_on_one_gpu_with_amp(quick_loaders):
     assert next(net.parameters()).device == torch.device("cuda", 0)
     assert history.device == "cuda:0"
     assert history.test_acc[-1] > 0.5
+
+
+@pytest.mark.multigpu
+def test_resolve_devices_rejects_a_repeated_gpu():
+    with pytest.raises(ValueError, match="repeats"):
+        resolve_devices(["cuda:0", "cuda:0"])
 
 
 @pytest.mark.multigpu
