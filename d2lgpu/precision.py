@@ -31,6 +31,7 @@ __all__ = [
     "PrecisionPolicy",
     "SweepComparison",
     "SweepRow",
+    "amp_sweep_mode",
     "compare_sweep_modes",
     "format_sweep_table",
     "mode_unavailable_reason",
@@ -239,6 +240,16 @@ def mode_unavailable_reason(
     if mode in ("tf32", "bf16") and mode not in formats:
         return f"needs compute capability 8.0 (this GPU: {major}.{minor})"
     return None
+
+
+def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | None = None) -> str:
+    """The sweep mode to set against fp32: the one ``precision_policy(device, "auto")`` picks.
+
+    That is "bf16" on the CPU and from compute capability 8.0, "fp16" on 7.x, and
+    also "fp16" below 7.0, where "auto" stays in fp32 but fp16 is still worth measuring.
+    """
+    dtype = precision_policy(device, "auto", capability=capability).dtype
+    return "bf16" if dtype == torch.bfloat16 else "fp16"
 
 
 def _mode_policy(mode: str, device: torch.device) -> PrecisionPolicy:

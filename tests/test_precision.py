@@ -513,3 +513,12 @@ def test_mixed_precision_training_on_cpu_converges(amp):
     assert history.train_loss[-1] < 0.5 * history.train_loss[0]
     assert history.test_acc[-1] > 0.95  # chance is 1/3
     assert all(p.dtype == torch.float32 for p in net.parameters())  # master weights stay fp32
+
+
+@pytest.mark.parametrize(
+    ("device", "capability", "mode"),
+    [("cpu", None, "bf16"), ("cuda", (6, 1), "fp16"), ("cuda", (7, 5), "fp16"),
+     ("cuda", (8, 0), "bf16"), ("cuda", (9, 0), "bf16")],
+)
+def test_amp_sweep_mode_follows_the_auto_policy(device, capability, mode):
+    assert P.amp_sweep_mode(device, capability) == mode
