@@ -28,6 +28,13 @@ from d2lgpu.data import (
     synthetic_regression,
 )
 from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from d2lgpu.fast import (
+    DeviceLoader,
+    fashion_mnist_on_device,
+    peak_tflops,
+    train_fast,
+    training_flops_per_example,
+)
 from d2lgpu.models import Residual, resnet18, small_cnn
 from d2lgpu.parallel import (
     allreduce,
@@ -71,6 +78,7 @@ from d2lgpu.training import History, evaluate_accuracy, init_weights, set_seed, 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeviceLoader",
     "EnvironmentReport",
     "FASHION_MNIST_LABELS",
     "History",
@@ -95,6 +103,7 @@ __all__ = [
     "diagnose_this_machine",
     "environment_report",
     "evaluate_accuracy",
+    "fashion_mnist_on_device",
     "fashion_mnist_tensors",
     "format_report",
     "format_sweep_table",
@@ -111,6 +120,7 @@ __all__ = [
     "native_tensor_core_formats",
     "num_gpus",
     "parse_cuda_visible_devices",
+    "peak_tflops",
     "pick",
     "plot_history",
     "plot_lines",
@@ -135,6 +145,8 @@ __all__ = [
     "time_fn",
     "time_naive",
     "train",
+    "train_fast",
+    "training_flops_per_example",
     "try_all_gpus",
     "try_gpu",
 ]

@@ -1,0 +1,462 @@
+"""The fast training path: the whole data set on the device, nothing waiting on the host.
+
+:func:`d2lgpu.train` is the loop most learners start from: a CPU ``DataLoader``
+decodes and copies every batch, and the GPU waits whenever the host falls behind.
+For a data set as small as Fashion-MNIST (47 MB as uint8) that is pure overhead.
+The fastest small-image training code (e.g. the CIFAR-10 speed runs) does this
+instead, and so does :func:`train_fast`:
+
+* The images live on the device as uint8, four times smaller than float32, and
+  are converted and normalised there, one batch at a time (:class:`DeviceLoader`).
+* Shuffling is a ``torch.randperm`` on the device from a seeded generator; a batch
+  is an index into the resident tensors. No worker processes, no host copies.
+* The model runs in channels-last layout under autocast in the precision the GPU
+  runs fast (bf16 from Ampere on, fp16 with loss scaling before; see
+  :func:`d2lgpu.precision_policy`), with cuDNN's autotuner on.
+* One fused SGD kernel updates all parameters (``fused=True``); it also takes
+  GradScaler's inf check on the device, so fp16 needs no host round trip either.
+* Loss and correct counts are summed in device tensors and read once per epoch
+  (:func:`d2lgpu.training.train_epoch`), so the host queues work far ahead of the GPU.
+* ``torch.compile`` is available behind ``compile=...`` (off by default: compiling
+  costs tens of seconds up front and needs a working compiler toolchain).
+
+Everything else is the plain recipe: same model, SGD, cross-entropy, batch size,
+learning rate and initialisation under ``seed``, so accuracy is comparable.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from d2lgpu.data import fashion_mnist_tensors
+from d2lgpu.devices import try_gpu
+from d2lgpu.precision import PrecisionPolicy, precision_policy
+from d2lgpu.training import (
+    History,
+    _warmup_scheduler,
+    evaluate_accuracy,
+    init_weights,
+    set_seed,
+    train_epoch,
+)
+
+__all__ = [
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "DeviceLoader",
+    "fashion_mnist_on_device",
+    "fast_precision",
+    "make_sgd",
+    "peak_tflops",
+    "train_fast",
+    "training_flops_per_example",
+]
+
+#: Mean and standard deviation of the Fashion-MNIST training pixels scaled to [0, 1]
+#: (all 60,000 images; computed with ``fashion_mnist_tensors`` in float64).
+FASHION_MNIST_MEAN = 0.2860
+FASHION_MNIST_STD = 0.3530
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class DeviceLoader:
+    """Batches ``(X, y)`` cut from a data set that lives on ``device``, without a DataLoader.
+
+    ``images`` (uint8 ``[N, C, H, W]``) and ``labels`` (int ``[N]``) are copied to
+    ``device`` once, and the images stay uint8 there. Each batch is gathered by index,
+    converted to float32 and normalised to ``(x / 255 - mean) / std`` on the device.
+
+    ``shuffle=True`` draws a new ``torch.randperm`` on the device every epoch from a
+    generator seeded with ``seed``, so the order is reproducible and never touches
+    the host. The last batch is smaller when ``batch_size`` does not divide ``N``;
+    ``drop_last=True`` skips it instead (every batch then has the same shape, which
+    suits CUDA graphs). ``channels_last=True`` hands out batches in channels-last
+    layout (a no-op for one-channel images, whose two layouts coincide).
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        mean: float | Sequence[float] = FASHION_MNIST_MEAN,
+        std: float | Sequence[float] = FASHION_MNIST_STD,
+        channels_last: bool = False,
+    ) -> None:
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
+            got = (
+                f"{images.dtype} of shape {tuple(images.shape)}"
+                if isinstance(images, torch.Tensor)
+                else type(images).__name__
+            )
+            raise ValueError(
+                f"images must be a uint8 tensor [N, C, H, W], got {got}; "
+                "d2lgpu.fashion_mnist_tensors() returns one (add a channel dim with unsqueeze(1))"
+            )
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 1:
+            raise ValueError("labels must be a 1-d tensor of class numbers, one per image")
+        if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be integers, got {labels.dtype}")
+        if labels.numel() != images.shape[0]:
+            raise ValueError(
+                f"{images.shape[0]} images but {labels.numel()} labels: they must match one to one"
+            )
+        if images.shape[0] == 0:
+            raise ValueError("the data set is empty")
+        self.batch_size = _check_positive_int("batch_size", batch_size)
+        channels = images.shape[1]
+        mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
+        std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
+        if mean_t.numel() not in (1, channels) or std_t.numel() not in (1, channels):
+            raise ValueError(f"mean and std need 1 or {channels} values (one per channel)")
+        if not bool((std_t > 0).all()):
+            raise ValueError(f"std must be positive, got {std!r}")
+
+        self.device = try_gpu() if device is None else torch.device(device)
+        self.images = images.to(self.device).contiguous()  # stays uint8 on the device
+        self.labels = labels.to(self.device, torch.int64)
+        # (x / 255 - mean) / std as one multiply and one add per element.
+        self._scale = (1.0 / (255.0 * std_t)).reshape(1, -1, 1, 1).to(self.device)
+        self._shift = (-mean_t / std_t).reshape(1, -1, 1, 1).to(self.device)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.channels_last = channels_last
+        self.generator = torch.Generator(device=self.device)
+        self.manual_seed(seed)
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart the shuffling sequence: the next epochs repeat those after the same seed."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.generator.manual_seed(seed)
+
+    @property
+    def num_examples(self) -> int:
+        """Examples per epoch (the dropped partial batch not counted)."""
+        n = self.images.shape[0]
+        return n - n % self.batch_size if self.drop_last else n
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = self.images.shape[0]
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
+        """uint8 images on the device -> float32 ``(x / 255 - mean) / std``."""
+        X = images_uint8.to(torch.float32).mul_(self._scale).add_(self._shift)
+        if self.channels_last:
+            X = X.contiguous(memory_format=torch.channels_last)
+        return X
+
+    def epoch_indices(self) -> torch.Tensor:
+        """The order of one epoch: a fresh permutation when shuffling, else 0..N-1."""
+        n = self.images.shape[0]
+        if self.shuffle:
+            return torch.randperm(n, device=self.device, generator=self.generator)
+        return torch.arange(n, device=self.device)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self.epoch_indices()
+        # split() only slices the index tensor: no kernel launches, no host sync.
+        for idx in order[: self.num_examples].split(self.batch_size):
+            yield self.normalize(self.images[idx]), self.labels[idx]
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceLoader({self.images.shape[0]} examples {tuple(self.images.shape[1:])} "
+            f"on {self.device}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+            f"drop_last={self.drop_last})"
+        )
+
+
+def fashion_mnist_on_device(
+    batch_size: int,
+    device: torch.device | str | None = None,
+    *,
+    root: str | Path | None = None,
+    quick: bool | None = None,
+    seed: int = 0,
+    test_batch_size: int | None = None,
+) -> tuple[DeviceLoader, DeviceLoader]:
+    """Fashion-MNIST train and test sets held on ``device``: shuffled train batches, test in order.
+
+    ``device=None`` means :func:`d2lgpu.try_gpu`. ``quick=None`` follows quick mode
+    (the same balanced subset as :func:`d2lgpu.load_data_fashion_mnist`). The test
+    loader uses ``test_batch_size`` (default: at least 1024; evaluation keeps no
+    activations for backward, so larger batches fit and launch fewer kernels).
+    """
+    device = try_gpu() if device is None else torch.device(device)
+    channels_last = device.type == "cuda"
+    train_images, train_labels = fashion_mnist_tensors(train=True, root=root, quick=quick)
+    test_images, test_labels = fashion_mnist_tensors(train=False, root=root, quick=quick)
+    train_loader = DeviceLoader(
+        train_images, train_labels, batch_size, device=device, shuffle=True, seed=seed,
+        channels_last=channels_last,
+    )
+    test_loader = DeviceLoader(
+        test_images, test_labels, test_batch_size or max(batch_size, 1024), device=device,
+        channels_last=channels_last,
+    )
+    return train_loader, test_loader
+
+
+def fast_precision(
+    device: torch.device | str, amp: bool | str | torch.dtype = "auto"
+) -> PrecisionPolicy:
+    """The precision :func:`train_fast` uses: like :func:`d2lgpu.precision_policy`, but
+    ``"auto"`` means fp32 on the CPU.
+
+    On the CPU, bf16 autocast adds a cast before and after every op and only pays off
+    where the CPU has bf16 matrix units (AMX); on the CPUs the course runs on it was
+    no faster or slower than fp32 (see ``benchmarks/RESULTS.md``). Pass ``amp="bf16"``
+    to force it. On GPUs ``"auto"`` is the GPU's fast Tensor Core format.
+    """
+    device = torch.device(device)
+    if isinstance(amp, str) and amp.lower() == "auto" and device.type == "cpu":
+        return precision_policy(device, False)
+    return precision_policy(device, amp)
+
+
+def make_sgd(
+    params, lr: float, device: torch.device | str, *, momentum: float = 0.0,
+    weight_decay: float = 0.0,
+) -> torch.optim.SGD:
+    """SGD with the fastest step this torch offers on ``device``: fused, else foreach.
+
+    A fused step updates every parameter in one kernel (plain SGD otherwise launches
+    a few kernels per parameter tensor: over 200 for ResNet-18). Fused SGD exists on
+    CUDA and CPU in recent torch; older versions fall back to the multi-tensor
+    ``foreach`` implementation.
+    """
+    device = torch.device(device)
+    kwargs = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if "fused" in inspect.signature(torch.optim.SGD).parameters:
+        try:
+            from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+            fused_devices = _get_fused_kernels_supported_devices()
+        except ImportError:  # older torch: fused SGD existed for CUDA only
+            fused_devices = ["cuda"]
+        if device.type in fused_devices:
+            return torch.optim.SGD(params, fused=True, **kwargs)
+    return torch.optim.SGD(params, foreach=True, **kwargs)
+
+
+def _as_device_loader(
+    data: object, name: str, device: torch.device, batch_size: int, shuffle: bool, seed: int
+) -> DeviceLoader:
+    if isinstance(data, DeviceLoader):
+        if data.device != device:
+            raise ValueError(
+                f"{name} lives on {data.device} but training runs on {device}: build the "
+                f"loader on {device} (e.g. d2lgpu.fashion_mnist_on_device(..., device))"
+            )
+        return data
+    if isinstance(data, (tuple, list)) and len(data) == 2 and all(
+        isinstance(t, torch.Tensor) for t in data
+    ):
+        return DeviceLoader(
+            data[0], data[1], batch_size, device=device, shuffle=shuffle, seed=seed,
+            channels_last=device.type == "cuda",
+        )
+    raise TypeError(
+        f"{name} must be a d2lgpu.DeviceLoader or a pair (uint8 images, labels), got "
+        f"{type(data).__name__}. The fast path keeps the data set on the device instead of "
+        "reading a DataLoader: use d2lgpu.fashion_mnist_on_device(batch_size, device), or "
+        "d2lgpu.train(...) without fast=True for a DataLoader."
+    )
+
+
+def _maybe_compile(net: nn.Module, compile: bool | str) -> nn.Module:
+    """``torch.compile(net)`` when asked (a string picks the mode), with a clear error
+    where this Python/torch has no compiler stack."""
+    if compile is False:
+        return net
+    if not torch._dynamo.is_dynamo_supported():
+        raise RuntimeError(
+            "torch.compile is not supported with this Python and torch; pass compile=False"
+        )
+    if compile is True:
+        return torch.compile(net)
+    if isinstance(compile, str):
+        return torch.compile(net, mode=compile)
+    raise ValueError(
+        f"compile must be False, True or a torch.compile mode such as 'max-autotune', "
+        f"got {compile!r}"
+    )
+
+
+def train_fast(
+    net: nn.Module,
+    train_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
+    test_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
+    num_epochs: int,
+    lr: float,
+    device: torch.device | str | None = None,
+    *,
+    batch_size: int = 256,
+    seed: int | None = 0,
+    amp: bool | str | torch.dtype = "auto",
+    compile: bool | str = False,
+    channels_last: bool | None = None,
+    progress: bool = True,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    warmup_epochs: float = 0.0,
+    init: bool = True,
+) -> History:
+    """Train like :func:`d2lgpu.train` on one device, with the data on the device and no
+    per-step host synchronisation. Returns the same :class:`d2lgpu.History`.
+
+    ``train_data``/``test_data``: :class:`DeviceLoader` s (e.g. from
+    :func:`fashion_mnist_on_device`), or pairs ``(uint8 images, labels)`` that are
+    put on the device here and batched with ``batch_size`` (train shuffled). ``seed``
+    seeds initialisation and restarts the training loader's shuffling, so a seed
+    gives the same run on the CPU (GPU kernels may differ in the last bits).
+    ``amp="auto"``: the GPU's fast format, fp32 on the CPU (:func:`fast_precision`).
+    ``compile``: False, True, or a ``torch.compile`` mode; the first epoch then
+    includes compilation time. ``channels_last=None`` means on CUDA only (cuDNN's
+    fast convolutions with Tensor Cores want it; on CPUs it was no faster).
+    ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
+    """
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
+        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if weight_decay < 0 or not 0 <= momentum < 1:
+        raise ValueError(
+            f"need weight_decay >= 0 and 0 <= momentum < 1, got {weight_decay!r}, {momentum!r}"
+        )
+    if not 0 <= warmup_epochs <= num_epochs:
+        raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
+    _check_positive_int("batch_size", batch_size)
+    device = try_gpu() if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    train_loader = _as_device_loader(train_data, "train_data", device, batch_size, True, seed or 0)
+    test_loader = _as_device_loader(test_data, "test_data", device, batch_size, False, 0)
+    if channels_last is None:
+        channels_last = device.type == "cuda"
+
+    if seed is not None:
+        set_seed(seed)
+        train_loader.manual_seed(seed)
+    if init:
+        init_weights(net)
+    net.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    model = _maybe_compile(net, compile)
+
+    policy = fast_precision(device, amp)
+    scaler = policy.make_scaler()
+    loss_fn = nn.CrossEntropyLoss()
+    optimizer = make_sgd(
+        net.parameters(), lr, device, momentum=momentum, weight_decay=weight_decay
+    )
+    scheduler = _warmup_scheduler(optimizer, warmup_epochs, len(train_loader))
+
+    history = History(device=str(device))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=len(train_loader) * num_epochs, unit="batch",
+            desc=f"fast path on {device} ({policy.name}, "
+            f"{'channels_last' if channels_last else 'NCHW'}, {type(optimizer).__name__} "
+            f"{'fused' if optimizer.defaults.get('fused') else 'foreach'}"
+            f"{', compiled' if compile is not False else ''})",
+        )
+    # cuDNN tries its algorithms once per input shape and keeps the fastest; with a
+    # fixed batch size (plus one smaller last batch) that pays off from the first epoch.
+    benchmark_before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = device.type == "cuda" or benchmark_before
+    try:
+        for epoch in range(num_epochs):
+            start = time.perf_counter()
+            loss, train_acc, count = train_epoch(
+                model, train_loader, loss_fn, optimizer, device, policy, scaler, scheduler,
+                on_batch=None if bar is None else lambda: bar.update(1),
+            )
+            train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
+            test_acc = evaluate_accuracy(model, test_loader, device, policy=policy)
+            history.train_loss.append(loss)
+            history.train_acc.append(train_acc)
+            history.test_acc.append(test_acc)
+            history.epoch_seconds.append(time.perf_counter() - start)
+            history.examples_per_second.append(count / train_seconds)
+            if bar is not None:
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
+    finally:
+        torch.backends.cudnn.benchmark = benchmark_before
+        if bar is not None:
+            bar.close()
+    return history
+
+
+def training_flops_per_example(
+    net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
+) -> float:
+    """FLOPs of one training step (forward and backward) per example, counted by
+    ``torch.utils.flop_counter.FlopCounterMode`` on a small batch on the CPU.
+
+    Counts matrix multiplications and convolutions (2 FLOPs per multiply-add), which
+    is what Tensor Core peaks are quoted for; elementwise work is left out. The
+    model's weights and batch-norm statistics are left unchanged (it runs on a copy).
+    """
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    _check_positive_int("batch_size", batch_size)
+    probe = copy.deepcopy(net).to("cpu", torch.float32).train()
+    X = torch.zeros(batch_size, *example_shape)
+    with FlopCounterMode(display=False) as counter:
+        out = probe(X)
+        out.float().sum().backward()
+    return counter.get_total_flops() / batch_size
+
+
+#: Dense (no sparsity) Tensor Core peak in TFLOP/s of the fast reduced-precision format:
+#: bf16, or fp16 on GPUs without native bf16 (T4, V100). From NVIDIA's data sheets.
+#: Matched against ``torch.cuda.get_device_name()`` in this order.
+PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM, reported as "NVIDIA H100 80GB HBM3"
+    ("H200", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("T4", 65.0),
+    ("V100-PCIE", 112.0),
+    ("V100", 125.0),
+)
+
+
+def peak_tflops(device: torch.device | str) -> float | None:
+    """The :data:`PEAK_TFLOPS` entry of ``device``'s GPU, or None (CPU, unknown GPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return value
+    return None

@@ -1,0 +1,368 @@
+"""Tests of the fast path: the device-resident loader, fused SGD, FLOP counting, train_fast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import d2lgpu
+from d2lgpu.fast import (
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    DeviceLoader,
+    fashion_mnist_on_device,
+    fast_precision,
+    make_sgd,
+    peak_tflops,
+    train_fast,
+    training_flops_per_example,
+)
+
+CPU = torch.device("cpu")
+U8 = torch.uint8
+INT = torch.int64
+
+
+def indexed_data(n: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 images whose pixels hold ``i % 256`` and labels ``i``: every example identifiable."""
+    labels = torch.arange(n)
+    images = (labels % 256).to(torch.uint8).reshape(n, 1, 1, 1).expand(n, 1, size, size)
+    return images.contiguous(), labels
+
+
+def epoch_labels(loader: DeviceLoader) -> list[torch.Tensor]:
+    return [y for _, y in loader]
+
+
+# --------------------------------------------------------------------------- #
+# DeviceLoader
+# --------------------------------------------------------------------------- #
+
+
+def test_each_epoch_is_a_permutation_with_an_explicit_last_batch():
+    images, labels = indexed_data(103)
+    loader = DeviceLoader(images, labels, 10, device=CPU, shuffle=True, seed=3)
+    assert len(loader) == 11 and loader.num_examples == 103
+    for _ in range(2):
+        batches = list(loader)
+        assert [X.shape[0] for X, _ in batches] == [10] * 10 + [3]
+        assert all(X.shape[1:] == (1, 4, 4) and X.dtype == torch.float32 for X, _ in batches)
+        seen = torch.cat([y for _, y in batches])
+        assert torch.equal(seen.sort().values, torch.arange(103))
+        # Each image travels with its own label.
+        for X, y in batches:
+            expected = loader.normalize(images[y])
+            assert torch.equal(X, expected)
+
+
+def test_drop_last_gives_equal_batches_without_repeats():
+    images, labels = indexed_data(103)
+    loader = DeviceLoader(images, labels, 10, device=CPU, shuffle=True, drop_last=True)
+    batches = epoch_labels(loader)
+    assert len(loader) == len(batches) == 10 and loader.num_examples == 100
+    assert all(y.numel() == 10 for y in batches)
+    assert torch.cat(batches).unique().numel() == 100
+
+
+def test_shuffling_is_seeded_and_differs_between_epochs():
+    images, labels = indexed_data(200)
+
+    def orders(seed: int, epochs: int = 2) -> list[torch.Tensor]:
+        loader = DeviceLoader(images, labels, 64, device=CPU, shuffle=True, seed=seed)
+        return [torch.cat(epoch_labels(loader)) for _ in range(epochs)]
+
+    first, second = orders(5), orders(5)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert not torch.equal(first[0], first[1])  # a new permutation every epoch
+    assert not torch.equal(first[0], orders(6)[0])
+    # manual_seed restarts the sequence.
+    loader = DeviceLoader(images, labels, 64, device=CPU, shuffle=True, seed=0)
+    list(loader)
+    loader.manual_seed(5)
+    assert torch.equal(torch.cat(epoch_labels(loader)), first[0])
+
+
+def test_without_shuffle_batches_come_in_order():
+    images, labels = indexed_data(50)
+    loader = DeviceLoader(images, labels, 16, device=CPU)
+    assert torch.equal(torch.cat(epoch_labels(loader)), torch.arange(50))
+
+
+def test_normalisation_values_and_uint8_storage():
+    values = torch.tensor([0, 51, 128, 255], dtype=torch.uint8)
+    images = values.reshape(4, 1, 1, 1).expand(4, 1, 2, 2).contiguous()
+    loader = DeviceLoader(images, torch.arange(4), 4, device=CPU, mean=0.25, std=0.5)
+    assert loader.images.dtype == torch.uint8 and loader.images.device == CPU
+    (X, _), = list(loader)
+    expected = (values.double() / 255 - 0.25) / 0.5
+    torch.testing.assert_close(X[:, 0, 0, 0].double(), expected, rtol=0, atol=1e-6)
+    assert loader.images.dtype == torch.uint8  # batches are converted, the store is not
+
+
+def test_per_channel_normalisation():
+    images = torch.full((2, 3, 2, 2), 255, dtype=torch.uint8)
+    loader = DeviceLoader(images, torch.zeros(2, dtype=torch.int64), 2, device=CPU,
+                          mean=(0.0, 0.5, 1.0), std=(1.0, 0.5, 0.25))
+    (X, _), = list(loader)
+    torch.testing.assert_close(X[0, :, 0, 0], torch.tensor([1.0, 1.0, 0.0]))
+
+
+def test_default_statistics_are_those_of_fashion_mnist():
+    # The constants must be the real statistics of the training set: recompute them
+    # exactly from a histogram of the 47 million pixel values.
+    images, _ = d2lgpu.fashion_mnist_tensors(train=True, quick=False)
+    counts = torch.bincount(images.flatten(), minlength=256).double()
+    values = torch.arange(256, dtype=torch.float64) / 255
+    mean = (counts * values).sum() / counts.sum()
+    std = ((counts * (values - mean) ** 2).sum() / (counts.sum() - 1)).sqrt()
+    assert abs(mean.item() - FASHION_MNIST_MEAN) < 1e-4
+    assert abs(std.item() - FASHION_MNIST_STD) < 1e-4
+    # So the quick subset, standardised with them, is centred and of unit spread.
+    train_loader, _ = fashion_mnist_on_device(d2lgpu.QUICK_TRAIN_SIZE, CPU, quick=True)
+    (X, _), = list(train_loader)
+    assert abs(X.mean().item()) < 0.05 and abs(X.std().item() - 1) < 0.05
+
+
+def test_channels_last_batches():
+    images = torch.zeros(4, 3, 5, 5, dtype=torch.uint8)
+    loader = DeviceLoader(images, torch.zeros(4, dtype=torch.int64), 2, device=CPU,
+                          channels_last=True)
+    for X, _ in loader:
+        assert X.is_contiguous(memory_format=torch.channels_last)
+        assert not X.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "images, labels, kwargs, message",
+    [
+        (torch.zeros(4, 1, 2, 2), torch.zeros(4, dtype=INT), {}, "uint8"),
+        (torch.zeros(4, 2, 2, dtype=U8), torch.zeros(4, dtype=INT), {}, "unsqueeze"),
+        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(3, dtype=INT), {}, "match"),
+        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(4), {}, "integers"),
+        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(4, dtype=INT), {"std": 0.0}, "positive"),
+        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(4, dtype=INT), {"mean": (0.1, 0.2)},
+         "per channel"),
+    ],
+)
+def test_bad_loader_input_is_a_clear_error(images, labels, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DeviceLoader(images, labels, 2, device=CPU, **kwargs)
+
+
+def test_bad_batch_size_and_seed():
+    images, labels = indexed_data(4)
+    with pytest.raises(ValueError, match="batch_size"):
+        DeviceLoader(images, labels, 0, device=CPU)
+    with pytest.raises(ValueError, match="seed"):
+        DeviceLoader(images, labels, 2, device=CPU, seed=-1)
+
+
+def test_fashion_mnist_on_device_quick_subset():
+    train_loader, test_loader = fashion_mnist_on_device(64, CPU, quick=True)
+    assert train_loader.shuffle and not test_loader.shuffle
+    assert train_loader.num_examples == d2lgpu.QUICK_TRAIN_SIZE
+    assert test_loader.num_examples == d2lgpu.QUICK_TEST_SIZE
+    assert test_loader.batch_size >= 1024
+    X, y = next(iter(train_loader))
+    assert X.shape == (64, 1, 28, 28) and y.dtype == torch.int64
+
+
+# --------------------------------------------------------------------------- #
+# Precision, optimizer, FLOPs, peaks
+# --------------------------------------------------------------------------- #
+
+
+def test_auto_precision_is_fp32_on_cpu_unless_forced():
+    assert fast_precision(CPU, "auto").dtype is None
+    assert fast_precision(CPU, "bf16").dtype == torch.bfloat16
+    assert fast_precision(CPU, False).dtype is None
+
+
+def test_make_sgd_is_fused_here_and_matches_plain_sgd():
+    torch.manual_seed(0)
+    net = nn.Linear(5, 3)
+    reference = copy.deepcopy(net)
+    fast_opt = make_sgd(net.parameters(), 0.1, CPU, momentum=0.9, weight_decay=1e-3)
+    plain_opt = torch.optim.SGD(
+        reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=False
+    )
+    assert fast_opt.defaults["fused"]  # torch >= 2.4 has fused SGD on the CPU
+    X = torch.randn(8, 5)
+    for _ in range(3):
+        for model, opt in ((net, fast_opt), (reference, plain_opt)):
+            opt.zero_grad()
+            model(X).square().sum().backward()
+            opt.step()
+    for a, b in zip(net.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_training_flops_counted_by_hand():
+    net = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+    # Forward: two matmuls. Backward: the last layer needs gradients for its input and
+    # weight, the first only for its weight (the images need no gradient). 2 FLOPs per MAC.
+    expected = 2 * (784 * 32 + 32 * 10) + 2 * (32 * 10 * 2) + 2 * (784 * 32)
+    assert training_flops_per_example(net) == expected
+
+
+def test_flop_count_leaves_the_model_unchanged():
+    net = d2lgpu.small_cnn()
+    before = copy.deepcopy(net.state_dict())
+    assert training_flops_per_example(net) > 0
+    after = net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_peak_table_lookup(monkeypatch):
+    assert peak_tflops(CPU) is None
+    for name, peak in [
+        ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("Tesla T4", 65.0),
+        ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("Tesla V100-PCIE-16GB", 112.0),
+        ("Tesla V100-SXM2-16GB", 125.0), ("Some Future GPU", None),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert peak_tflops("cuda:0") == peak, name
+
+
+# --------------------------------------------------------------------------- #
+# train_fast
+# --------------------------------------------------------------------------- #
+
+
+def test_train_fast_keeps_the_accuracy_of_the_plain_loop():
+    # Same model, seed, epochs, batch and learning rate; only the path differs
+    # (device loader with standardised inputs, fused SGD). Small data and BN running
+    # statistics make single-run accuracies noisy, hence the generous margins.
+    epochs, batch, lr = 3, 64, 0.1
+    train_iter, test_iter = d2lgpu.load_data_fashion_mnist(batch, quick=True)
+    plain = d2lgpu.train(d2lgpu.small_cnn(), train_iter, test_iter, epochs, lr, CPU,
+                         seed=0, progress=False, plot=False)
+    train_loader, test_loader = fashion_mnist_on_device(batch, CPU, quick=True)
+    fast = train_fast(d2lgpu.small_cnn(), train_loader, test_loader, epochs, lr, CPU,
+                      seed=0, progress=False)
+    assert fast.num_epochs == plain.num_epochs == epochs
+    assert fast.device == "cpu"
+    for history in (plain, fast):
+        assert history.train_acc[-1] > 0.6 and history.test_acc[-1] > 0.4  # chance is 0.1
+        assert history.train_loss[-1] < history.train_loss[0]
+    assert abs(fast.train_acc[-1] - plain.train_acc[-1]) < 0.1
+    assert fast.test_acc[-1] > plain.test_acc[-1] - 0.1
+
+
+def test_train_fast_is_reproducible_under_a_seed_and_accepts_tensor_pairs():
+    train_pair = d2lgpu.fashion_mnist_tensors(train=True, quick=True)
+    test_pair = d2lgpu.fashion_mnist_tensors(train=False, quick=True)
+    runs = [
+        train_fast(d2lgpu.small_cnn(), train_pair, test_pair, 1, 0.1, CPU, batch_size=128,
+                   seed=7, progress=False)
+        for _ in range(2)
+    ]
+    assert runs[0].train_loss == runs[1].train_loss
+    assert runs[0].test_acc == runs[1].test_acc
+    assert runs[0].examples_per_second[0] > 0
+
+
+def test_train_fast_rejects_a_dataloader_and_names_the_fix():
+    train_iter, test_iter = d2lgpu.load_data_fashion_mnist(64, quick=True)
+    with pytest.raises(TypeError, match="fashion_mnist_on_device"):
+        train_fast(d2lgpu.small_cnn(), train_iter, test_iter, 1, 0.1, CPU, progress=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"num_epochs": 0}, "num_epochs"), ({"lr": 0.0}, "lr"), ({"compile": 1}, "compile"),
+     ({"batch_size": 0}, "batch_size")],
+)
+def test_train_fast_bad_arguments(kwargs, message):
+    images, labels = indexed_data(20)
+    args = dict(num_epochs=1, lr=0.1, device=CPU, progress=False) | kwargs
+    with pytest.raises(ValueError, match=message):
+        train_fast(nn.Sequential(nn.Flatten(), nn.Linear(16, 20)), (images, labels),
+                   (images, labels), **args)
+
+
+# --------------------------------------------------------------------------- #
+# GPU
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.gpu
+def test_gpu_loader_keeps_uint8_on_the_gpu_and_shuffles_there():
+    device = torch.device("cuda", 0)
+    images, labels = indexed_data(300)
+    loader = DeviceLoader(images, labels, 64, device=device, shuffle=True, seed=1)
+    again = DeviceLoader(images, labels, 64, device=device, shuffle=True, seed=1)
+    assert loader.images.device == device and loader.images.dtype == torch.uint8
+    batches = list(loader)
+    assert all(X.device == device and y.device == device for X, y in batches)
+    seen = torch.cat([y for _, y in batches])
+    assert torch.equal(seen.sort().values.cpu(), torch.arange(300))
+    assert torch.equal(seen, torch.cat([y for _, y in again]))
+
+
+@pytest.mark.gpu
+def test_gpu_training_steps_never_synchronise_with_the_host():
+    device = torch.device("cuda", 0)
+    train_loader, _ = fashion_mnist_on_device(64, device, quick=True)
+    net = d2lgpu.small_cnn().to(device, memory_format=torch.channels_last)
+    policy = fast_precision(device, "auto")
+    scaler = policy.make_scaler()
+    optimizer = make_sgd(net.parameters(), 0.1, device)
+    assert optimizer.defaults["fused"]
+    loss_sum = torch.zeros((), device=device)
+    # torch raises on any operation that waits for the GPU (e.g. .item(), a
+    # data-dependent shape, a GradScaler inf check on the host).
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for X, y in train_loader:
+            optimizer.zero_grad(set_to_none=True)
+            with policy.autocast():
+                loss = nn.functional.cross_entropy(net(X), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            loss_sum += loss.detach().float()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss_sum).item()
+
+
+@pytest.mark.gpu
+def test_gpu_train_fast_learns_in_channels_last_and_reduced_precision():
+    device = torch.device("cuda", 0)
+    train_loader, test_loader = fashion_mnist_on_device(64, device, quick=True)
+    net = d2lgpu.small_cnn()
+    history = train_fast(net, train_loader, test_loader, 4, 0.1, device, progress=False)
+    assert history.device == str(device)
+    assert history.test_acc[-1] > 0.4
+    assert fast_precision(device).dtype in (torch.bfloat16, torch.float16)
+    # A one-channel weight is contiguous in both layouts: look at a conv with several inputs.
+    conv = next(m for m in net.modules() if isinstance(m, nn.Conv2d) and m.in_channels > 1)
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_train_with_fast_true_is_train_fast():
+    # The dispatch in d2lgpu.train must hand everything over: on the CPU a seed gives
+    # bit-identical runs, so both routes must produce the same history.
+    def loaders():
+        images, labels = indexed_data(96, size=8)
+        labels = labels % 10
+        return (DeviceLoader(images, labels, 32, device=CPU, shuffle=True),
+                DeviceLoader(images, labels, 32, device=CPU))
+
+    def net():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    via_train = d2lgpu.train(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False, fast=True)
+    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False)
+    assert via_train.train_loss == direct.train_loss
+    assert via_train.test_acc == direct.test_acc
+    with pytest.raises(ValueError, match="plot_history"):
+        d2lgpu.train(net(), *loaders(), 1, 0.1, CPU, plot=True, progress=False, fast=True)
+    with pytest.raises(TypeError, match="fashion_mnist_on_device"):
+        d2lgpu.train(net(), *d2lgpu.load_data_fashion_mnist(32, quick=True), 1, 0.1, CPU,
+                     progress=False, fast=True)
