@@ -236,6 +236,19 @@ def train_epoch(
     return loss_sum.item() / count, correct.item() / count, count
 
 
+class _AutocastForward(nn.Module):
+    """Runs ``module`` under ``policy.autocast()``, in whichever thread calls it."""
+
+    def __init__(self, module: nn.Module, policy: PrecisionPolicy) -> None:
+        super().__init__()
+        self.module = module
+        self.policy = policy
+
+    def forward(self, *args, **kwargs):
+        with self.policy.autocast():
+            return self.module(*args, **kwargs)
+
+
 def _warmup_scheduler(
     optimizer: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int | None
 ) -> torch.optim.lr_scheduler.LambdaLR | None:
@@ -320,9 +333,14 @@ def train(
     if init:
         init_weights(net)
     net.to(device)
-    model = nn.DataParallel(net, device_ids=devices) if len(devices) > 1 else net
-
     policy = precision_policy(device, amp)
+    model = net
+    if len(devices) > 1:
+        # DataParallel's replica threads re-enter autocast with the default dtype
+        # (fp16 on CUDA), not ours: entering the policy inside forward keeps bf16 bf16.
+        inner = _AutocastForward(net, policy) if policy.dtype is not None else net
+        model = nn.DataParallel(inner, device_ids=devices)
+
     scaler = policy.make_scaler()
     loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(

@@ -1,6 +1,7 @@
 """Tests of d2lgpu.training: seeding, initialisation, devices, evaluation and the train loop."""
 
 import math
+import threading
 import warnings
 
 import matplotlib.pyplot as plt
@@ -13,6 +14,7 @@ import d2lgpu
 from d2lgpu.models import small_cnn
 from d2lgpu.training import (
     History,
+    _AutocastForward,
     _warmup_scheduler,
     evaluate_accuracy,
     init_weights,
@@ -203,6 +205,19 @@ def test_plot_none_outside_a_notebook_draws_nothing_and_plot_true_cleans_up():
     assert set(plt.get_fignums()) == before
 
 
+def test_autocast_forward_applies_the_policy_in_another_thread():
+    # DataParallel runs replicas in worker threads, where the caller's autocast dtype
+    # is not inherited; the wrapper must bring the policy's dtype with it.
+    policy = d2lgpu.precision_policy("cpu", "bf16")
+    wrapped = _AutocastForward(nn.Linear(4, 2), policy)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=wrapped(torch.ones(3, 4))))
+    worker.start()
+    worker.join()
+    assert result["out"].dtype == torch.bfloat16
+    assert nn.Linear(4, 2)(torch.ones(3, 4)).dtype == torch.float32  # nothing leaks out
+
+
 def test_history_summary_and_dict():
     history = History([0.5], [0.8], [0.75], [2.0], [100.0], device="cpu")
     assert history.summary() == (
@@ -242,3 +257,14 @@ def test_train_with_data_parallel_on_two_gpus(quick_loaders):
     assert not isinstance(net, nn.DataParallel)  # trained in place, returned unwrapped
     assert next(net.parameters()).device == torch.device("cuda", 0)
     assert history.test_acc[-1] > 0.5
+
+
+@pytest.mark.multigpu
+def test_data_parallel_replicas_run_in_the_policy_dtype(quick_loaders):
+    train_iter, test_iter = quick_loaders
+    net = small_cnn()
+    seen = set()
+    net[0].register_forward_hook(lambda module, args, out: seen.add(out.dtype))
+    train(net, train_iter, test_iter, 1, lr=0.1, devices=[d2lgpu.gpu(0), d2lgpu.gpu(1)],
+          amp="bf16", progress=False, plot=False)
+    assert seen == {torch.bfloat16}
