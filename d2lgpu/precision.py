@@ -191,7 +191,8 @@ class SweepRow:
 
     ``status`` is ``"ok"`` when measured, ``"OOM"`` when the batch did not fit,
     or the reason the mode cannot run on this device (then the numbers are None).
-    ``peak_memory_bytes`` is None on the CPU, where PyTorch keeps no peak statistic.
+    ``peak_memory_bytes`` is None on the CPU, where PyTorch keeps no peak statistic;
+    on a GPU it also counts whatever else the process held there during the row.
     ``loss`` is the training loss of the last step, after ``steps_run`` steps.
     """
 
@@ -344,8 +345,10 @@ def precision_sweep(
     """
     device = torch.device(device)
     unknown = [m for m in modes if m not in PRECISION_MODES]
-    if unknown:
-        raise ValueError(f"unknown precision mode(s) {unknown}; choose from {PRECISION_MODES}")
+    if not modes or unknown:
+        raise ValueError(
+            f"modes must be a non-empty list; unknown: {unknown}; choose from {PRECISION_MODES}"
+        )
     if not batch_sizes or any(
         isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes
     ):

@@ -315,7 +315,8 @@ def test_sweep_on_cpu_measures_fp32_and_bf16_and_explains_the_rest():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"modes": ["fp64"]}, "unknown precision mode"),
+        ({"modes": ["fp64"]}, "unknown: \\['fp64'\\]"),
+        ({"modes": []}, "non-empty"),
         ({"batch_sizes": []}, "batch_sizes"),
         ({"batch_sizes": [8, 0]}, "batch_sizes"),
         ({"batch_sizes": [8.0]}, "batch_sizes"),
