@@ -28,6 +28,13 @@ from d2lgpu.data import (
     synthetic_regression,
 )
 from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
+from d2lgpu.distributed import (
+    choose_backend,
+    find_free_port,
+    hogwild_train,
+    launch,
+    process_group,
+)
 from d2lgpu.fast import (
     DeviceLoader,
     fashion_mnist_on_device,
@@ -94,6 +101,7 @@ __all__ = [
     "allreduce",
     "amp_sweep_mode",
     "benchmark_autorange",
+    "choose_backend",
     "compare_sweep_modes",
     "cpu",
     "data_parallel_step",
@@ -105,13 +113,16 @@ __all__ = [
     "evaluate_accuracy",
     "fashion_mnist_on_device",
     "fashion_mnist_tensors",
+    "find_free_port",
     "format_report",
     "format_sweep_table",
     "gbps",
     "get_fashion_mnist_labels",
     "gpu",
     "gpu_memory",
+    "hogwild_train",
     "init_weights",
+    "launch",
     "load_data_fashion_mnist",
     "max_abs_difference",
     "measure_copy_bandwidth",
@@ -129,6 +140,7 @@ __all__ = [
     "precision_sweep",
     "print_report",
     "print_setup",
+    "process_group",
     "quick_mode",
     "random_batch_maker",
     "read_nvml",
