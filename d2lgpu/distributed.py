@@ -137,6 +137,27 @@ def _env_int(name: str) -> int:
         raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _torchrun_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of a torchrun worker, with keys private to this restart attempt.
+
+    ``init_method="env://"`` would do the same without the prefix. But torchrun
+    keeps one store for the whole job, so after ``--max-restarts`` restarts the
+    workers, the keys written by the dead workers of the previous attempt are
+    still there, and gloo can read a dead peer's address from them ("Connection
+    refused" on restart). A prefix per attempt gives every attempt fresh keys.
+    """
+    addr, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+    if not addr:
+        raise RuntimeError("MASTER_ADDR is not set: start this program with torchrun")
+    # torchrun's agent serves the store itself when it says so; otherwise rank 0 does.
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        addr, port, world_size, is_master=not agent_serves and rank == 0, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"d2lgpu/attempt_{attempt}", store)
+
+
 @contextmanager
 def process_group(
     rank: int | None = None,
@@ -167,7 +188,7 @@ def process_group(
         local_rank = _env_int("LOCAL_RANK") if local_rank is None else local_rank
         if local_world_size is None:
             local_world_size = _env_int("LOCAL_WORLD_SIZE")
-        init_method = "env://"
+        init_method = None  # a store of our own, below
     else:
         if master_port is None:
             raise ValueError(
@@ -211,12 +232,14 @@ def process_group(
     else:
         device = torch.device("cpu")
 
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
+        store=_torchrun_store(rank, world_size, timeout) if init_method is None else None,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         # Tells NCCL the device up front (no guessing in barrier()).
         device_id=device if backend == "nccl" else None,
     )
