@@ -10,7 +10,8 @@ instead, and so does :func:`train_fast`:
   are converted and normalised there, one batch at a time (:class:`DeviceLoader`).
 * Shuffling is a ``torch.randperm`` on the device from a seeded generator; a batch
   is an index into the resident tensors. No worker processes, no host copies.
-* The model runs in channels-last layout under autocast in the precision the GPU
+* The model runs in channels-last layout (NHWC, what cuDNN's Tensor Core and
+  oneDNN's CPU convolutions use natively) under autocast in the precision the GPU
   runs fast (bf16 from Ampere on, fp16 with loss scaling before; see
   :func:`d2lgpu.precision_policy`), with cuDNN's autotuner on.
 * One fused SGD kernel updates all parameters (``fused=True``); it also takes
@@ -50,6 +51,7 @@ __all__ = [
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
     "DeviceLoader",
+    "cpu_has_native_bf16",
     "fashion_mnist_on_device",
     "fast_precision",
     "make_sgd",
@@ -202,7 +204,9 @@ def fashion_mnist_on_device(
     activations for backward, so larger batches fit and launch fewer kernels).
     """
     device = try_gpu() if device is None else torch.device(device)
-    channels_last = device.type == "cuda"
+    # One-channel images are laid out the same either way; channels_last=True keeps the
+    # loader right for RGB data sets too.
+    channels_last = True
     train_images, train_labels = fashion_mnist_tensors(train=True, root=root, quick=quick)
     test_images, test_labels = fashion_mnist_tensors(train=False, root=root, quick=quick)
     train_loader = DeviceLoader(
@@ -216,20 +220,28 @@ def fashion_mnist_on_device(
     return train_loader, test_loader
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX instructions)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: no fast bf16 path
+        return False
+
+
 def fast_precision(
     device: torch.device | str, amp: bool | str | torch.dtype = "auto"
 ) -> PrecisionPolicy:
-    """The precision :func:`train_fast` uses: like :func:`d2lgpu.precision_policy`, but
-    ``"auto"`` means fp32 on the CPU.
+    """The precision :func:`train_fast` uses: like :func:`d2lgpu.precision_policy`, except
+    that ``"auto"`` on a CPU means bf16 only where the CPU computes bf16 natively.
 
-    On the CPU, bf16 autocast adds a cast before and after every op and only pays off
-    where the CPU has bf16 matrix units (AMX); on the CPUs the course runs on it was
-    no faster or slower than fp32 (see ``benchmarks/RESULTS.md``). Pass ``amp="bf16"``
-    to force it. On GPUs ``"auto"`` is the GPU's fast Tensor Core format.
+    Without native bf16 instructions, bf16 autocast on a CPU converts every operand
+    back and forth and is slower than fp32. With AVX512-BF16, a ResNet-18 step ran
+    about 2.5x faster in bf16 than in fp32 (``benchmarks/RESULTS.md``). On GPUs
+    ``"auto"`` is the GPU's fast Tensor Core format. ``amp=False`` forces fp32.
     """
     device = torch.device(device)
     if isinstance(amp, str) and amp.lower() == "auto" and device.type == "cpu":
-        return precision_policy(device, False)
+        return precision_policy(device, "bf16" if cpu_has_native_bf16() else False)
     return precision_policy(device, amp)
 
 
@@ -259,7 +271,8 @@ def make_sgd(
 
 
 def _as_device_loader(
-    data: object, name: str, device: torch.device, batch_size: int, shuffle: bool, seed: int
+    data: object, name: str, device: torch.device, batch_size: int, shuffle: bool, seed: int,
+    channels_last: bool,
 ) -> DeviceLoader:
     if isinstance(data, DeviceLoader):
         if data.device != device:
@@ -273,7 +286,7 @@ def _as_device_loader(
     ):
         return DeviceLoader(
             data[0], data[1], batch_size, device=device, shuffle=shuffle, seed=seed,
-            channels_last=device.type == "cuda",
+            channels_last=channels_last,
         )
     raise TypeError(
         f"{name} must be a d2lgpu.DeviceLoader or a pair (uint8 images, labels), got "
@@ -329,10 +342,12 @@ def train_fast(
     put on the device here and batched with ``batch_size`` (train shuffled). ``seed``
     seeds initialisation and restarts the training loader's shuffling, so a seed
     gives the same run on the CPU (GPU kernels may differ in the last bits).
-    ``amp="auto"``: the GPU's fast format, fp32 on the CPU (:func:`fast_precision`).
+    ``amp="auto"``: the GPU's fast format; on a CPU bf16 where native, else fp32
+    (:func:`fast_precision`).
     ``compile``: False, True, or a ``torch.compile`` mode; the first epoch then
-    includes compilation time. ``channels_last=None`` means on CUDA only (cuDNN's
-    fast convolutions with Tensor Cores want it; on CPUs it was no faster).
+    includes compilation time. ``channels_last`` stores activations as NHWC, the layout
+    of cuDNN's Tensor Core convolutions; ``None`` means on CUDA only (on the CPU it did
+    not help ResNet-18 in bf16 and slowed the small CNN down: ``benchmarks/RESULTS.md``).
     ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
     """
     if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
@@ -349,11 +364,14 @@ def train_fast(
     device = try_gpu() if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    train_loader = _as_device_loader(train_data, "train_data", device, batch_size, True, seed or 0)
-    test_loader = _as_device_loader(test_data, "test_data", device, batch_size, False, 0)
     if channels_last is None:
         channels_last = device.type == "cuda"
-
+    train_loader = _as_device_loader(
+        train_data, "train_data", device, batch_size, True, seed or 0, channels_last
+    )
+    test_loader = _as_device_loader(
+        test_data, "test_data", device, batch_size, False, 0, channels_last
+    )
     if seed is not None:
         set_seed(seed)
         train_loader.manual_seed(seed)

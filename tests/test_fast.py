@@ -175,9 +175,14 @@ def test_fashion_mnist_on_device_quick_subset():
 # --------------------------------------------------------------------------- #
 
 
-def test_auto_precision_is_fp32_on_cpu_unless_forced():
+def test_auto_precision_on_cpu_is_bf16_only_where_native(monkeypatch):
+    import d2lgpu.fast as fast
+
+    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: False)
     assert fast_precision(CPU, "auto").dtype is None
-    assert fast_precision(CPU, "bf16").dtype == torch.bfloat16
+    assert fast_precision(CPU, "bf16").dtype == torch.bfloat16  # forcing still works
+    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: True)
+    assert fast_precision(CPU, "auto").dtype == torch.bfloat16
     assert fast_precision(CPU, False).dtype is None
 
 
@@ -358,7 +363,8 @@ def test_train_with_fast_true_is_train_fast():
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
     via_train = d2lgpu.train(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False, fast=True)
-    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False)
+    # amp=False is d2lgpu.train's default, which the dispatch passes on.
+    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, amp=False, progress=False)
     assert via_train.train_loss == direct.train_loss
     assert via_train.test_acc == direct.test_acc
     with pytest.raises(ValueError, match="plot_history"):
