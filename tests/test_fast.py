@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -287,6 +288,25 @@ def test_train_fast_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         train_fast(nn.Sequential(nn.Flatten(), nn.Linear(16, 20)), (images, labels),
                    (images, labels), **args)
+
+
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="torch.compile on the CPU needs a C++ compiler; this machine has none",
+)
+def test_compiled_fast_path_matches_eager():
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (256, 1, 8, 8), dtype=torch.uint8, generator=generator)
+    labels = (images.float().mean(dim=(1, 2, 3)) > 127).long()
+
+    def run(compile: bool):
+        net = nn.Sequential(nn.Flatten(), nn.Linear(64, 2))
+        return train_fast(net, (images, labels), (images, labels), 2, 0.1, CPU, batch_size=64,
+                          amp=False, compile=compile, progress=False)
+
+    compiled, eager = run(True), run(False)
+    assert compiled.train_loss == pytest.approx(eager.train_loss, rel=1e-4)
+    assert compiled.test_acc == eager.test_acc
 
 
 # --------------------------------------------------------------------------- #
