@@ -10,10 +10,11 @@ instead, and so does :func:`train_fast`:
   are converted and normalised there, one batch at a time (:class:`DeviceLoader`).
 * Shuffling is a ``torch.randperm`` on the device from a seeded generator; a batch
   is an index into the resident tensors. No worker processes, no host copies.
-* The model runs in channels-last layout (NHWC, what cuDNN's Tensor Core and
-  oneDNN's CPU convolutions use natively) under autocast in the precision the GPU
-  runs fast (bf16 from Ampere on, fp16 with loss scaling before; see
-  :func:`d2lgpu.precision_policy`), with cuDNN's autotuner on.
+* On a GPU the model runs in channels-last layout (NHWC, the layout of cuDNN's
+  Tensor Core convolutions) under autocast in the precision the GPU runs fast
+  (bf16 from Ampere on, fp16 with loss scaling before; see
+  :func:`d2lgpu.precision_policy`), with cuDNN's autotuner on. On a CPU it runs in
+  bf16 where the CPU computes bf16 natively, else fp32 (:func:`fast_precision`).
 * One fused SGD kernel updates all parameters (``fused=True``); it also takes
   GradScaler's inf check on the device, so fp16 needs no host round trip either.
 * Loss and correct counts are summed in device tensors and read once per epoch
@@ -43,6 +44,7 @@ from d2lgpu.training import (
     _warmup_scheduler,
     evaluate_accuracy,
     init_weights,
+    resolve_devices,
     set_seed,
     train_epoch,
 )
@@ -131,6 +133,9 @@ class DeviceLoader:
             raise ValueError(f"std must be positive, got {std!r}")
 
         self.device = try_gpu() if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Name the GPU, so that comparing it with "cuda:0" elsewhere works.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.images = images.to(self.device).contiguous()  # stays uint8 on the device
         self.labels = labels.to(self.device, torch.int64)
         # (x / 255 - mean) / std as one multiply and one add per element.
@@ -251,10 +256,12 @@ def make_sgd(
 ) -> torch.optim.SGD:
     """SGD with the fastest step this torch offers on ``device``: fused, else foreach.
 
-    A fused step updates every parameter in one kernel (plain SGD otherwise launches
-    a few kernels per parameter tensor: over 200 for ResNet-18). Fused SGD exists on
-    CUDA and CPU in recent torch; older versions fall back to the multi-tensor
-    ``foreach`` implementation.
+    The for-loop implementation launches kernels for each of the model's parameter
+    tensors (76 for ResNet-18); ``foreach`` (torch's default on CUDA) groups them into
+    a few multi-tensor kernels; ``fused`` does the whole update in one pass and can
+    take GradScaler's scale and inf flag as device tensors, so loss scaling needs no
+    host round trip. Fused SGD exists on CUDA and CPU in recent torch; where it does
+    not, ``foreach`` is used.
     """
     device = torch.device(device)
     kwargs = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -361,9 +368,17 @@ def train_fast(
     if not 0 <= warmup_epochs <= num_epochs:
         raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
     _check_positive_int("batch_size", batch_size)
-    device = try_gpu() if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if not isinstance(compile, (bool, str)):
+        raise ValueError(
+            f"compile must be False, True or a torch.compile mode such as 'max-autotune', "
+            f"got {compile!r}"
+        )
+    # One device only; resolve_devices names the GPU ("cuda" -> "cuda:0") and gives a
+    # clear error for one that is not there.
+    devices = [try_gpu()] if device is None else resolve_devices(device)
+    if len(devices) != 1:
+        raise ValueError(f"train_fast trains on one device, got {[str(d) for d in devices]}")
+    device = devices[0]
     if channels_last is None:
         channels_last = device.type == "cuda"
     train_loader = _as_device_loader(

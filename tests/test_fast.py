@@ -280,7 +280,8 @@ def test_train_fast_rejects_a_dataloader_and_names_the_fix():
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"num_epochs": 0}, "num_epochs"), ({"lr": 0.0}, "lr"), ({"compile": 1}, "compile"),
-     ({"batch_size": 0}, "batch_size")],
+     ({"batch_size": 0}, "batch_size"), ({"device": "cuda:99"}, "not available"),
+     ({"device": ["cpu", "cpu"]}, "CUDA devices only")],
 )
 def test_train_fast_bad_arguments(kwargs, message):
     images, labels = indexed_data(20)
