@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import matplotlib.pyplot as plt
-
 if TYPE_CHECKING:
     from d2lgpu.precision import SweepRow
 
@@ -50,6 +48,8 @@ class LivePlot:
         self.legend = list(legend)
         self.xs: list[float] = []
         self.ys: list[list[float]] = [[] for _ in self.legend]
+        import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
+
         self.fig, self.ax = plt.subplots(figsize=figsize)
         self._labels = dict(xlabel=xlabel, ylabel=ylabel, xlim=xlim, ylim=ylim, title=title)
         self._handle = None
@@ -82,6 +82,8 @@ class LivePlot:
 
     def close(self) -> None:
         """Release the figure; the last drawing stays in the notebook output."""
+        import matplotlib.pyplot as plt
+
         plt.close(self.fig)
 
 
@@ -126,6 +128,8 @@ def plot_lines(
     if legend is not None and len(legend) != len(ys_list):
         raise ValueError(f"legend has {len(legend)} names for {len(ys_list)} lines")
     if ax is None:
+        import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
+
         _, ax = plt.subplots(figsize=(5.0, 3.2))
     for i, y in enumerate(ys_list):
         ax.plot(list(x), list(y), label=None if legend is None else legend[i])
@@ -161,6 +165,8 @@ def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
     """
     if not rows:
         raise ValueError("no sweep rows to plot: run d2lgpu.precision_sweep first")
+    import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
+
     fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(10.0, 3.5))
     for mode in dict.fromkeys(r.mode for r in rows):  # modes in sweep order
         ran = sorted((r for r in rows if r.mode == mode and r.ok), key=lambda r: r.batch_size)
