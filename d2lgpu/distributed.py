@@ -341,6 +341,13 @@ def _run_rank(
         tmp = Path(workdir) / "result.pt.tmp"
         torch.save(value, tmp)
         os.replace(tmp, Path(workdir) / "result.pt")
+    # The rank's work is done and recorded. Leave now rather than through the
+    # interpreter's normal shutdown: native libraries' destructors (gloo's
+    # threads among them) have been seen to abort a finished process there,
+    # which would turn a successful job into a failed one.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _raise_first_failure(workdir: Path, processes: Sequence[Any]) -> None:
