@@ -29,7 +29,6 @@ learning rate and initialisation under ``seed``, so accuracy is comparable.
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -42,11 +41,11 @@ from d2lgpu.precision import PrecisionPolicy, precision_policy
 from d2lgpu.training import (
     History,
     _warmup_scheduler,
-    evaluate_accuracy,
+    check_hyperparameters,
     init_weights,
     resolve_devices,
+    run_epochs,
     set_seed,
-    train_epoch,
 )
 
 __all__ = [
@@ -357,16 +356,7 @@ def train_fast(
     not help ResNet-18 in bf16 and slowed the small CNN down: ``benchmarks/RESULTS.md``).
     ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
     """
-    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if weight_decay < 0 or not 0 <= momentum < 1:
-        raise ValueError(
-            f"need weight_decay >= 0 and 0 <= momentum < 1, got {weight_decay!r}, {momentum!r}"
-        )
-    if not 0 <= warmup_epochs <= num_epochs:
-        raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
+    check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
     _check_positive_int("batch_size", batch_size)
     if not isinstance(compile, (bool, str)):
         raise ValueError(
@@ -420,21 +410,10 @@ def train_fast(
     benchmark_before = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = device.type == "cuda" or benchmark_before
     try:
-        for epoch in range(num_epochs):
-            start = time.perf_counter()
-            loss, train_acc, count = train_epoch(
-                model, train_loader, loss_fn, optimizer, device, policy, scaler, scheduler,
-                on_batch=None if bar is None else lambda: bar.update(1),
-            )
-            train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
-            test_acc = evaluate_accuracy(model, test_loader, device, policy=policy)
-            history.train_loss.append(loss)
-            history.train_acc.append(train_acc)
-            history.test_acc.append(test_acc)
-            history.epoch_seconds.append(time.perf_counter() - start)
-            history.examples_per_second.append(count / train_seconds)
-            if bar is not None:
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
+        run_epochs(
+            model, train_loader, test_loader, num_epochs, loss_fn, optimizer, device, policy,
+            scaler, scheduler, history, bar,
+        )
     finally:
         torch.backends.cudnn.benchmark = benchmark_before
         if bar is not None:

@@ -263,6 +263,58 @@ def _warmup_scheduler(
     )
 
 
+def run_epochs(
+    model: nn.Module,
+    train_iter: Iterable,
+    test_iter: Iterable,
+    num_epochs: int,
+    loss_fn: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    policy: PrecisionPolicy,
+    scaler: torch.amp.GradScaler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    history: History,
+    bar=None,
+    live: LivePlot | None = None,
+) -> None:
+    """The epoch loop shared by :func:`train` and :func:`d2lgpu.train_fast`: train one
+    epoch, evaluate, append to ``history``, update the progress bar and live plot."""
+    for epoch in range(num_epochs):
+        start = time.perf_counter()
+        loss, train_acc, count = train_epoch(
+            model, train_iter, loss_fn, optimizer, device, policy, scaler, scheduler,
+            on_batch=None if bar is None else lambda: bar.update(1),
+        )
+        train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
+        test_acc = evaluate_accuracy(model, test_iter, device, policy=policy)
+        history.train_loss.append(loss)
+        history.train_acc.append(train_acc)
+        history.test_acc.append(test_acc)
+        history.epoch_seconds.append(time.perf_counter() - start)
+        history.examples_per_second.append(count / train_seconds)
+        if bar is not None:
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
+        if live is not None:
+            live.add(epoch + 1, [loss, train_acc, test_acc])
+
+
+def check_hyperparameters(
+    num_epochs: int, lr: float, weight_decay: float, momentum: float, warmup_epochs: float
+) -> None:
+    """Reject training hyperparameters that cannot be meant, with the accepted range."""
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
+        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if weight_decay < 0 or not 0 <= momentum < 1:
+        raise ValueError(
+            f"need weight_decay >= 0 and 0 <= momentum < 1, got {weight_decay!r}, {momentum!r}"
+        )
+    if not 0 <= warmup_epochs <= num_epochs:
+        raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
+
+
 def train(
     net: nn.Module,
     train_iter: Iterable,
@@ -315,16 +367,7 @@ def train(
             progress=progress, weight_decay=weight_decay, momentum=momentum,
             warmup_epochs=warmup_epochs, init=init,
         )
-    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if weight_decay < 0 or not 0 <= momentum < 1:
-        raise ValueError(
-            f"need weight_decay >= 0 and 0 <= momentum < 1, got {weight_decay!r}, {momentum!r}"
-        )
-    if not 0 <= warmup_epochs <= num_epochs:
-        raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
+    check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
     devices = resolve_devices(devices)
     device = devices[0]
 
@@ -363,23 +406,10 @@ def train(
         total = steps_per_epoch * num_epochs if steps_per_epoch is not None else None
         bar = tqdm(total=total, desc=f"training on {history.device}", unit="batch")
     try:
-        for epoch in range(num_epochs):
-            start = time.perf_counter()
-            loss, train_acc, count = train_epoch(
-                model, train_iter, loss_fn, optimizer, device, policy, scaler, scheduler,
-                on_batch=None if bar is None else lambda: bar.update(1),
-            )
-            train_seconds = time.perf_counter() - start  # .item() above synchronised
-            test_acc = evaluate_accuracy(model, test_iter, device, policy=policy)
-            history.train_loss.append(loss)
-            history.train_acc.append(train_acc)
-            history.test_acc.append(test_acc)
-            history.epoch_seconds.append(time.perf_counter() - start)
-            history.examples_per_second.append(count / train_seconds)
-            if bar is not None:
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
-            if live is not None:
-                live.add(epoch + 1, [loss, train_acc, test_acc])
+        run_epochs(
+            model, train_iter, test_iter, num_epochs, loss_fn, optimizer, device, policy,
+            scaler, scheduler, history, bar, live,
+        )
     finally:
         if bar is not None:
             bar.close()
