@@ -80,16 +80,25 @@ def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None)
         ) from err
 
 
+def _usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask where the OS has one (a
+    container or ``taskset`` can allow fewer than the machine has), else ``os.cpu_count()``.
+    DataLoader warns when asked for more workers than this."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def default_num_workers(quick: bool | None = None) -> int:
     """DataLoader worker processes that suit this machine.
 
     Quick mode: 0 (a few hundred images load faster in-process than workers start).
     With CUDA: up to 4 per GPU, so decoding keeps up with the GPUs. CPU only: the
     model already uses every core, so at most 2 workers and 0 on a 2-core machine.
-    Never more than ``os.cpu_count()``.
+    Never more than the cores this process may use.
     """
     quick = quick_mode() if quick is None else quick
-    cores = os.cpu_count() or 1
+    cores = _usable_cores()
     if quick:
         return 0
     if torch.cuda.is_available():

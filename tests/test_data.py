@@ -119,10 +119,10 @@ def test_missing_data_names_the_environment_variable(tmp_path, monkeypatch):
 def test_default_workers_fit_the_machine(monkeypatch):
     assert default_num_workers(quick=True) == 0
     assert 0 <= default_num_workers(quick=False) <= (os.cpu_count() or 1)
-    monkeypatch.setattr(data_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(data_module, "_usable_cores", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_num_workers(quick=False) == 0  # two cores are busy with the model
-    monkeypatch.setattr(data_module.os, "cpu_count", lambda: 6)
+    monkeypatch.setattr(data_module, "_usable_cores", lambda: 6)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert default_num_workers(quick=False) == 6  # capped by the cores
