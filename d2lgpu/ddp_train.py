@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -435,4 +437,14 @@ def main(argv: Sequence[str] | None = None) -> DDPResult:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception:
+        # Print the error, then end the process without interpreter teardown: an
+        # NCCL process group left after an error could wait there for peers that
+        # are stuck waiting for this rank, and torchrun would notice the failure
+        # (and restart the workers) only after the collective timeout.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

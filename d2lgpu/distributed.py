@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -179,7 +179,9 @@ def process_group(
     ``world_size`` and ``master_port`` (one machine, so local rank = rank).
 
     ``backend=None`` lets :func:`choose_backend` decide. ``timeout_s`` bounds how
-    long any collective waits for the other ranks.
+    long any collective waits for the other ranks. After an error in a multi-rank
+    NCCL group the group is not torn down here (that would wait for the stuck
+    peers): end the process, as :func:`launch` and torchrun do.
     """
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank and world_size (spawned processes) or neither (torchrun)")
@@ -244,15 +246,24 @@ def process_group(
         device_id=device if backend == "nccl" else None,
     )
     global _failed_at
+    failed = False
     try:
         yield DistContext(rank, world_size, local_rank, local_world_size, backend, device)
     except BaseException:
         # Remember when the error happened, before the teardown below makes the
         # peers fail too: launch() uses it to tell the cause from its echoes.
         _failed_at = time.time()
+        failed = True
         raise
     finally:
-        dist.destroy_process_group()
+        # NCCL's orderly teardown flushes and destroys the communicator together
+        # with the other ranks. After an error here they are still waiting in a
+        # collective for this rank, so it would wait for them until the timeout
+        # and the error would surface minutes late. Let the error propagate
+        # instead; the process is about to end (launch() and torchrun end it),
+        # and its end releases the GPU and the communicator.
+        if not (failed and backend == "nccl" and world_size > 1):
+            dist.destroy_process_group()
 
 
 def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
@@ -335,7 +346,10 @@ def _run_rank(
             record["exception"] = None
         with open(Path(workdir) / f"error-{rank}.pkl", "wb") as fh:
             pickle.dump(record, fh)
-        raise
+        # The parent rebuilds the error from the record. Exit at once, like a
+        # finished rank below, so that no teardown (an NCCL communicator whose
+        # peers are stuck waiting for this rank) can delay the failure.
+        _exit_now(1)
     if rank == 0:
         # Write then rename: the parent never reads a half-written file.
         tmp = Path(workdir) / "result.pt.tmp"
@@ -345,9 +359,14 @@ def _run_rank(
     # interpreter's normal shutdown: native libraries' destructors (gloo's
     # threads among them) have been seen to abort a finished process there,
     # which would turn a successful job into a failed one.
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End this process with ``code`` after flushing its output, skipping interpreter teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _raise_first_failure(workdir: Path, processes: Sequence[Any]) -> None:

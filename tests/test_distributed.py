@@ -30,7 +30,14 @@ from d2lgpu.distributed import (
 from d2lgpu.healthcheck import health_check
 
 # Child processes: one intra-op thread each, so two ranks do not fight over two cores.
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "D2LGPU_QUICK": "1"}
+# No GPUs: these tests are about gloo, and on a GPU machine the two simulated nodes
+# of one host would both claim GPU 0, which NCCL refuses.
+CHILD_ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "D2LGPU_QUICK": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -169,7 +176,8 @@ def test_global_batch_must_split_evenly():
 # --- several processes through the launcher --------------------------------------------
 
 
-def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch():
+def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the spawned ranks use gloo on CPUs
     data = _synthetic_images()
     # No batch norm: it normalises with local-batch statistics, which DDP does not average.
     cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False)
@@ -184,6 +192,20 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch():
     assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
 
 
+@pytest.mark.multigpu
+def test_ddp_with_nccl_on_two_gpus_matches_one_process_on_the_full_batch():
+    data = _synthetic_images()
+    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False)
+    two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 60.0), timeout_s=300)
+    one = train_ddp(cfg, None, data, device=torch.device("cuda", 0))
+    assert two.backend == "nccl" and two.epochs_done == 2
+    # Looser than on the CPU: cuDNN may choose other convolution algorithms per batch size.
+    diff = _max_abs_diff(two.state_dict, one.state_dict)
+    assert diff < 1e-3, f"DDP (NCCL) and single-GPU weights differ by {diff}"
+
+
+# Not forced onto the CPU: on a machine with two GPUs this is the NCCL failure path,
+# where the failing rank must not wait for its stuck peer while leaving the group.
 def test_a_failing_rank_ends_the_job_with_its_error_quickly():
     started = time.monotonic()
     with pytest.raises(ValueError, match="rank 1 found a bad batch") as info:
