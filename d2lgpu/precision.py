@@ -307,6 +307,18 @@ def _measure_one(
     )
 
 
+#: How cuBLAS and cuDNN report that they could not allocate their workspace. Near
+#: the memory limit this, not torch.OutOfMemoryError, can be the first error.
+_LIBRARY_ALLOC_FAILURES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """True for running out of GPU memory, however the allocation that failed reports it."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _LIBRARY_ALLOC_FAILURES)
+
+
 def _release_memory(device: torch.device) -> None:
     """On a GPU, give cached blocks back so the next row starts from an empty allocator.
 
@@ -339,8 +351,9 @@ def precision_sweep(
     for ``warmup`` untimed and ``steps`` timed steps. Each row holds the median
     step time (synchronised, via :func:`d2lgpu.time_fn`), the peak memory on a
     GPU (``torch.cuda.max_memory_allocated`` after resetting the peak) and the
-    loss of the last step. A ``torch.OutOfMemoryError`` becomes an ``"OOM"``
-    row, the memory is released, and the sweep goes on; modes the device cannot
+    loss of the last step. A ``torch.OutOfMemoryError`` (or cuBLAS/cuDNN failing
+    to allocate its workspace) becomes an ``"OOM"`` row, the memory is released,
+    and the sweep goes on; modes the device cannot
     run become rows whose status says why (see :func:`mode_unavailable_reason`).
     """
     device = torch.device(device)
@@ -369,8 +382,10 @@ def precision_sweep(
                 row = _measure_one(
                     model_fn, make_batch, mode, batch_size, device, steps, warmup, lr, loss_fn, seed
                 )
-            except torch.OutOfMemoryError:
+            except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
                 # Only running out of memory is expected; any other error is a bug and propagates.
+                if not _is_out_of_memory(exc):
+                    raise
                 row = SweepRow(mode, batch_size, None, None, None, 0, "OOM")
             # Outside the except block the traceback (and the tensors its frames hold) is gone.
             _release_memory(device)

@@ -276,6 +276,30 @@ def test_sweep_lets_errors_other_than_oom_through():
     assert not isinstance(excinfo.value, torch.OutOfMemoryError)
 
 
+class _CublasCannotAllocateAt(nn.Linear):
+    """Fails like cuBLAS does when the GPU has no room left for its workspace."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 16:
+            raise RuntimeError(
+                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+            )
+        return super().forward(x)
+
+
+def test_sweep_counts_a_library_allocation_failure_as_oom():
+    rows = P.precision_sweep(
+        lambda: _CublasCannotAllocateAt(6, 3),
+        P.random_batch_maker((6,), num_classes=3),
+        ["fp32"],
+        [16, 4],
+        "cpu",
+        steps=1,
+        warmup=0,
+    )
+    assert [(r.batch_size, r.status) for r in rows] == [(16, "OOM"), (4, "ok")]
+
+
 def test_sweep_on_cpu_measures_fp32_and_bf16_and_explains_the_rest():
     make_batch = P.random_batch_maker((1, 4, 4), num_classes=3)
     rows = P.precision_sweep(
