@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from d2lgpu.config import quick_mode
+from d2lgpu.devices import try_gpu
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, all_reduce_sum, process_group
 
 __all__ = [
@@ -418,8 +419,10 @@ def main(argv: Sequence[str] | None = None) -> DDPResult:
     """Command line: under torchrun every process joins the group; run directly, it trains alone."""
     cfg, timeout_s = _parse_args(argv)
     if "RANK" not in os.environ:
-        print("not started by torchrun: training in this one process, without a process group")
-        return train_ddp(cfg, None)
+        device = try_gpu()
+        print(f"not started by torchrun: training in this one process on {device}, "
+              "without a process group")
+        return train_ddp(cfg, None, device=device)
     with process_group(timeout_s=timeout_s) as ctx:
         if ctx.is_main:
             print(
