@@ -93,7 +93,9 @@ def default_num_workers(quick: bool | None = None) -> int:
     """DataLoader worker processes that suit this machine.
 
     Quick mode: 0 (a few hundred images load faster in-process than workers start).
-    With CUDA: up to 4 per GPU, so decoding keeps up with the GPUs. CPU only: the
+    With CUDA: 4 per GPU, at most 8 (small images decode fast; more workers only cost
+    memory and start-up time, and each loader keeps its own), so decoding keeps up
+    with the GPUs. CPU only: the
     model already uses every core, so at most 2 workers and 0 on a 2-core machine.
     Never more than the cores this process may use.
     """
@@ -102,7 +104,7 @@ def default_num_workers(quick: bool | None = None) -> int:
     if quick:
         return 0
     if torch.cuda.is_available():
-        return min(4 * max(1, torch.cuda.device_count()), cores)
+        return min(4 * max(1, torch.cuda.device_count()), 8, cores)
     return 0 if cores <= 2 else min(2, cores)
 
 

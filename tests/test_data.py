@@ -126,6 +126,10 @@ def test_default_workers_fit_the_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert default_num_workers(quick=False) == 6  # capped by the cores
+    monkeypatch.setattr(data_module, "_usable_cores", lambda: 64)
+    assert default_num_workers(quick=False) == 8  # capped: more would only cost memory
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert default_num_workers(quick=False) == 4  # four per GPU
 
 
 def test_synthetic_regression_is_linear_and_reproducible():
