@@ -201,7 +201,7 @@ def train_epoch(
     device: torch.device,
     policy: PrecisionPolicy,
     scaler: torch.amp.GradScaler,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    scheduler: LinearWarmup | None = None,
     on_batch=None,
 ) -> tuple[float, float, int]:
     """One pass over ``train_iter``; returns (mean loss, accuracy, number of examples).
@@ -249,18 +249,44 @@ class _AutocastForward(nn.Module):
             return self.module(*args, **kwargs)
 
 
+class LinearWarmup:
+    """Ramps every parameter group's lr linearly up to its value over ``steps`` steps.
+
+    Step ``s`` (0-based) trains with ``lr * (s + 1) / steps``, then ``lr`` on. It sets
+    the lr directly instead of through ``torch.optim.lr_scheduler``: with fp16 a
+    GradScaler skips the first optimizer steps while it finds its scale, and torch's
+    schedulers warn when they step before the optimizer has; ramping on by batch
+    count regardless is what is meant here.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"warm-up needs at least 1 step, got {steps}")
+        self.optimizer = optimizer
+        self.steps = steps
+        self.done = 0
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self._apply()
+
+    def _apply(self) -> None:
+        factor = min(1.0, (self.done + 1) / self.steps)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
+
+    def step(self) -> None:
+        """Advance by one training step."""
+        self.done += 1
+        self._apply()
+
+
 def _warmup_scheduler(
     optimizer: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int | None
-) -> torch.optim.lr_scheduler.LambdaLR | None:
+) -> LinearWarmup | None:
     if warmup_epochs == 0:
         return None
     if steps_per_epoch is None:
         raise ValueError("warmup_epochs needs a train_iter with a length (e.g. a DataLoader)")
-    warmup_steps = max(1, math.ceil(warmup_epochs * steps_per_epoch))
-    # Step s (0-based) trains with lr * (s + 1) / warmup_steps until the full lr is reached.
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup_steps)
-    )
+    return LinearWarmup(optimizer, max(1, math.ceil(warmup_epochs * steps_per_epoch)))
 
 
 def run_epochs(
@@ -273,7 +299,7 @@ def run_epochs(
     device: torch.device,
     policy: PrecisionPolicy,
     scaler: torch.amp.GradScaler,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    scheduler: LinearWarmup | None,
     history: History,
     bar=None,
     live: LivePlot | None = None,

@@ -130,6 +130,18 @@ def test_warmup_ramps_linearly_then_holds():
     assert _warmup_scheduler(optimizer, 0, 4) is None
 
 
+def test_warmup_goes_on_quietly_when_a_grad_scaler_skips_the_optimizer_step():
+    # fp16 training skips optimizer steps whose gradients overflowed; the ramp counts
+    # batches regardless, and must not warn about stepping before the optimizer.
+    param = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler = _warmup_scheduler(optimizer, warmup_epochs=1, steps_per_epoch=2)
+        scheduler.step()  # no optimizer.step() before it
+    assert optimizer.param_groups[0]["lr"] == 1.0
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(num_epochs=0, lr=0.1), "num_epochs"), (dict(num_epochs=1.5, lr=0.1), "num_epochs"),
