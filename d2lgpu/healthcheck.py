@@ -116,4 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status:
+        # After a failed collective, NCCL's teardown at interpreter exit can wait for
+        # peers that are gone; leave without it so the job ends now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
