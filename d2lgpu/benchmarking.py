@@ -125,22 +125,22 @@ class Timing:
         )
 
 
-def gbps(nbytes: float, seconds: float) -> float:
-    """Bandwidth in GB/s (10**9 bytes per second, the unit of GPU spec sheets)."""
+def _per_second(amount: float, seconds: float, what: str) -> float:
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"seconds must be a positive finite duration, got {seconds!r}")
-    if not (math.isfinite(nbytes) and nbytes >= 0):
-        raise ValueError(f"nbytes must be a non-negative finite byte count, got {nbytes!r}")
-    return nbytes / seconds / 1e9
+    if not (math.isfinite(amount) and amount >= 0):
+        raise ValueError(f"{what} must be a non-negative finite count, got {amount!r}")
+    return amount / seconds
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """Bandwidth in GB/s (10**9 bytes per second, the unit of GPU spec sheets)."""
+    return _per_second(nbytes, seconds, "nbytes") / 1e9
 
 
 def tflops(flops: float, seconds: float) -> float:
     """Throughput in TFLOP/s (10**12 floating-point operations per second)."""
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"seconds must be a positive finite duration, got {seconds!r}")
-    if not (math.isfinite(flops) and flops >= 0):
-        raise ValueError(f"flops must be a non-negative finite count, got {flops!r}")
-    return flops / seconds / 1e12
+    return _per_second(flops, seconds, "flops") / 1e12
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
