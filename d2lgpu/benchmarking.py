@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from d2lgpu.devices import num_gpus
+
 __all__ = [
     "ElementwiseRow",
     "Timing",
@@ -184,7 +186,7 @@ def resolve_device(device: DeviceLike) -> torch.device | None:
     if dev.type == "cpu":
         return dev
     if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = num_gpus()
         if count == 0:
             raise RuntimeError(
                 f"{dev} was asked for, but this process sees no CUDA GPU; "

@@ -43,6 +43,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from d2lgpu.devices import num_gpus
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DistContext",
@@ -106,7 +108,7 @@ def choose_backend(local_world_size: int) -> str:
         raise TypeError(f"local_world_size must be an int, got {local_world_size!r}")
     if local_world_size < 1:
         raise ValueError(f"local_world_size must be at least 1, got {local_world_size}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = num_gpus()
     if gpus >= local_world_size and dist.is_nccl_available():
         return "nccl"
     return "gloo"

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from d2lgpu.devices import try_all_gpus, try_gpu
+from d2lgpu.devices import num_gpus, try_all_gpus, try_gpu
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
@@ -127,7 +127,7 @@ def resolve_devices(
     resolved = [torch.device(d) for d in devices]
     if not resolved:
         raise ValueError("devices is empty: pass None for all GPUs (or the CPU), or a device list")
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = num_gpus()
     for d in resolved:
         if d.type == "cuda" and (d.index or 0) >= visible:
             raise ValueError(
@@ -279,9 +279,11 @@ class LinearWarmup:
         self._apply()
 
 
-def _warmup_scheduler(
+def warmup_scheduler(
     optimizer: torch.optim.Optimizer, warmup_epochs: float, steps_per_epoch: int | None
 ) -> LinearWarmup | None:
+    """The warm-up over ``warmup_epochs`` epochs of ``steps_per_epoch`` batches, or None
+    when there is none (shared by :func:`train` and :func:`d2lgpu.train_fast`)."""
     if warmup_epochs == 0:
         return None
     if steps_per_epoch is None:
@@ -416,7 +418,7 @@ def train(
         net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
     )
     steps_per_epoch = len(train_iter) if hasattr(train_iter, "__len__") else None
-    scheduler = _warmup_scheduler(optimizer, warmup_epochs, steps_per_epoch)
+    scheduler = warmup_scheduler(optimizer, warmup_epochs, steps_per_epoch)
 
     history = History(device=", ".join(str(d) for d in devices))
     live = None
