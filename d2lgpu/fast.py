@@ -40,12 +40,12 @@ from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 from d2lgpu.training import (
     History,
-    _warmup_scheduler,
     check_hyperparameters,
     init_weights,
     resolve_devices,
     run_epochs,
     set_seed,
+    warmup_scheduler,
 )
 
 __all__ = [
@@ -391,7 +391,7 @@ def train_fast(
     optimizer = make_sgd(
         net.parameters(), lr, device, momentum=momentum, weight_decay=weight_decay
     )
-    scheduler = _warmup_scheduler(optimizer, warmup_epochs, len(train_loader))
+    scheduler = warmup_scheduler(optimizer, warmup_epochs, len(train_loader))
 
     history = History(device=str(device))
     bar = None

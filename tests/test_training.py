@@ -15,12 +15,12 @@ from d2lgpu.models import small_cnn
 from d2lgpu.training import (
     History,
     _AutocastForward,
-    _warmup_scheduler,
     evaluate_accuracy,
     init_weights,
     resolve_devices,
     set_seed,
     train,
+    warmup_scheduler,
 )
 
 
@@ -120,14 +120,14 @@ def test_evaluate_accuracy_counts_and_restores_the_mode():
 def test_warmup_ramps_linearly_then_holds():
     param = nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=1.0)
-    scheduler = _warmup_scheduler(optimizer, warmup_epochs=1, steps_per_epoch=4)
+    scheduler = warmup_scheduler(optimizer, warmup_epochs=1, steps_per_epoch=4)
     lrs = []
     for _ in range(6):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
     assert lrs == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert _warmup_scheduler(optimizer, 0, 4) is None
+    assert warmup_scheduler(optimizer, 0, 4) is None
 
 
 def test_warmup_goes_on_quietly_when_a_grad_scaler_skips_the_optimizer_step():
@@ -137,7 +137,7 @@ def test_warmup_goes_on_quietly_when_a_grad_scaler_skips_the_optimizer_step():
     optimizer = torch.optim.SGD([param], lr=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        scheduler = _warmup_scheduler(optimizer, warmup_epochs=1, steps_per_epoch=2)
+        scheduler = warmup_scheduler(optimizer, warmup_epochs=1, steps_per_epoch=2)
         scheduler.step()  # no optimizer.step() before it
     assert optimizer.param_groups[0]["lr"] == 1.0
 
