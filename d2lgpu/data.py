@@ -95,9 +95,8 @@ def default_num_workers(quick: bool | None = None) -> int:
     Quick mode: 0 (a few hundred images load faster in-process than workers start).
     With CUDA: 4 per GPU, at most 8 (small images decode fast; more workers only cost
     memory and start-up time, and each loader keeps its own), so decoding keeps up
-    with the GPUs. CPU only: the
-    model already uses every core, so at most 2 workers and 0 on a 2-core machine.
-    Never more than the cores this process may use.
+    with the GPUs. CPU only: the model already uses every core, so 2 workers, and 0
+    on a machine with 2 cores or fewer. Never more than the cores this process may use.
     """
     quick = quick_mode() if quick is None else quick
     cores = _usable_cores()
@@ -105,7 +104,7 @@ def default_num_workers(quick: bool | None = None) -> int:
         return 0
     if torch.cuda.is_available():
         return min(4 * max(1, torch.cuda.device_count()), 8, cores)
-    return 0 if cores <= 2 else min(2, cores)
+    return 0 if cores <= 2 else 2
 
 
 def load_data_fashion_mnist(
