@@ -6,7 +6,8 @@ devices), ``report`` (what this machine can do, and why CUDA is missing),
 ``models`` (ResNet-18 and a small CNN), ``parallel`` (data parallelism by
 hand), ``training`` (the train loop), ``plotting``, ``precision`` (mixed
 precision), ``fast`` (the device-resident fast path), ``distributed``,
-``ddp_train`` and ``healthcheck`` (torch.distributed and torchrun).
+``ddp_train`` and ``healthcheck`` (torch.distributed and torchrun), and
+``checks`` (argument checks the others share).
 """
 
 from d2lgpu.benchmarking import (

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils import data
 
+from d2lgpu.checks import check_positive_int
 from d2lgpu.config import DATA_ENV, data_root, quick_mode
 
 __all__ = [
@@ -124,8 +125,7 @@ def load_data_fashion_mnist(
     """
     from torchvision import transforms
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_positive_int("batch_size", batch_size)
     if resize is not None:
         sizes = (resize,) if isinstance(resize, int) else tuple(resize)
         if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
@@ -190,9 +190,8 @@ def synthetic_regression(
     so the data are the same everywhere and do not disturb torch's global RNG.
     Wrap them with ``torch.utils.data.TensorDataset(X, y)`` for a DataLoader.
     """
-    for name, value in (("num_examples", num_examples), ("num_features", num_features)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_positive_int("num_examples", num_examples)
+    check_positive_int("num_features", num_features)
     if noise < 0:
         raise ValueError(f"noise is a standard deviation and must be >= 0, got {noise!r}")
     gen = torch.Generator().manual_seed(seed)

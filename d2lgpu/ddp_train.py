@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from d2lgpu.checks import check_positive_int
 from d2lgpu.config import quick_mode
 from d2lgpu.devices import try_gpu
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, all_reduce_sum, process_group
@@ -92,10 +93,8 @@ class DDPConfig:
     fail_after_epoch: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("epochs", self.epochs)
+        check_positive_int("batch_size", self.batch_size)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr!r}")
         if self.model not in MODELS:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from d2lgpu.checks import check_positive_int
 from d2lgpu.devices import num_gpus
 
 __all__ = [
@@ -425,8 +426,7 @@ def launch(
     share of the CPU cores for its intra-op threads, so two ranks on two cores
     do not fight over them.
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    check_positive_int("nprocs", nprocs)
     if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
         fn, "__qualname__", ""
     ):

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from d2lgpu.checks import check_positive_int
 from d2lgpu.data import fashion_mnist_tensors
 from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, precision_policy
@@ -65,12 +66,6 @@ __all__ = [
 #: (all 60,000 images; computed with ``fashion_mnist_tensors`` in float64).
 FASHION_MNIST_MEAN = 0.2860
 FASHION_MNIST_STD = 0.3530
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class DeviceLoader:
@@ -122,7 +117,7 @@ class DeviceLoader:
             )
         if images.shape[0] == 0:
             raise ValueError("the data set is empty")
-        self.batch_size = _check_positive_int("batch_size", batch_size)
+        self.batch_size = check_positive_int("batch_size", batch_size)
         channels = images.shape[1]
         mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
         std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
@@ -357,7 +352,7 @@ def train_fast(
     ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
     """
     check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
-    _check_positive_int("batch_size", batch_size)
+    check_positive_int("batch_size", batch_size)
     if not isinstance(compile, (bool, str)):
         raise ValueError(
             f"compile must be False, True or a torch.compile mode such as 'max-autotune', "
@@ -435,7 +430,7 @@ def training_flops_per_example(
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    _check_positive_int("batch_size", batch_size)
+    check_positive_int("batch_size", batch_size)
     probe = copy.deepcopy(net).to("cpu", torch.float32).train()
     X = torch.zeros(batch_size, *example_shape)
     with FlopCounterMode(display=False) as counter:

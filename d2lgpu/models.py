@@ -14,13 +14,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from d2lgpu.checks import check_positive_int
+
 __all__ = ["Residual", "resnet18", "small_cnn"]
 
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
 
 
 class Residual(nn.Module):
