@@ -20,7 +20,7 @@ from d2lgpu.benchmarking import (
     time_fn,
     time_naive,
 )
-from d2lgpu.config import data_root, describe_mode, pick, quick_mode
+from d2lgpu.config import data_root, describe_mode, pick, quick_mode, workload
 from d2lgpu.data import (
     FASHION_MNIST_LABELS,
     QUICK_TEST_SIZE,
@@ -145,6 +145,7 @@ __all__ = [
     "print_setup",
     "process_group",
     "quick_mode",
+    "workload",
     "random_batch_maker",
     "read_nvml",
     "replicate_params",

@@ -1,11 +1,23 @@
 """Settings read from the environment, in one place.
 
-Two variables steer the course:
+Every chapter runs one of three workloads:
+
+``quick``
+    Tiny data, few steps: every notebook runs in seconds (the test suite sets
+    ``D2LGPU_QUICK=1``). The numbers are for checking, not for quoting.
+``cpu``
+    The default where no CUDA GPU is usable: workloads cut so that each
+    chapter finishes in minutes on a laptop CPU and its training still learns.
+``full``
+    The default with a CUDA GPU: the real data sizes and epochs. On a CPU,
+    ``D2LGPU_FULL=1`` forces it (expect hours for the ResNet-18 chapters).
+
+Three variables steer the course:
 
 ``D2LGPU_QUICK``
-    ``1`` turns on quick mode: chapters shrink data sets, epochs and sweeps so
-    that every notebook runs in seconds on a laptop CPU (the test suite sets
-    it). Unset or ``0`` means full mode, which does the real work.
+    ``1`` selects the quick workload; it wins over ``D2LGPU_FULL``.
+``D2LGPU_FULL``
+    ``1`` selects the full workload even without a GPU.
 ``D2LGPU_DATA``
     Where data sets live. Unset means a per-user cache directory
     (``~/.cache/d2lgpu/data`` on Linux), where they are downloaded once.
@@ -16,10 +28,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 QUICK_ENV = "D2LGPU_QUICK"
+FULL_ENV = "D2LGPU_FULL"
 DATA_ENV = "D2LGPU_DATA"
+
+Workload = Literal["quick", "cpu", "full"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -27,29 +42,64 @@ _FALSE = {"", "0", "false", "no", "off"}
 T = TypeVar("T")
 
 
-def quick_mode() -> bool:
-    """Return True when ``D2LGPU_QUICK`` asks for quick mode.
+def _env_flag(name: str) -> bool:
+    """Read a yes/no environment variable; unset or empty means no.
 
     Accepts 1/0, true/false, yes/no, on/off (any case). Anything else is an
-    error rather than a guess, so a typo never silently runs the full course.
+    error rather than a guess, so a typo never silently picks a workload.
     """
-    raw = os.environ.get(QUICK_ENV, "").strip().lower()
+    raw = os.environ.get(name, "").strip().lower()
     if raw in _TRUE:
         return True
     if raw in _FALSE:
         return False
     raise ValueError(
-        f"{QUICK_ENV}={os.environ[QUICK_ENV]!r} is not understood: "
-        f"set it to 1 for quick mode or 0 (or unset it) for full mode"
+        f"{name}={os.environ[name]!r} is not understood: set it to 1 (yes) or 0 (no), "
+        f"or unset it"
     )
 
 
-def pick(full: T, quick: T) -> T:
-    """Return ``quick`` in quick mode and ``full`` otherwise.
+def quick_mode() -> bool:
+    """Return True when ``D2LGPU_QUICK`` asks for the quick workload."""
+    return _env_flag(QUICK_ENV)
 
-    Notebooks size their work with it, e.g. ``num_epochs = pick(full=10, quick=1)``.
+
+def _cuda_usable() -> bool:
+    # Imported here so that reading a setting does not import torch by itself.
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def workload() -> Workload:
+    """The workload this process runs: ``"quick"``, ``"cpu"`` or ``"full"``.
+
+    ``D2LGPU_QUICK=1`` gives quick, else ``D2LGPU_FULL=1`` gives full, else
+    full where a CUDA GPU is usable and cpu where none is.
     """
-    return quick if quick_mode() else full
+    if quick_mode():
+        return "quick"
+    if _env_flag(FULL_ENV):
+        return "full"
+    return "full" if _cuda_usable() else "cpu"
+
+
+_SAME_AS_FULL = object()
+
+
+def pick(full: T, quick: T, cpu: T = _SAME_AS_FULL) -> T:  # type: ignore[assignment]
+    """Return the value for this process's workload.
+
+    Notebooks size their work with it, e.g.
+    ``num_epochs = pick(full=10, quick=1, cpu=3)``. Leave ``cpu`` out only for
+    sizes that are cheap on a CPU too: it then defaults to ``full``.
+    """
+    chosen = workload()
+    if chosen == "quick":
+        return quick
+    if chosen == "cpu" and cpu is not _SAME_AS_FULL:
+        return cpu
+    return full
 
 
 def default_cache_dir() -> Path:
@@ -72,10 +122,18 @@ def data_root() -> Path:
 
 
 def describe_mode() -> str:
-    """One line saying which mode this process runs in, for notebooks to print."""
-    if quick_mode():
+    """One line saying which workload this process runs, for notebooks to print."""
+    chosen = workload()
+    if chosen == "quick":
         return (
-            f"quick mode ({QUICK_ENV}=1): small data, few epochs; "
+            f"quick mode ({QUICK_ENV}=1): tiny data, few steps; "
             "numbers are for checking, not for quoting"
         )
-    return f"full mode ({QUICK_ENV} unset or 0): real data sizes and epochs"
+    if chosen == "cpu":
+        return (
+            "CPU mode (no CUDA GPU): workloads cut to finish in minutes; "
+            f"{FULL_ENV}=1 runs the real ones"
+        )
+    if _cuda_usable():
+        return "full mode: real data sizes and epochs"
+    return f"full mode on a CPU ({FULL_ENV}=1): real data sizes and epochs, expect hours"

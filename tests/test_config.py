@@ -34,13 +34,6 @@ def test_quick_mode_rejects_unknown_values(monkeypatch, value):
     assert "set it to 1" in str(excinfo.value)
 
 
-def test_pick_follows_quick_mode(monkeypatch):
-    monkeypatch.setenv("D2LGPU_QUICK", "1")
-    assert config.pick(full=10, quick=1) == 1
-    monkeypatch.setenv("D2LGPU_QUICK", "0")
-    assert config.pick(full=10, quick=1) == 10
-
-
 def test_pick_propagates_bad_quick_value(monkeypatch):
     monkeypatch.setenv("D2LGPU_QUICK", "maybe")
     with pytest.raises(ValueError, match="D2LGPU_QUICK"):
@@ -76,8 +69,61 @@ def test_default_cache_dir_honours_xdg_on_linux(monkeypatch, tmp_path):
     assert config.default_cache_dir() == Path.home() / ".cache" / "d2lgpu"
 
 
-def test_describe_mode_names_the_mode(monkeypatch):
-    monkeypatch.setenv("D2LGPU_QUICK", "1")
-    assert config.describe_mode().startswith("quick mode")
-    monkeypatch.setenv("D2LGPU_QUICK", "0")
-    assert config.describe_mode().startswith("full mode")
+@pytest.fixture
+def no_workload_env(monkeypatch):
+    monkeypatch.delenv("D2LGPU_QUICK", raising=False)
+    monkeypatch.delenv("D2LGPU_FULL", raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_default_workload_follows_the_hardware(no_workload_env, gpu):
+    no_workload_env.setattr(config, "_cuda_usable", lambda: gpu)
+    assert config.workload() == ("full" if gpu else "cpu")
+
+
+def test_full_forces_the_real_workload_on_a_cpu(no_workload_env):
+    no_workload_env.setattr(config, "_cuda_usable", lambda: False)
+    no_workload_env.setenv("D2LGPU_FULL", "1")
+    assert config.workload() == "full"
+    assert config.describe_mode().startswith("full mode on a CPU")
+    assert "hours" in config.describe_mode()
+
+
+def test_quick_wins_over_full(no_workload_env):
+    no_workload_env.setenv("D2LGPU_FULL", "1")
+    no_workload_env.setenv("D2LGPU_QUICK", "1")
+    assert config.workload() == "quick"
+
+
+def test_full_rejects_unknown_values(no_workload_env):
+    no_workload_env.setenv("D2LGPU_FULL", "please")
+    with pytest.raises(ValueError, match="D2LGPU_FULL='please'"):
+        config.workload()
+
+
+@pytest.mark.parametrize(
+    ("quick", "gpu", "expected"),
+    [("1", False, "q"), ("0", True, "f"), ("0", False, "c")],
+)
+def test_pick_chooses_by_workload(no_workload_env, quick, gpu, expected):
+    no_workload_env.setenv("D2LGPU_QUICK", quick)
+    no_workload_env.setattr(config, "_cuda_usable", lambda: gpu)
+    assert config.pick(full="f", quick="q", cpu="c") == expected
+
+
+def test_pick_without_cpu_value_uses_full_on_a_cpu(no_workload_env):
+    no_workload_env.setattr(config, "_cuda_usable", lambda: False)
+    assert config.pick(full=10, quick=1) == 10
+    # None is a value like any other, not "missing".
+    assert config.pick(full=10, quick=1, cpu=None) is None
+
+
+@pytest.mark.parametrize(
+    ("quick", "gpu", "start"),
+    [("1", False, "quick mode"), ("0", True, "full mode:"), ("0", False, "CPU mode")],
+)
+def test_describe_mode_names_the_workload(no_workload_env, quick, gpu, start):
+    no_workload_env.setenv("D2LGPU_QUICK", quick)
+    no_workload_env.setattr(config, "_cuda_usable", lambda: gpu)
+    assert config.describe_mode().startswith(start)
