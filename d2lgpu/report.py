@@ -48,6 +48,7 @@ __all__ = [
     "print_report",
     "print_setup",
     "read_nvml",
+    "require_cuda_device",
     "setup_summary",
 ]
 
@@ -679,6 +680,39 @@ def print_report(report: EnvironmentReport | None = None) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Checking a CUDA device before using it
+# --------------------------------------------------------------------------------------
+
+
+def require_cuda_device(device: torch.device | str, what: str) -> torch.device:
+    """``device`` with its GPU index filled in, once it is clear that CUDA can use it here.
+
+    Every function of the package that takes a device calls this before touching CUDA,
+    so that ``'cuda'`` on a machine without a usable GPU fails with the reason and its
+    fix (:func:`diagnose_this_machine`), not torch's bare "Found no NVIDIA driver".
+    ``what`` names the caller in the message. A device that is not CUDA is returned
+    unchanged; a bare ``'cuda'`` becomes the current GPU, as torch reads it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    count = num_gpus()
+    if count == 0:
+        raise RuntimeError(
+            f"{what} was given {device}, but this process cannot use CUDA.\n"
+            f"{diagnose_this_machine()}\n"
+            "To run on the CPU instead, pass d2lgpu.try_gpu() (it is the CPU when there is no GPU)."
+        )
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise RuntimeError(
+            f"{what} was given {device}, but {device} does not exist: this process sees {count} "
+            f"GPU(s), numbered 0 to {count - 1}. Run `python -m d2lgpu info` to see them."
+        )
+    return torch.device("cuda", index)
+
+
+# --------------------------------------------------------------------------------------
 # GPU memory, as the caching allocator and the driver see it
 # --------------------------------------------------------------------------------------
 
@@ -716,13 +750,7 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
             f"gpu_memory needs a CUDA device, got {device}: the CPU has no caching allocator "
             "statistics. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
         )
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.index >= num_gpus():
-        raise RuntimeError(
-            f"{device} does not exist: this process sees {num_gpus()} GPU(s). "
-            "Run `python -m d2lgpu info` to see why."
-        )
+    device = require_cuda_device(device, "gpu_memory")
     free, total = torch.cuda.mem_get_info(device)
     return GpuMemory(
         allocated=torch.cuda.memory_allocated(device),

@@ -409,9 +409,21 @@ def test_gpu_memory_refuses_the_cpu():
         d2lgpu.gpu_memory("cpu")
 
 
-def test_gpu_memory_refuses_a_missing_gpu():
-    with pytest.raises(RuntimeError, match="cuda:99 does not exist"):
+def test_gpu_memory_refuses_a_missing_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="cuda:99 does not exist: this process sees 1 GPU"):
         d2lgpu.gpu_memory(99)
+
+
+def test_gpu_memory_without_cuda_says_why(monkeypatch):
+    # torch alone says "Found no NVIDIA driver" (or worse, from current_device()).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for device in ("cuda", 0):
+        with pytest.raises(RuntimeError, match="gpu_memory was given cuda") as info:
+            d2lgpu.gpu_memory(device)
+        assert "CUDA is NOT usable" in str(info.value) and "fix:" in str(info.value)
 
 
 @pytest.mark.gpu
