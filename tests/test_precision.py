@@ -300,6 +300,52 @@ def test_sweep_counts_a_library_allocation_failure_as_oom():
     assert [(r.batch_size, r.status) for r in rows] == [(16, "OOM"), (4, "ok")]
 
 
+class _FailsLikeALibraryOutOfMemoryAt(nn.Linear):
+    """Raises ``message`` at batch size 16, as cuDNN or CUDA do when the GPU is full."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(6, 3)
+        self.message = message
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 16:
+            raise RuntimeError(self.message)
+        return super().forward(x)
+
+
+# What cuDNN and the CUDA runtime say when there is no memory left for a workspace or a
+# handle: nothing in these messages is a torch.OutOfMemoryError.
+@pytest.mark.parametrize(
+    "message",
+    [
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. GET was unable to find an engine to "
+        "execute this computation",
+        "Unable to find a valid cuDNN algorithm to run convolution",
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at "
+        "some other API call, so the stacktrace below might be incorrect.",
+    ],
+)
+def test_sweep_counts_cudnn_and_cuda_out_of_memory_symptoms_as_oom(message):
+    rows = P.precision_sweep(
+        lambda: _FailsLikeALibraryOutOfMemoryAt(message),
+        P.random_batch_maker((6,), num_classes=3),
+        ["fp32"],
+        [16, 4],
+        "cpu",
+        steps=1,
+        warmup=0,
+    )
+    assert [(r.batch_size, r.status) for r in rows] == [(16, "OOM"), (4, "ok")]
+
+
+def test_oom_check_works_on_a_torch_without_torch_out_of_memory_error(monkeypatch):
+    # torch.OutOfMemoryError is recent; older releases have only torch.cuda.OutOfMemoryError.
+    cuda_oom = torch.cuda.OutOfMemoryError
+    monkeypatch.delattr(torch, "OutOfMemoryError")
+    assert P._is_out_of_memory(cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not P._is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
 def test_sweep_on_cpu_measures_fp32_and_bf16_and_explains_the_rest():
     make_batch = P.random_batch_maker((1, 4, 4), num_classes=3)
     rows = P.precision_sweep(
