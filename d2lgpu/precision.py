@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from d2lgpu.benchmarking import time_fn
+from d2lgpu.devices import as_device
 
 __all__ = [
     "PRECISION_MODES",
@@ -113,7 +114,7 @@ def precision_policy(
     no rule here for what they run fast. ``capability`` overrides the one read
     from the device (for tests and for tables of GPUs you do not have).
     """
-    device = torch.device(device)
+    device = as_device(device)
     fp32 = PrecisionPolicy(device.type, None, False)
     if amp is None or amp is False or amp is torch.float32:
         return fp32
@@ -364,9 +365,9 @@ def precision_sweep(
     step time (synchronised, via :func:`d2lgpu.time_fn`), the peak memory on a
     GPU (``torch.cuda.max_memory_allocated`` after resetting the peak) and the
     loss of the last step. A ``torch.OutOfMemoryError`` (or cuBLAS, cuDNN or CUDA
-    failing to allocate a workspace or handle) becomes an ``"OOM"`` row, the memory is released,
-    and the sweep goes on; modes the device cannot
-    run become rows whose status says why (see :func:`mode_unavailable_reason`).
+    failing to allocate a workspace or handle) becomes an ``"OOM"`` row, the memory
+    is released, and the sweep goes on; modes the device cannot run become rows
+    whose status says why (see :func:`mode_unavailable_reason`).
     """
     device = torch.device(device)
     unknown = [m for m in modes if m not in PRECISION_MODES]

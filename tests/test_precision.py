@@ -77,6 +77,15 @@ def test_bad_amp_values_are_rejected_with_the_valid_choices(amp):
         P.precision_policy("cpu", amp)
 
 
+@pytest.mark.parametrize(
+    "device, error", [("nonsense", ValueError), ("gpu0", ValueError), (3.5, TypeError)]
+)
+def test_a_device_torch_does_not_know_is_a_clear_error(device, error):
+    with pytest.raises(error, match="is not a device") as info:
+        P.precision_policy(device)
+    assert "'cpu'" in str(info.value) and "'cuda'" in str(info.value)
+
+
 def test_cuda_policy_without_a_gpu_says_how_to_fall_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="try_gpu"):
