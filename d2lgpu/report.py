@@ -354,7 +354,12 @@ def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
 
 @dataclass(frozen=True)
 class NvmlGpuReading:
-    """One physical GPU as the driver sees it right now (None: not supported by this GPU)."""
+    """One physical GPU as the driver sees it right now.
+
+    A reading that is None is not supported by this GPU, or failed; ``error`` says
+    what failed and why (e.g. "memory: Insufficient Permissions", "GPU is lost"),
+    and is None when everything that the GPU supports was read.
+    """
 
     index: int
     name: str
@@ -365,6 +370,7 @@ class NvmlGpuReading:
     temperature_c: int | None
     power_watts: float | None
     power_limit_watts: float | None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -380,14 +386,21 @@ class NvmlView:
     error: str | None
 
 
-def _nvml_or_none(call, *args):  # type: ignore[no-untyped-def]
-    """Call an NVML query; None when this GPU or driver does not support it."""
-    import pynvml
+class _NvmlReader:
+    """Runs the NVML queries of one GPU: an unsupported query gives None quietly, a
+    failing one (no permission, GPU lost, ...) gives None and is noted in ``errors``."""
 
-    try:
-        return call(*args)
-    except pynvml.NVMLError:
-        return None
+    def __init__(self, pynvml) -> None:  # type: ignore[no-untyped-def]
+        self.pynvml = pynvml
+        self.errors: list[str] = []
+
+    def __call__(self, what: str, call, *args):  # type: ignore[no-untyped-def]
+        try:
+            return call(*args)
+        except self.pynvml.NVMLError as exc:
+            if not isinstance(exc, getattr(self.pynvml, "NVMLError_NotSupported", ())):
+                self.errors.append(f"{what}: {exc}")
+            return None
 
 
 def _as_str(value: str | bytes) -> str:
@@ -399,7 +412,9 @@ def read_nvml() -> NvmlView:
     """Read driver version and live per-GPU readings through NVML (``pynvml``).
 
     Never raises: when NVML is missing or cannot start (no driver, no GPU, a
-    CPU-only container), the view says why in ``error``.
+    CPU-only container), the view says why in ``error``. A GPU that fails (no
+    permission, fallen off the bus) says so in its own reading's ``error``; the
+    other GPUs are still read.
     """
     try:
         import pynvml
@@ -416,33 +431,46 @@ def read_nvml() -> NvmlView:
         return NvmlView(None, (), f"NVML cannot start: {why}")
     try:
         driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
-        readings = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = _nvml_or_none(pynvml.nvmlDeviceGetMemoryInfo, handle)
-            rates = _nvml_or_none(pynvml.nvmlDeviceGetUtilizationRates, handle)
-            power_mw = _nvml_or_none(pynvml.nvmlDeviceGetPowerUsage, handle)
-            limit_mw = _nvml_or_none(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-            readings.append(
-                NvmlGpuReading(
-                    index=index,
-                    name=_as_str(pynvml.nvmlDeviceGetName(handle)),
-                    uuid=_as_str(pynvml.nvmlDeviceGetUUID(handle)),
-                    utilization_percent=None if rates is None else int(rates.gpu),
-                    memory_used_bytes=None if memory is None else int(memory.used),
-                    memory_total_bytes=None if memory is None else int(memory.total),
-                    temperature_c=_nvml_or_none(
-                        pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
-                    ),
-                    power_watts=None if power_mw is None else power_mw / 1000,
-                    power_limit_watts=None if limit_mw is None else limit_mw / 1000,
-                )
-            )
-        return NvmlView(driver, tuple(readings), None)
+        count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError as exc:
+        pynvml.nvmlShutdown()
         return NvmlView(None, (), f"NVML query failed: {exc}")
+    try:
+        return NvmlView(driver, tuple(_read_nvml_gpu(pynvml, i) for i in range(count)), None)
     finally:
         pynvml.nvmlShutdown()
+
+
+def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-untyped-def]
+    """One GPU's readings; a GPU that NVML cannot reach gives a reading that says why,
+    so that one lost or forbidden GPU does not hide the others."""
+    read = _NvmlReader(pynvml)
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except pynvml.NVMLError as exc:
+        return NvmlGpuReading(index, "?", "", None, None, None, None, None, None,
+                              error=f"NVML cannot reach this GPU: {exc}")
+    name = read("name", pynvml.nvmlDeviceGetName, handle)
+    uuid = read("uuid", pynvml.nvmlDeviceGetUUID, handle)
+    memory = read("memory", pynvml.nvmlDeviceGetMemoryInfo, handle)
+    rates = read("utilization", pynvml.nvmlDeviceGetUtilizationRates, handle)
+    power_mw = read("power", pynvml.nvmlDeviceGetPowerUsage, handle)
+    limit_mw = read("power limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    temperature = read(
+        "temperature", pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
+    )
+    return NvmlGpuReading(
+        index=index,
+        name="?" if name is None else _as_str(name),
+        uuid="" if uuid is None else _as_str(uuid),
+        utilization_percent=None if rates is None else int(rates.gpu),
+        memory_used_bytes=None if memory is None else int(memory.used),
+        memory_total_bytes=None if memory is None else int(memory.total),
+        temperature_c=temperature,
+        power_watts=None if power_mw is None else power_mw / 1000,
+        power_limit_watts=None if limit_mw is None else limit_mw / 1000,
+        error="; ".join(read.errors) or None,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -669,6 +697,8 @@ def format_report(report: EnvironmentReport) -> str:
                 f"nvml:{r.index}  {r.name}  util {_or_na(r.utilization_percent, '%')}, "
                 f"memory used {memory}, {_or_na(r.temperature_c, ' C')}, power {power}"
             )
+            if r.error is not None:
+                lines.append(f"  failed: {r.error}")
     lines += ["", "-- pycuda --", report.pycuda_status, "", "-- diagnosis --",
               str(report.diagnosis)]
     return "\n".join(lines)
