@@ -23,6 +23,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -211,14 +212,14 @@ def resolve_device(device: DeviceLike) -> torch.device | None:
 def _synchronize(device: torch.device | None) -> None:
     """Wait until all work queued on ``device`` has finished.
 
-    With ``device=None`` every visible CUDA GPU is waited for (when CUDA has
-    been used in this process), so that a timer without a device is never
-    silently wrong about GPU work.
+    With ``device=None`` the current CUDA device is waited for (when CUDA has been
+    used in this process): that is where the timed function's work goes unless it
+    names another GPU. Waiting for every visible GPU instead would create a CUDA
+    context, hundreds of MiB, on each GPU of a shared machine.
     """
     if device is None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for i in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(i)
+            torch.cuda.synchronize()
         return
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -247,8 +248,8 @@ def time_fn(
     the caching allocator growing, ``torch.compile``). Each timed call is
     bracketed by a synchronisation of ``device``, so the time includes the work
     the call queued on the GPU, not just the Python call that queued it. On the
-    CPU this is the plain wall clock. ``device=None`` waits for every GPU this
-    process has used.
+    CPU this is the plain wall clock. ``device=None`` waits for the current GPU
+    (when CUDA is in use): pass the device when ``fn`` works on another one.
     """
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
@@ -288,21 +289,28 @@ def time_naive(
     return Timing(tuple(times))
 
 
-def benchmark_autorange(fn: Callable[[], object], *, min_run_time: float = 0.2) -> Timing:
+def benchmark_autorange(
+    fn: Callable[[], object], device: DeviceLike = None, *, min_run_time: float = 0.2
+) -> Timing:
     """Time ``fn()`` with ``torch.utils.benchmark.Timer.blocked_autorange``.
 
     PyTorch's own timer picks how many calls to put in each block so that the
-    clock's resolution does not matter, and synchronises the accelerator
-    around each block. Each entry of the returned ``times`` is the per-call
-    average of one block. Use it for very short operations; :func:`time_fn` is
-    simpler to reason about for long ones.
+    clock's resolution does not matter, and synchronises the *current* accelerator
+    around each block; so ``device`` (a GPU that ``fn`` works on) is made the
+    current device while timing. ``device=None`` leaves the current device as it is.
+    Each entry of the returned ``times`` is the per-call average of one block. Use
+    it for very short operations; :func:`time_fn` is simpler to reason about for
+    long ones.
     """
     if not (math.isfinite(min_run_time) and min_run_time > 0):
         raise ValueError(f"min_run_time must be a positive number of seconds, got {min_run_time}")
+    dev = resolve_device(device)
     from torch.utils import benchmark
 
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
-    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    current = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else nullcontext()
+    with current:
+        measurement = timer.blocked_autorange(min_run_time=min_run_time)
     return Timing(tuple(measurement.times))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -162,6 +163,64 @@ def test_resolve_device_keeps_cpu_and_none() -> None:
     assert bm.resolve_device("cpu") == torch.device("cpu")
     assert bm.resolve_device(torch.device("cpu")) == torch.device("cpu")
     assert bm.resolve_device(None) is None
+
+
+class FakeCuda:
+    """Four visible GPUs, the current one 2, and a record of every synchronisation."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.synchronized: list[object] = []
+        self.current = 2
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+        if hasattr(torch, "accelerator"):  # newer torch's Timer synchronises through it
+            monkeypatch.setattr(torch.accelerator, "synchronize", self.synchronize)
+
+    def synchronize(self, device=None) -> None:
+        if device is None:
+            self.synchronized.append(self.current)
+        else:
+            self.synchronized.append(device if isinstance(device, int) else device.index)
+
+    @contextlib.contextmanager
+    def device(self, device):
+        before, self.current = self.current, device.index
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+@pytest.mark.parametrize("timer", [bm.time_fn, bm.time_naive])
+def test_timers_without_a_device_synchronise_only_the_current_gpu(monkeypatch, timer) -> None:
+    # Waiting for every visible GPU would create a CUDA context on each of them, on a
+    # shared server too; the timed function runs on the current device.
+    cuda = FakeCuda(monkeypatch)
+    timer(CallCounter(), None, warmup=0, repeats=3)
+    assert cuda.synchronized and set(cuda.synchronized) == {2}
+
+
+@pytest.mark.parametrize("timer", [bm.time_fn, bm.time_naive])
+def test_timers_synchronise_the_device_they_are_given(monkeypatch, timer) -> None:
+    cuda = FakeCuda(monkeypatch)
+    timer(CallCounter(), "cuda:1", warmup=0, repeats=3)
+    assert cuda.synchronized and set(cuda.synchronized) == {1}
+
+
+def test_benchmark_autorange_makes_the_given_gpu_current_while_timing(monkeypatch) -> None:
+    # torch's Timer synchronises the *current* device only, so the given one must be it.
+    cuda = FakeCuda(monkeypatch)
+    seen = []
+    bm.benchmark_autorange(lambda: seen.append(cuda.current), "cuda:3", min_run_time=0.001)
+    assert seen and set(seen) == {3}
+    assert set(cuda.synchronized) == {3}  # torch's Timer waited for that GPU
+    assert cuda.current == 2  # and the current device is restored afterwards
+    with pytest.raises(RuntimeError, match="does not exist"):
+        bm.benchmark_autorange(lambda: None, "cuda:4", min_run_time=0.001)
 
 
 def test_benchmark_autorange_returns_per_call_times() -> None:
