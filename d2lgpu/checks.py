@@ -11,3 +11,11 @@ def check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def check_seed(value: object) -> int:
+    """Return ``value`` if torch takes it as a seed (an int from 0 to 2**64 - 1); otherwise
+    a ValueError with that range (torch itself says "Overflow when unpacking long")."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+        raise ValueError(f"seed must be an int from 0 to 2**64 - 1, got {value!r}")
+    return value

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_int, check_seed
 from d2lgpu.data import fashion_mnist_tensors
 from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, precision_policy
@@ -149,9 +149,7 @@ class DeviceLoader:
 
     def manual_seed(self, seed: int) -> None:
         """Restart the shuffling sequence: the next epochs repeat those after the same seed."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(check_seed(seed))
 
     @property
     def num_examples(self) -> int:
