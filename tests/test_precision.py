@@ -350,7 +350,7 @@ def test_sweep_counts_cudnn_and_cuda_out_of_memory_symptoms_as_oom(message):
 def test_oom_check_works_on_a_torch_without_torch_out_of_memory_error(monkeypatch):
     # torch.OutOfMemoryError is recent; older releases have only torch.cuda.OutOfMemoryError.
     cuda_oom = torch.cuda.OutOfMemoryError
-    monkeypatch.delattr(torch, "OutOfMemoryError")
+    monkeypatch.delattr(torch, "OutOfMemoryError", raising=False)
     assert P._is_out_of_memory(cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert not P._is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
