@@ -20,11 +20,14 @@ pageable and pinned memory.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,9 +44,11 @@ __all__ = [
     "UNFUSED_TENSOR_PASSES",
     "benchmark_autorange",
     "compile_or_reason",
+    "copy_buffer_bytes",
     "format_seconds",
     "format_table",
     "gbps",
+    "last_level_cache_bytes",
     "measure_copy_bandwidth",
     "measure_host_to_device",
     "multiply_add_benchmark",
@@ -211,14 +216,14 @@ def resolve_device(device: DeviceLike) -> torch.device | None:
 def _synchronize(device: torch.device | None) -> None:
     """Wait until all work queued on ``device`` has finished.
 
-    With ``device=None`` every visible CUDA GPU is waited for (when CUDA has
-    been used in this process), so that a timer without a device is never
-    silently wrong about GPU work.
+    With ``device=None`` the current CUDA device is waited for (when CUDA has been
+    used in this process): that is where the timed function's work goes unless it
+    names another GPU. Waiting for every visible GPU instead would create a CUDA
+    context, hundreds of MiB, on each GPU of a shared machine.
     """
     if device is None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for i in range(torch.cuda.device_count()):
-                torch.cuda.synchronize(i)
+            torch.cuda.synchronize()
         return
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -247,8 +252,8 @@ def time_fn(
     the caching allocator growing, ``torch.compile``). Each timed call is
     bracketed by a synchronisation of ``device``, so the time includes the work
     the call queued on the GPU, not just the Python call that queued it. On the
-    CPU this is the plain wall clock. ``device=None`` waits for every GPU this
-    process has used.
+    CPU this is the plain wall clock. ``device=None`` waits for the current GPU
+    (when CUDA is in use): pass the device when ``fn`` works on another one.
     """
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
@@ -288,27 +293,166 @@ def time_naive(
     return Timing(tuple(times))
 
 
-def benchmark_autorange(fn: Callable[[], object], *, min_run_time: float = 0.2) -> Timing:
+def benchmark_autorange(
+    fn: Callable[[], object], device: DeviceLike = None, *, min_run_time: float = 0.2
+) -> Timing:
     """Time ``fn()`` with ``torch.utils.benchmark.Timer.blocked_autorange``.
 
     PyTorch's own timer picks how many calls to put in each block so that the
-    clock's resolution does not matter, and synchronises the accelerator
-    around each block. Each entry of the returned ``times`` is the per-call
-    average of one block. Use it for very short operations; :func:`time_fn` is
-    simpler to reason about for long ones.
+    clock's resolution does not matter, and synchronises the *current* accelerator
+    around each block; so ``device`` (a GPU that ``fn`` works on) is made the
+    current device while timing. ``device=None`` leaves the current device as it is.
+    Each entry of the returned ``times`` is the per-call average of one block. Use
+    it for very short operations; :func:`time_fn` is simpler to reason about for
+    long ones.
     """
     if not (math.isfinite(min_run_time) and min_run_time > 0):
         raise ValueError(f"min_run_time must be a positive number of seconds, got {min_run_time}")
+    dev = resolve_device(device)
     from torch.utils import benchmark
 
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
-    measurement = timer.blocked_autorange(min_run_time=min_run_time)
+    current = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else nullcontext()
+    with current:
+        measurement = timer.blocked_autorange(min_run_time=min_run_time)
     return Timing(tuple(measurement.times))
 
 
 # --------------------------------------------------------------------------- #
 # Copy bandwidth: the ceiling for memory-bound work
 # --------------------------------------------------------------------------- #
+
+
+_MIB = 2**20
+#: Where Linux describes the caches of the first CPU (one ``index*`` folder per cache).
+_CPU0_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+#: The copy buffer when the size of the last-level cache cannot be read: beyond the
+#: caches of common CPUs and GPUs, yet small enough for a laptop (two are allocated).
+_DEFAULT_COPY_BYTES = 256 * _MIB
+#: At least this much copying in one CUDA-event timing. A timing pays a fixed 10-20 us
+#: (recording the events, launching the first copy, the GPU waking up); spread over
+#: 50 ms of work that is well under 1%, while one 256 MiB copy on an H100 or H200
+#: lasts only about 150 us and would read some 10% slow.
+_MIN_SECONDS_PER_TIMING = 0.05
+_MAX_COPIES_PER_TIMING = 10_000
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def _parse_cache_size(text: str) -> int:
+    """sysfs spells sizes "32K", "1024K", "32M" (binary units) or plain bytes."""
+    text = text.strip().upper()
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    if text and text[-1] in units:
+        return int(text[:-1]) * units[text[-1]]
+    return int(text)
+
+
+def _count_cpus(cpu_list: str) -> int:
+    """How many CPUs a list such as "0-7,64-71" names."""
+    count = 0
+    for part in cpu_list.strip().split(","):
+        first, _, last = part.partition("-")
+        count += int(last) - int(first) + 1 if last else 1
+    return count
+
+
+def last_level_cache_bytes() -> tuple[int, str] | None:
+    """The last-level CPU cache that this process's threads can fill, and where it was read.
+
+    On Linux: the highest-level data cache of CPU 0 in sysfs, times the number of such
+    caches that the CPUs this process may use spread over (a CPU with several core
+    complexes has one L3 per complex). Elsewhere: ``os.sysconf`` where it knows the
+    L3 (or L2) size. None when neither says.
+    """
+    best: tuple[int, int, int] | None = None  # (level, bytes, CPUs sharing it)
+    for index in sorted(_CPU0_CACHE_DIR.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = _parse_cache_size((index / "size").read_text())
+            shared = index / "shared_cpu_list"
+            sharing = _count_cpus(shared.read_text()) if shared.exists() else 1
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction" and (best is None or level > best[0]):
+            best = (level, size, sharing)
+    if best is not None:
+        level, size, sharing = best
+        instances = math.ceil(_usable_cpus() / sharing)
+        return size * instances, (
+            f"level-{level} cache ({instances} x {size / _MIB:g} MiB, from {_CPU0_CACHE_DIR})"
+        )
+    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError, AttributeError):  # unknown name, or no sysconf
+            continue
+        if size > 0:
+            return size, f"os.sysconf('{name}')"
+    return None
+
+
+def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
+    """The buffer size :func:`measure_copy_bandwidth` uses on ``device``, and why.
+
+    The copy must stream from memory, not from a cache, so each of its two buffers
+    is at least twice the last-level cache (together four times it): on the CPU
+    :func:`last_level_cache_bytes`, at least 64 MiB, and 256 MiB when the cache size
+    is unknown; on a GPU its L2 cache, at least 256 MiB.
+    """
+    dev = resolve_device(device)
+    if dev is None:
+        raise ValueError("copy_buffer_bytes needs a device, e.g. 'cpu' or 'cuda:0'")
+    if dev.type == "cpu":
+        cache = last_level_cache_bytes()
+        if cache is None:
+            return _DEFAULT_COPY_BYTES, (
+                f"{_DEFAULT_COPY_BYTES // _MIB} MiB: the size of this CPU's last-level cache "
+                "is unknown, so a size beyond the caches of common CPUs"
+            )
+        size, where = cache
+        nbytes = max(64 * _MIB, math.ceil(2 * size / _MIB) * _MIB)
+        return nbytes, f"{nbytes // _MIB} MiB: at least twice the {size / _MIB:g} MiB {where}"
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) if (
+        dev.type == "cuda") else 0
+    nbytes = max(_DEFAULT_COPY_BYTES, math.ceil(2 * l2 / _MIB) * _MIB)
+    return nbytes, f"{nbytes // _MIB} MiB: at least twice the {l2 / _MIB:g} MiB L2 cache"
+
+
+def _copies_per_timing(seconds_per_copy: float) -> int:
+    """Back-to-back copies in one timing so that it holds at least 50 ms of work."""
+    if not (math.isfinite(seconds_per_copy) and seconds_per_copy > 0):
+        return _MAX_COPIES_PER_TIMING
+    copies = math.ceil(_MIN_SECONDS_PER_TIMING / seconds_per_copy)
+    return max(1, min(_MAX_COPIES_PER_TIMING, copies))
+
+
+def _cuda_seconds_per_copy(
+    dst: torch.Tensor, src: torch.Tensor, device: torch.device, warmup: int, repeats: int
+) -> float:
+    """Best time of one ``dst.copy_(src)`` on a GPU, from CUDA events around many copies."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+
+    def timed(copies: int) -> float:
+        start.record()
+        for _ in range(copies):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / copies  # elapsed_time is in ms
+
+    with torch.cuda.device(device):  # the events record on this GPU's current stream
+        for _ in range(warmup):
+            dst.copy_(src)
+        copies = _copies_per_timing(timed(1))
+        return min(timed(copies) for _ in range(repeats))
 
 
 def measure_copy_bandwidth(
@@ -319,24 +463,31 @@ def measure_copy_bandwidth(
     Copies a buffer of ``nbytes`` bytes into another buffer on the same device
     (``dst.copy_(src)``) and counts the bytes read *plus* the bytes written,
     ``2 * nbytes`` per copy, because both cross the memory bus. The best of
-    ``repeats`` runs is used: this is the practical ceiling that memory-bound
+    ``repeats`` timings is used: this is the practical ceiling that memory-bound
     kernels are compared with (spec-sheet numbers are never reached).
 
-    ``nbytes`` defaults to 256 MiB on a GPU and 64 MiB on the CPU, both well
-    beyond the caches, so that memory and not cache is measured.
+    On a GPU each timing is a pair of CUDA events around enough back-to-back copies
+    to last 50 ms, so that launch and wake-up costs vanish (one copy of 256 MiB on
+    an H100 takes about 150 us). On the CPU the wall clock times one copy. ``nbytes``
+    defaults to :func:`copy_buffer_bytes`, well beyond the last-level cache, so that
+    memory and not cache is measured.
     """
     dev = resolve_device(device)
     if dev is None:
         raise ValueError("measure_copy_bandwidth needs a device, e.g. 'cpu' or 'cuda:0'")
     if nbytes is None:
-        nbytes = 256 * 2**20 if dev.type != "cpu" else 64 * 2**20
+        nbytes, _ = copy_buffer_bytes(dev)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
         raise ValueError(f"nbytes must be an int of at least 4 bytes, got {nbytes!r}")
+    _check_counts(warmup, repeats)
     numel = nbytes // 4
     src = torch.ones(numel, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
-    timing = time_fn(lambda: dst.copy_(src), dev, warmup=warmup, repeats=repeats)
-    return gbps(2 * numel * 4, timing.min)
+    if dev.type == "cuda":
+        seconds = _cuda_seconds_per_copy(dst, src, dev, warmup, repeats)
+    else:
+        seconds = time_fn(lambda: dst.copy_(src), dev, warmup=warmup, repeats=repeats).min
+    return gbps(2 * numel * 4, seconds)
 
 
 # --------------------------------------------------------------------------- #

@@ -5,6 +5,12 @@ Fashion-MNIST comes through ``torchvision.datasets.FashionMNIST`` and lives unde
 always passed: torchvision skips the download when the raw files are already there,
 so the same call works offline with pre-fetched files and online without them.
 
+The four raw files are checked before they are read: their size (a truncated download
+says so) and, once per file, their MD5 against the official files; a stamp in the user
+cache (never next to the data, which may be read-only or shared) records a file that
+passed, keyed by its path, size and modification time. Hashing all four takes a
+fraction of a second.
+
 Quick mode (``D2LGPU_QUICK=1``) replaces both splits by a small subset with the same
 number of images of every class, chosen without randomness (the first images of each
 class in file order), so that a quick run is fast, balanced and identical everywhere.
@@ -12,16 +18,20 @@ class in file order), so that a quick run is fast, balanced and identical everyw
 
 from __future__ import annotations
 
+import hashlib
+import math
+import operator
 import os
 from pathlib import Path
 
 import torch
 from torch.utils import data
 
-from d2lgpu.checks import check_positive_int
-from d2lgpu.config import DATA_ENV, data_root, quick_mode
+from d2lgpu.checks import check_bool, check_positive_int
+from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode
 
 __all__ = [
+    "FASHION_MNIST_FILES",
     "FASHION_MNIST_LABELS",
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
@@ -30,6 +40,7 @@ __all__ = [
     "get_fashion_mnist_labels",
     "load_data_fashion_mnist",
     "synthetic_regression",
+    "verify_fashion_mnist_file",
 ]
 
 #: Text labels of the ten Fashion-MNIST classes, indexed by class number.
@@ -45,10 +56,42 @@ QUICK_TEST_SIZE = 200
 
 _NUM_CLASSES = len(FASHION_MNIST_LABELS)
 
+#: The four raw Fashion-MNIST files: (size in bytes, MD5 of the file). These are the
+#: official files unpacked (torchvision checks the MD5s of the .gz files when it downloads).
+FASHION_MNIST_FILES: dict[str, tuple[int, str]] = {
+    "train-images-idx3-ubyte": (47_040_016, "f4a8712d7a061bf5bd6d2ca38dc4d50a"),
+    "train-labels-idx1-ubyte": (60_008, "9018921c3c673c538a1fc5bad174d6f9"),
+    "t10k-images-idx3-ubyte": (7_840_016, "8181f5470baa50b63fa0f6fddb340f0a"),
+    "t10k-labels-idx1-ubyte": (10_008, "15d484375f8d13e6eb1aabb0c3f46965"),
+}
 
-def get_fashion_mnist_labels(labels: torch.Tensor | list[int]) -> list[str]:
-    """Text labels for a tensor or list of class numbers."""
-    return [FASHION_MNIST_LABELS[int(i)] for i in labels]
+
+def get_fashion_mnist_labels(labels: torch.Tensor | list[int] | int) -> list[str]:
+    """Text labels for class numbers 0 to 9: a tensor of integers, a list of ints, or one int."""
+    if isinstance(labels, torch.Tensor):
+        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            raise TypeError(f"labels must be integer class numbers, got a {labels.dtype} tensor")
+        numbers = labels.reshape(-1).tolist()
+    elif isinstance(labels, (str, bytes)):
+        raise TypeError(
+            f"labels must be class numbers, not the string {labels!r}: pass ints, e.g. [1, 2]"
+        )
+    else:
+        items = [labels] if isinstance(labels, int) else list(labels)
+        numbers = []
+        for item in items:
+            if isinstance(item, bool):
+                raise TypeError(f"labels must be int class numbers, got bool {item!r}")
+            try:
+                numbers.append(operator.index(item))
+            except TypeError:
+                raise TypeError(
+                    f"labels must be int class numbers, got {type(item).__name__} {item!r}"
+                ) from None
+    wrong = [n for n in numbers if not 0 <= n < _NUM_CLASSES]
+    if wrong:
+        raise ValueError(f"class numbers run from 0 to 9, got {wrong[:5]}")
+    return [FASHION_MNIST_LABELS[n] for n in numbers]
 
 
 def _balanced_indices(targets: torch.Tensor, size: int) -> torch.Tensor:
@@ -61,24 +104,108 @@ def _balanced_indices(targets: torch.Tensor, size: int) -> torch.Tensor:
     return torch.sort(torch.cat(chosen)).values
 
 
+def _stamp_dir() -> Path:
+    """Where the stamps of files that passed their MD5 check are kept."""
+    return default_cache_dir() / "verified"
+
+
+def _md5_of_file(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as file:
+        while chunk := file.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_fashion_mnist_file(path: Path) -> None:
+    """Check one raw Fashion-MNIST file's size, and once its MD5; a clear error if it is off.
+
+    After a file passed, a stamp named after its resolved path, size, modification time
+    and expected MD5 is kept in the user cache, so it is not hashed again until it changes.
+    """
+    path = Path(path)
+    size, md5 = FASHION_MNIST_FILES[path.name]
+    fix = (
+        "Delete it and run again to download it afresh, or copy the official file there "
+        "(https://github.com/zalandoresearch/fashion-mnist, unpacked)."
+    )
+    stat = path.stat()
+    if stat.st_size == 0:
+        raise RuntimeError(f"{path} is empty (0 of {size} bytes). {fix}")
+    if stat.st_size < size:
+        raise RuntimeError(
+            f"{path} is truncated ({stat.st_size} of {size} bytes): an interrupted download "
+            f"or copy. {fix}"
+        )
+    if stat.st_size > size:
+        raise RuntimeError(
+            f"{path} is corrupt: it has {stat.st_size} bytes, the official file {size}. {fix}"
+        )
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{md5}"
+    stamp = _stamp_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
+    if stamp.exists():
+        return
+    actual = _md5_of_file(path)
+    if actual != md5:
+        raise RuntimeError(
+            f"{path} is corrupt: its MD5 is {actual}, the official file's is {md5} (the size "
+            f"is right, the content is not). {fix}"
+        )
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(key + "\n")
+    except OSError:  # a read-only cache only means hashing again next time
+        pass
+
+
+def _check_writable(raw: Path, missing: list[str]) -> None:
+    """Before a download: fail with the real cause when ``raw`` cannot be written."""
+    existing = raw
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        raise RuntimeError(
+            f"Fashion-MNIST is not under {raw} (missing: {', '.join(missing)}), and it cannot "
+            f"be downloaded there: {existing} is not writable. Set {DATA_ENV} to a writable "
+            "directory (the files are downloaded there on first use), or copy the four raw "
+            f"files (train-images-idx3-ubyte, ...) into {raw}."
+        )
+
+
 def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None):
-    """The torchvision dataset, with a clear error when it is neither on disk nor downloadable."""
+    """The torchvision dataset from checked files, with a clear error when they are
+    missing and cannot be downloaded, or damaged."""
     import torchvision
 
     root = Path(root).expanduser() if root is not None else data_root()
-    try:
-        return torchvision.datasets.FashionMNIST(
-            root=str(root), train=train, transform=transform, download=True
+    raw = root / "FashionMNIST" / "raw"
+    # torchvision downloads all four files unless all four are there.
+    missing = [name for name in FASHION_MNIST_FILES if not (raw / name).exists()]
+    dataset = None
+    if missing:
+        _check_writable(raw, missing)
+        try:
+            dataset = torchvision.datasets.FashionMNIST(
+                root=str(root), train=train, transform=transform, download=True
+            )
+        except (OSError, RuntimeError) as err:
+            # URLError and HTTPError are OSErrors; torchvision raises RuntimeError after
+            # every mirror failed. Either way the user needs to know where we looked.
+            raise RuntimeError(
+                f"Fashion-MNIST is not under {raw} (missing: {', '.join(missing)}) and could "
+                f"not be downloaded ({type(err).__name__}: {err}). Connect to the internet, "
+                "or copy the four raw files (train-images-idx3-ubyte, ...) there, or set "
+                f"{DATA_ENV} to a directory that holds FashionMNIST/raw/."
+            ) from err
+    prefix = "train" if train else "t10k"
+    for name in (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"):
+        if (raw / name).exists():  # absent only where torchvision's legacy files were used
+            verify_fashion_mnist_file(raw / name)
+    if dataset is None:
+        dataset = torchvision.datasets.FashionMNIST(
+            root=str(root), train=train, transform=transform, download=False
         )
-    except (OSError, RuntimeError) as err:
-        # URLError and HTTPError are OSErrors; torchvision raises RuntimeError after
-        # every mirror failed. Either way the user needs to know where we looked.
-        raise RuntimeError(
-            f"Fashion-MNIST is not under {root / 'FashionMNIST' / 'raw'} and could not be "
-            f"downloaded ({type(err).__name__}: {err}). Connect to the internet, or copy the "
-            f"four raw files (train-images-idx3-ubyte, ...) there, or set {DATA_ENV} to a "
-            "directory that holds FashionMNIST/raw/."
-        ) from err
+    return dataset
 
 
 def _usable_cores() -> int:
@@ -126,9 +253,12 @@ def load_data_fashion_mnist(
     from torchvision import transforms
 
     check_positive_int("batch_size", batch_size)
+    check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
     if resize is not None:
         sizes = (resize,) if isinstance(resize, int) else tuple(resize)
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        if not 1 <= len(sizes) <= 2 or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
+        ):
             raise ValueError(
                 f"resize must be a positive int or a pair of them (or None), got {resize!r}"
             )
@@ -169,6 +299,8 @@ def fashion_mnist_tensors(
     For code that keeps the data set on the GPU and slices batches itself instead of
     using a DataLoader. Quick mode gives the same balanced subset as the loaders.
     """
+    check_bool("train", train)
+    check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
     dataset = _fashion_mnist_dataset(train, root)
     images = dataset.data.unsqueeze(1).to(torch.uint8)
     labels = dataset.targets.to(torch.int64)
@@ -192,8 +324,10 @@ def synthetic_regression(
     """
     check_positive_int("num_examples", num_examples)
     check_positive_int("num_features", num_features)
-    if noise < 0:
-        raise ValueError(f"noise is a standard deviation and must be >= 0, got {noise!r}")
+    if not (math.isfinite(noise) and noise >= 0):
+        raise ValueError(
+            f"noise is a standard deviation and must be a finite number >= 0, got {noise!r}"
+        )
     gen = torch.Generator().manual_seed(seed)
     true_w = torch.randn(num_features, 1, generator=gen)
     true_b = torch.randn(1, generator=gen)

@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-__all__ = ["cpu", "gpu", "num_gpus", "try_gpu", "try_all_gpus"]
+__all__ = ["as_device", "cpu", "gpu", "num_gpus", "try_gpu", "try_all_gpus"]
 
 
 def _check_index(i: object) -> int:
@@ -33,6 +33,23 @@ def _check_index(i: object) -> int:
             f"a GPU index must be 0 or more, got {index}; GPUs are numbered 0, 1, ..."
         )
     return index
+
+
+def as_device(device: torch.device | str | int) -> torch.device:
+    """``torch.device(device)``, with an error that shows the accepted spellings.
+
+    torch's own errors for a misspelt device list twenty device types or its C++
+    overloads; this names the few that the course uses.
+    """
+    if isinstance(device, torch.device):
+        return device
+    hint = "use 'cpu', 'cuda', 'cuda:0' or torch.device('cuda', 0)"
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"{device!r} is not a device ({type(device).__name__}); {hint}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{device!r} is not a device PyTorch understands; {hint}") from err
 
 
 def cpu() -> torch.device:

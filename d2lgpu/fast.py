@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_int, check_seed
 from d2lgpu.data import fashion_mnist_tensors
 from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, precision_policy
+from d2lgpu.report import require_cuda_device
 from d2lgpu.training import (
     History,
     check_hyperparameters,
@@ -121,15 +122,20 @@ class DeviceLoader:
         channels = images.shape[1]
         mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
         std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
-        if mean_t.numel() not in (1, channels) or std_t.numel() not in (1, channels):
-            raise ValueError(f"mean and std need 1 or {channels} values (one per channel)")
+        for name, given, values in (("mean", mean, mean_t), ("std", std, std_t)):
+            if values.numel() not in (1, channels):
+                raise ValueError(
+                    f"{name} has {values.numel()} values, but the images have {channels} "
+                    f"channel{'s' if channels != 1 else ''}: give one value for all channels "
+                    "or one per channel"
+                )
+            if not bool(values.isfinite().all()):
+                raise ValueError(f"{name} must be finite numbers, got {given!r}")
         if not bool((std_t > 0).all()):
             raise ValueError(f"std must be positive, got {std!r}")
 
-        self.device = try_gpu() if device is None else torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # Name the GPU, so that comparing it with "cuda:0" elsewhere works.
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        # A named GPU ("cuda" -> "cuda:0") compares equal to "cuda:0" elsewhere.
+        self.device = try_gpu() if device is None else require_cuda_device(device, "DeviceLoader")
         self.images = images.to(self.device).contiguous()  # stays uint8 on the device
         self.labels = labels.to(self.device, torch.int64)
         # (x / 255 - mean) / std as one multiply and one add per element.
@@ -143,9 +149,7 @@ class DeviceLoader:
 
     def manual_seed(self, seed: int) -> None:
         """Restart the shuffling sequence: the next epochs repeat those after the same seed."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(check_seed(seed))
 
     @property
     def num_examples(self) -> int:
@@ -199,10 +203,12 @@ def fashion_mnist_on_device(
 
     ``device=None`` means :func:`d2lgpu.try_gpu`. ``quick=None`` follows quick mode
     (the same balanced subset as :func:`d2lgpu.load_data_fashion_mnist`). The test
-    loader uses ``test_batch_size`` (default: at least 1024; evaluation keeps no
+    loader uses ``test_batch_size`` (None: at least 1024; evaluation keeps no
     activations for backward, so larger batches fit and launch fewer kernels).
     """
-    device = try_gpu() if device is None else torch.device(device)
+    device = try_gpu() if device is None else require_cuda_device(device, "fashion_mnist_on_device")
+    if test_batch_size is not None:
+        check_positive_int("test_batch_size", test_batch_size)
     # One-channel images are laid out the same either way; channels_last=True keeps the
     # loader right for RGB data sets too.
     channels_last = True
@@ -213,7 +219,8 @@ def fashion_mnist_on_device(
         channels_last=channels_last,
     )
     test_loader = DeviceLoader(
-        test_images, test_labels, test_batch_size or max(batch_size, 1024), device=device,
+        test_images, test_labels,
+        max(batch_size, 1024) if test_batch_size is None else test_batch_size, device=device,
         channels_last=channels_last,
     )
     return train_loader, test_loader
@@ -439,31 +446,69 @@ def training_flops_per_example(
     return counter.get_total_flops() / batch_size
 
 
-#: Dense (no sparsity) Tensor Core peak in TFLOP/s of the fast reduced-precision format:
-#: bf16, or fp16 on GPUs without native bf16 (T4, V100). From NVIDIA's data sheets.
-#: Matched against ``torch.cuda.get_device_name()`` in this order.
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM, reported as "NVIDIA H100 80GB HBM3"
-    ("H200", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("T4", 65.0),
-    ("V100-PCIE", 112.0),
-    ("V100", 125.0),
-)
+#: Dense (no sparsity) Tensor Core peak in TFLOP/s of the fast reduced-precision format
+#: (bf16, or fp16 on GPUs without native bf16: T4, V100) from NVIDIA's data sheets,
+#: keyed by (model, form factor) as :func:`_model_and_form_factor` reads them from
+#: ``torch.cuda.get_device_name()``; form factor None: the name carries none (the H100
+#: SXM reports itself as "NVIDIA H100 80GB HBM3", the H200 SXM as "NVIDIA H200").
+#: Each value is (peak, SMs of the full GPU); the SM count is given for the GPUs that
+#: MIG can split, to scale the peak of a slice (None: not splittable).
+PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
+    ("h100", None): (989.0, 132),  # SXM5: 1,979 TFLOPS with sparsity
+    ("h100", "sxm5"): (989.0, 132),
+    ("h100", "pcie"): (756.0, 114),
+    ("h100", "nvl"): (835.0, 132),
+    ("h200", None): (989.0, 132),  # SXM
+    ("h200", "nvl"): (835.0, 132),
+    ("a100", None): (312.0, 108),  # SXM4 and PCIe alike
+    ("a100", "sxm"): (312.0, 108),
+    ("a100", "sxm4"): (312.0, 108),
+    ("a100", "pcie"): (312.0, 108),
+    ("a10", None): (125.0, None),
+    ("l40s", None): (362.0, None),
+    ("l40", None): (181.0, None),
+    ("l4", None): (121.0, None),
+    ("t4", None): (65.0, None),  # fp16
+    ("v100", "sxm2"): (125.0, None),  # fp16
+    ("v100", "pcie"): (112.0, None),
+    ("v100s", "pcie"): (130.0, None),
+}
+
+_FORM_FACTORS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
+
+
+def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
+    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the whole model word after the brand,
+    and the first form-factor word. Whole words, so "RTX A1000" is not an A100."""
+    words = name.lower().replace("-", " ").replace("_", " ").split()
+    while words and words[0] in ("nvidia", "tesla"):
+        words = words[1:]
+    if not words:
+        return None
+    form_factor = next((w for w in words[1:] if w in _FORM_FACTORS), None)
+    return words[0], form_factor
 
 
 def peak_tflops(device: torch.device | str) -> float | None:
-    """The :data:`PEAK_TFLOPS` entry of ``device``'s GPU, or None (CPU, unknown GPU)."""
+    """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None.
+
+    None means unknown: the CPU, or a GPU that is not in the table (say "unknown peak").
+    A MIG slice reports its parent GPU's name but only its own multiprocessors; its
+    peak is the parent's scaled by its share of the SMs (a 3g.20gb slice of an A100
+    has 42 of 108). A GPU with more SMs than the table's is not the one the data
+    sheet describes, so its peak is unknown too.
+    """
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_TFLOPS:
-        if key.lower() in name.lower():
-            return value
-    return None
+    device = require_cuda_device(device, "peak_tflops")
+    key = _model_and_form_factor(torch.cuda.get_device_name(device))
+    if key not in PEAK_TFLOPS:
+        return None
+    peak, full_sms = PEAK_TFLOPS[key]
+    if full_sms is None:
+        return peak
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms > full_sms:
+        return None
+    return peak * sms / full_sms

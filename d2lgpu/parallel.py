@@ -18,10 +18,13 @@ run anywhere and are correct:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from d2lgpu.report import require_cuda_device
 
 __all__ = [
     "allreduce",
@@ -53,7 +56,7 @@ def split_batch(
     different numbers of examples, and for fewer examples than devices (a
     device with an empty shard would have nothing to compute a gradient from).
     """
-    devices = [torch.device(d) for d in devices]
+    devices = [require_cuda_device(d, "split_batch") for d in devices]
     if not devices:
         raise ValueError(
             "split_batch needs at least one device; pass e.g. d2lgpu.try_all_gpus(), "
@@ -129,7 +132,7 @@ def replicate_params(
     The copies never share memory with the originals, even on the same device,
     so replicas on ``[cpu, cpu]`` behave like replicas on two GPUs.
     """
-    device = torch.device(device)
+    device = require_cuda_device(device, "replicate_params")
     return [p.detach().to(device, copy=True).requires_grad_(True) for p in params]
 
 
@@ -140,6 +143,11 @@ def max_abs_difference(
 
     Use it to check that replicas agree, or that two training runs followed the
     same trajectory. Tensors may be on different devices; ``b`` is moved to ``a``'s.
+
+    A NaN anywhere (in either list, even at the same place in both) makes the result
+    ``math.inf``: NaN equals nothing, so replicas holding one do not "hold equal
+    values", and ``result < tolerance`` is False as it should be. Empty tensors are
+    an error, because there is nothing in them to compare.
     """
     if len(tensors_a) != len(tensors_b):
         raise ValueError(f"the lists hold {len(tensors_a)} and {len(tensors_b)} tensors")
@@ -151,7 +159,15 @@ def max_abs_difference(
             raise ValueError(
                 f"tensor {i} has shape {tuple(a.shape)} in one list, {tuple(b.shape)} in the other"
             )
-        worst = max(worst, (a.detach() - b.detach().to(a.device)).abs().max().item())
+        if a.numel() == 0:
+            raise ValueError(
+                f"tensor {i} is empty (shape {tuple(a.shape)}): there are no values to compare"
+            )
+        gap = (a.detach() - b.detach().to(a.device)).abs().max().item()
+        # torch's max propagates NaN, but Python's max(0.0, nan) would keep 0.0.
+        if math.isnan(gap):
+            return math.inf
+        worst = max(worst, gap)
     return worst
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from d2lgpu.benchmarking import time_fn
+from d2lgpu.devices import as_device
 
 __all__ = [
     "PRECISION_MODES",
@@ -113,7 +114,7 @@ def precision_policy(
     no rule here for what they run fast. ``capability`` overrides the one read
     from the device (for tests and for tables of GPUs you do not have).
     """
-    device = torch.device(device)
+    device = as_device(device)
     fp32 = PrecisionPolicy(device.type, None, False)
     if amp is None or amp is False or amp is torch.float32:
         return fp32
@@ -307,16 +308,28 @@ def _measure_one(
     )
 
 
-#: How cuBLAS and cuDNN report that they could not allocate their workspace. Near
-#: the memory limit this, not torch.OutOfMemoryError, can be the first error.
-_LIBRARY_ALLOC_FAILURES = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+#: How running out of GPU memory shows when a library, not torch's allocator, is the
+#: one that failed: cuBLAS and cuDNN cannot allocate a workspace, cuDNN finds no
+#: algorithm (engine) whose workspace fits, or the CUDA runtime cannot create a
+#: handle. Near the memory limit one of these, not torch.OutOfMemoryError, can be the
+#: first error. (cuDNN's two "unable to find" messages can in principle also mean an
+#: unsupported layer configuration; such a model then shows OOM at every batch size.)
+_LIBRARY_OUT_OF_MEMORY = (
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "GET was unable to find an engine to execute this computation",
+    "Unable to find a valid cuDNN algorithm to run convolution",
+    "CUDA error: out of memory",
+)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
     """True for running out of GPU memory, however the allocation that failed reports it."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    # torch.OutOfMemoryError is recent (about 2.5); torch.cuda.OutOfMemoryError is older.
+    out_of_memory = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    if isinstance(exc, out_of_memory):
         return True
-    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _LIBRARY_ALLOC_FAILURES)
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _LIBRARY_OUT_OF_MEMORY)
 
 
 def _release_memory(device: torch.device) -> None:
@@ -351,10 +364,10 @@ def precision_sweep(
     for ``warmup`` untimed and ``steps`` timed steps. Each row holds the median
     step time (synchronised, via :func:`d2lgpu.time_fn`), the peak memory on a
     GPU (``torch.cuda.max_memory_allocated`` after resetting the peak) and the
-    loss of the last step. A ``torch.OutOfMemoryError`` (or cuBLAS/cuDNN failing
-    to allocate its workspace) becomes an ``"OOM"`` row, the memory is released,
-    and the sweep goes on; modes the device cannot
-    run become rows whose status says why (see :func:`mode_unavailable_reason`).
+    loss of the last step. A ``torch.OutOfMemoryError`` (or cuBLAS, cuDNN or CUDA
+    failing to allocate a workspace or handle) becomes an ``"OOM"`` row, the memory
+    is released, and the sweep goes on; modes the device cannot run become rows
+    whose status says why (see :func:`mode_unavailable_reason`).
     """
     device = torch.device(device)
     unknown = [m for m in modes if m not in PRECISION_MODES]

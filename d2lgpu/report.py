@@ -48,6 +48,7 @@ __all__ = [
     "print_report",
     "print_setup",
     "read_nvml",
+    "require_cuda_device",
     "setup_summary",
 ]
 
@@ -353,7 +354,12 @@ def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
 
 @dataclass(frozen=True)
 class NvmlGpuReading:
-    """One physical GPU as the driver sees it right now (None: not supported by this GPU)."""
+    """One physical GPU as the driver sees it right now.
+
+    A reading that is None is not supported by this GPU, or failed; ``error`` says
+    what failed and why (e.g. "memory: Insufficient Permissions", "GPU is lost"),
+    and is None when everything that the GPU supports was read.
+    """
 
     index: int
     name: str
@@ -364,6 +370,7 @@ class NvmlGpuReading:
     temperature_c: int | None
     power_watts: float | None
     power_limit_watts: float | None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -379,14 +386,21 @@ class NvmlView:
     error: str | None
 
 
-def _nvml_or_none(call, *args):  # type: ignore[no-untyped-def]
-    """Call an NVML query; None when this GPU or driver does not support it."""
-    import pynvml
+class _NvmlReader:
+    """Runs the NVML queries of one GPU: an unsupported query gives None quietly, a
+    failing one (no permission, GPU lost, ...) gives None and is noted in ``errors``."""
 
-    try:
-        return call(*args)
-    except pynvml.NVMLError:
-        return None
+    def __init__(self, pynvml) -> None:  # type: ignore[no-untyped-def]
+        self.pynvml = pynvml
+        self.errors: list[str] = []
+
+    def __call__(self, what: str, call, *args):  # type: ignore[no-untyped-def]
+        try:
+            return call(*args)
+        except self.pynvml.NVMLError as exc:
+            if not isinstance(exc, getattr(self.pynvml, "NVMLError_NotSupported", ())):
+                self.errors.append(f"{what}: {exc}")
+            return None
 
 
 def _as_str(value: str | bytes) -> str:
@@ -398,7 +412,9 @@ def read_nvml() -> NvmlView:
     """Read driver version and live per-GPU readings through NVML (``pynvml``).
 
     Never raises: when NVML is missing or cannot start (no driver, no GPU, a
-    CPU-only container), the view says why in ``error``.
+    CPU-only container), the view says why in ``error``. A GPU that fails (no
+    permission, fallen off the bus) says so in its own reading's ``error``; the
+    other GPUs are still read.
     """
     try:
         import pynvml
@@ -415,33 +431,46 @@ def read_nvml() -> NvmlView:
         return NvmlView(None, (), f"NVML cannot start: {why}")
     try:
         driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
-        readings = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = _nvml_or_none(pynvml.nvmlDeviceGetMemoryInfo, handle)
-            rates = _nvml_or_none(pynvml.nvmlDeviceGetUtilizationRates, handle)
-            power_mw = _nvml_or_none(pynvml.nvmlDeviceGetPowerUsage, handle)
-            limit_mw = _nvml_or_none(pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-            readings.append(
-                NvmlGpuReading(
-                    index=index,
-                    name=_as_str(pynvml.nvmlDeviceGetName(handle)),
-                    uuid=_as_str(pynvml.nvmlDeviceGetUUID(handle)),
-                    utilization_percent=None if rates is None else int(rates.gpu),
-                    memory_used_bytes=None if memory is None else int(memory.used),
-                    memory_total_bytes=None if memory is None else int(memory.total),
-                    temperature_c=_nvml_or_none(
-                        pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
-                    ),
-                    power_watts=None if power_mw is None else power_mw / 1000,
-                    power_limit_watts=None if limit_mw is None else limit_mw / 1000,
-                )
-            )
-        return NvmlView(driver, tuple(readings), None)
+        count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError as exc:
+        pynvml.nvmlShutdown()
         return NvmlView(None, (), f"NVML query failed: {exc}")
+    try:
+        return NvmlView(driver, tuple(_read_nvml_gpu(pynvml, i) for i in range(count)), None)
     finally:
         pynvml.nvmlShutdown()
+
+
+def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-untyped-def]
+    """One GPU's readings; a GPU that NVML cannot reach gives a reading that says why,
+    so that one lost or forbidden GPU does not hide the others."""
+    read = _NvmlReader(pynvml)
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    except pynvml.NVMLError as exc:
+        return NvmlGpuReading(index, "?", "", None, None, None, None, None, None,
+                              error=f"NVML cannot reach this GPU: {exc}")
+    name = read("name", pynvml.nvmlDeviceGetName, handle)
+    uuid = read("uuid", pynvml.nvmlDeviceGetUUID, handle)
+    memory = read("memory", pynvml.nvmlDeviceGetMemoryInfo, handle)
+    rates = read("utilization", pynvml.nvmlDeviceGetUtilizationRates, handle)
+    power_mw = read("power", pynvml.nvmlDeviceGetPowerUsage, handle)
+    limit_mw = read("power limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    temperature = read(
+        "temperature", pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
+    )
+    return NvmlGpuReading(
+        index=index,
+        name="?" if name is None else _as_str(name),
+        uuid="" if uuid is None else _as_str(uuid),
+        utilization_percent=None if rates is None else int(rates.gpu),
+        memory_used_bytes=None if memory is None else int(memory.used),
+        memory_total_bytes=None if memory is None else int(memory.total),
+        temperature_c=temperature,
+        power_watts=None if power_mw is None else power_mw / 1000,
+        power_limit_watts=None if limit_mw is None else limit_mw / 1000,
+        error="; ".join(read.errors) or None,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -668,6 +697,8 @@ def format_report(report: EnvironmentReport) -> str:
                 f"nvml:{r.index}  {r.name}  util {_or_na(r.utilization_percent, '%')}, "
                 f"memory used {memory}, {_or_na(r.temperature_c, ' C')}, power {power}"
             )
+            if r.error is not None:
+                lines.append(f"  failed: {r.error}")
     lines += ["", "-- pycuda --", report.pycuda_status, "", "-- diagnosis --",
               str(report.diagnosis)]
     return "\n".join(lines)
@@ -676,6 +707,39 @@ def format_report(report: EnvironmentReport) -> str:
 def print_report(report: EnvironmentReport | None = None) -> None:
     """Print :func:`format_report` of ``report`` (by default, of this machine)."""
     print(format_report(environment_report() if report is None else report))
+
+
+# --------------------------------------------------------------------------------------
+# Checking a CUDA device before using it
+# --------------------------------------------------------------------------------------
+
+
+def require_cuda_device(device: torch.device | str, what: str) -> torch.device:
+    """``device`` with its GPU index filled in, once it is clear that CUDA can use it here.
+
+    Every function of the package that takes a device calls this before touching CUDA,
+    so that ``'cuda'`` on a machine without a usable GPU fails with the reason and its
+    fix (:func:`diagnose_this_machine`), not torch's bare "Found no NVIDIA driver".
+    ``what`` names the caller in the message. A device that is not CUDA is returned
+    unchanged; a bare ``'cuda'`` becomes the current GPU, as torch reads it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    count = num_gpus()
+    if count == 0:
+        raise RuntimeError(
+            f"{what} was given {device}, but this process cannot use CUDA.\n"
+            f"{diagnose_this_machine()}\n"
+            "To run on the CPU instead, pass d2lgpu.try_gpu() (it is the CPU when there is no GPU)."
+        )
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise RuntimeError(
+            f"{what} was given {device}, but {device} does not exist: this process sees {count} "
+            f"GPU(s), numbered 0 to {count - 1}. Run `python -m d2lgpu info` to see them."
+        )
+    return torch.device("cuda", index)
 
 
 # --------------------------------------------------------------------------------------
@@ -716,13 +780,7 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
             f"gpu_memory needs a CUDA device, got {device}: the CPU has no caching allocator "
             "statistics. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
         )
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.index >= num_gpus():
-        raise RuntimeError(
-            f"{device} does not exist: this process sees {num_gpus()} GPU(s). "
-            "Run `python -m d2lgpu info` to see why."
-        )
+    device = require_cuda_device(device, "gpu_memory")
     free, total = torch.cuda.mem_get_info(device)
     return GpuMemory(
         allocated=torch.cuda.memory_allocated(device),

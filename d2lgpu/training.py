@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from d2lgpu.devices import num_gpus, try_all_gpus, try_gpu
+from d2lgpu.checks import check_seed
+from d2lgpu.devices import as_device, num_gpus, try_all_gpus, try_gpu
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
@@ -49,8 +50,7 @@ def set_seed(seed: int) -> None:
     backward passes) stay non-deterministic unless deterministic algorithms are
     requested, so GPU runs agree closely but not bit for bit.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    check_seed(seed)
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     try:
@@ -122,11 +122,24 @@ def resolve_devices(
     """
     if devices is None:
         return try_all_gpus()
-    if isinstance(devices, (str, torch.device)):
+    if isinstance(devices, (str, torch.device, int)):
         devices = [devices]
-    resolved = [torch.device(d) for d in devices]
+    for d in devices:
+        # torch reads an int as a GPU index; here it is more often a count or a typo.
+        if isinstance(d, int):
+            raise TypeError(
+                f"devices={d!r} is an int: name the device instead, e.g. 'cuda:{d}' or "
+                f"d2lgpu.gpu({d}) for a GPU, 'cpu' for the CPU"
+            )
+    resolved = [as_device(d) for d in devices]
     if not resolved:
         raise ValueError("devices is empty: pass None for all GPUs (or the CPU), or a device list")
+    for d in resolved:
+        if d.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"train cannot use {d.type!r} devices: pass 'cpu', 'cuda', 'cuda:1', a list "
+                "of CUDA devices, or None for all GPUs (the CPU without GPUs)"
+            )
     visible = num_gpus()
     for d in resolved:
         if d.type == "cuda" and (d.index or 0) >= visible:
@@ -315,6 +328,7 @@ def run_epochs(
             on_batch=None if bar is None else lambda: bar.update(1),
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
+        check_finite_loss(loss, epoch + 1, optimizer.defaults["lr"], policy)
         test_acc = evaluate_accuracy(model, test_iter, device, policy=policy)
         history.train_loss.append(loss)
         history.train_acc.append(train_acc)
@@ -327,18 +341,37 @@ def run_epochs(
             live.add(epoch + 1, [loss, train_acc, test_acc])
 
 
+def check_finite_loss(loss: float, epoch: int, lr: float, policy: PrecisionPolicy) -> None:
+    """Stop a run whose epoch loss is inf or NaN, saying when and what to change.
+
+    An error, not a warning: once the loss is not a number the weights are too, and
+    every further epoch is wasted. Called once per epoch on the loss that
+    :func:`train_epoch` has already read, so it costs no extra host synchronisation.
+    """
+    if math.isfinite(loss):
+        return
+    if policy.dtype == torch.float16:
+        other = "or train in bf16 or fp32 (amp='bf16' or amp=False): fp16 overflows above 65504"
+    else:
+        other = "or ramp it up over the first epoch with warmup_epochs=1"
+    raise FloatingPointError(
+        f"the training loss became {loss} in epoch {epoch}: training diverged. Try a "
+        f"smaller lr (this run: {lr:g}), {other}."
+    )
+
+
 def check_hyperparameters(
     num_epochs: int, lr: float, weight_decay: float, momentum: float, warmup_epochs: float
 ) -> None:
     """Reject training hyperparameters that cannot be meant, with the accepted range."""
     if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
         raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if weight_decay < 0 or not 0 <= momentum < 1:
-        raise ValueError(
-            f"need weight_decay >= 0 and 0 <= momentum < 1, got {weight_decay!r}, {momentum!r}"
-        )
+    if not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be at least 0 and below 1, got {momentum!r}")
     if not 0 <= warmup_epochs <= num_epochs:
         raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -164,6 +165,64 @@ def test_resolve_device_keeps_cpu_and_none() -> None:
     assert bm.resolve_device(None) is None
 
 
+class FakeCuda:
+    """Four visible GPUs, the current one 2, and a record of every synchronisation."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.synchronized: list[object] = []
+        self.current = 2
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+        if hasattr(torch, "accelerator"):  # newer torch's Timer synchronises through it
+            monkeypatch.setattr(torch.accelerator, "synchronize", self.synchronize)
+
+    def synchronize(self, device=None) -> None:
+        if device is None:
+            self.synchronized.append(self.current)
+        else:
+            self.synchronized.append(device if isinstance(device, int) else device.index)
+
+    @contextlib.contextmanager
+    def device(self, device):
+        before, self.current = self.current, device.index
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+@pytest.mark.parametrize("timer", [bm.time_fn, bm.time_naive])
+def test_timers_without_a_device_synchronise_only_the_current_gpu(monkeypatch, timer) -> None:
+    # Waiting for every visible GPU would create a CUDA context on each of them, on a
+    # shared server too; the timed function runs on the current device.
+    cuda = FakeCuda(monkeypatch)
+    timer(CallCounter(), None, warmup=0, repeats=3)
+    assert cuda.synchronized and set(cuda.synchronized) == {2}
+
+
+@pytest.mark.parametrize("timer", [bm.time_fn, bm.time_naive])
+def test_timers_synchronise_the_device_they_are_given(monkeypatch, timer) -> None:
+    cuda = FakeCuda(monkeypatch)
+    timer(CallCounter(), "cuda:1", warmup=0, repeats=3)
+    assert cuda.synchronized and set(cuda.synchronized) == {1}
+
+
+def test_benchmark_autorange_makes_the_given_gpu_current_while_timing(monkeypatch) -> None:
+    # torch's Timer synchronises the *current* device only, so the given one must be it.
+    cuda = FakeCuda(monkeypatch)
+    seen = []
+    bm.benchmark_autorange(lambda: seen.append(cuda.current), "cuda:3", min_run_time=0.001)
+    assert seen and set(seen) == {3}
+    assert set(cuda.synchronized) == {3}  # torch's Timer waited for that GPU
+    assert cuda.current == 2  # and the current device is restored afterwards
+    with pytest.raises(RuntimeError, match="does not exist"):
+        bm.benchmark_autorange(lambda: None, "cuda:4", min_run_time=0.001)
+
+
 def test_benchmark_autorange_returns_per_call_times() -> None:
     timing = bm.benchmark_autorange(lambda: torch.ones(64).sum(), min_run_time=0.01)
     assert len(timing.times) >= 1 and timing.min > 0
@@ -253,6 +312,79 @@ def test_copy_bandwidth_rejects_bad_sizes_and_no_device() -> None:
         bm.measure_copy_bandwidth("cpu", 2)
     with pytest.raises(ValueError, match="needs a device"):
         bm.measure_copy_bandwidth(None)
+
+
+def _fake_cpu_caches(root, caches) -> None:
+    """A /sys/devices/system/cpu/cpu0/cache tree: (level, type, size, shared_cpu_list) each."""
+    for i, (level, kind, size, shared) in enumerate(caches):
+        index = root / f"index{i}"
+        index.mkdir(parents=True)
+        for name, value in [("level", level), ("type", kind), ("size", size),
+                            ("shared_cpu_list", shared)]:
+            (index / name).write_text(f"{value}\n")
+
+
+def test_last_level_cache_is_read_from_sysfs_and_counts_every_instance(tmp_path, monkeypatch):
+    _fake_cpu_caches(tmp_path, [(1, "Data", "32K", "0"), (1, "Instruction", "32K", "0"),
+                                (2, "Unified", "1024K", "0"), (3, "Unified", "32M", "0-7")])
+    monkeypatch.setattr(bm, "_CPU0_CACHE_DIR", tmp_path)
+    monkeypatch.setattr(bm, "_usable_cpus", lambda: 8)
+    size, where = bm.last_level_cache_bytes()
+    assert size == 32 * 2**20 and "level-3" in where
+    # 32 usable CPUs reach four such caches (eight CPUs share each).
+    monkeypatch.setattr(bm, "_usable_cpus", lambda: 32)
+    assert bm.last_level_cache_bytes()[0] == 4 * 32 * 2**20
+
+
+def test_last_level_cache_falls_back_to_sysconf_then_to_unknown(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "_CPU0_CACHE_DIR", tmp_path / "missing")
+    sizes = {"SC_LEVEL3_CACHE_SIZE": 16 * 2**20}
+
+    def sysconf(name):
+        if name not in sizes:
+            raise ValueError(name)
+        return sizes[name]
+
+    monkeypatch.setattr(bm.os, "sysconf", sysconf)
+    assert bm.last_level_cache_bytes() == (16 * 2**20, "os.sysconf('SC_LEVEL3_CACHE_SIZE')")
+    sizes.clear()
+    assert bm.last_level_cache_bytes() is None
+
+
+@pytest.mark.parametrize(
+    "cache, expected",
+    [((8 * 2**20, "x"), 64 * 2**20),  # a small cache: at least 64 MiB all the same
+     ((96 * 2**20, "x"), 192 * 2**20),  # twice the cache: the two buffers are 4x its size
+     (None, 256 * 2**20)],  # unknown cache: the documented default
+)
+def test_cpu_copy_buffer_outgrows_the_last_level_cache(monkeypatch, cache, expected) -> None:
+    monkeypatch.setattr(bm, "last_level_cache_bytes", lambda: cache)
+    nbytes, why = bm.copy_buffer_bytes("cpu")
+    assert nbytes == expected and f"{expected // 2**20} MiB" in why
+
+
+def test_cpu_copy_bandwidth_uses_the_cache_sized_buffer(monkeypatch) -> None:
+    asked = []
+
+    def small_buffer(device):
+        asked.append(device)
+        return 2**20, "1 MiB for the test"
+
+    monkeypatch.setattr(bm, "copy_buffer_bytes", small_buffer)
+    assert bm.measure_copy_bandwidth("cpu", warmup=0, repeats=2) > 0
+    assert asked == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize(
+    "seconds_per_copy, copies",
+    [(150e-6, 334),  # 256 MiB on an H100/H200: 334 copies make one 50 ms timing
+     (2e-3, 25), (0.2, 1), (0.0, 10_000), (float("nan"), 10_000)],
+)
+def test_copies_per_timing_make_the_fixed_overhead_negligible(seconds_per_copy, copies) -> None:
+    assert bm._copies_per_timing(seconds_per_copy) == copies
+    if 0 < seconds_per_copy < 0.05:
+        # 20 us of launch and wake-up per timing stays far below 2% of the timed work.
+        assert 20e-6 / (copies * seconds_per_copy) < 0.02
 
 
 def test_host_to_device_needs_a_gpu() -> None:

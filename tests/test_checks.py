@@ -1,6 +1,6 @@
 import pytest
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_int, check_seed
 
 
 @pytest.mark.parametrize("value", [1, 7, 2**40])
@@ -12,3 +12,14 @@ def test_positive_ints_pass_through(value):
 def test_everything_else_is_refused_with_the_name(value):
     with pytest.raises(ValueError, match=r"^batch_size must be a positive int, got "):
         check_positive_int("batch_size", value)
+
+
+@pytest.mark.parametrize("value", [0, 5, 2**64 - 1])
+def test_seeds_torch_takes_pass_through(value):
+    assert check_seed(value) == value
+
+
+@pytest.mark.parametrize("value", [-1, 2**64, 1.0, "3", True])
+def test_other_seeds_are_refused_with_the_range(value):
+    with pytest.raises(ValueError, match=r"seed must be an int from 0 to 2\*\*64 - 1"):
+        check_seed(value)

@@ -2,6 +2,7 @@
 
 import os
 import urllib.error
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,15 @@ from d2lgpu.data import (
     load_data_fashion_mnist,
     synthetic_regression,
 )
+
+
+@pytest.fixture(autouse=True)
+def private_stamps(tmp_path, monkeypatch):
+    """Record verified files under tmp_path, never in the user's cache (or the data)."""
+    stamps = tmp_path / "stamps"
+    monkeypatch.setattr(data_module, "_stamp_dir", lambda: stamps)
+    return stamps
+
 
 needs_data = pytest.mark.skipif(
     not (d2lgpu.data_root() / "FashionMNIST" / "raw").is_dir(),
@@ -160,3 +170,175 @@ def test_synthetic_regression_leaves_the_global_rng_alone():
 def test_synthetic_regression_rejects_bad_input(kwargs):
     with pytest.raises(ValueError):
         synthetic_regression(**kwargs)
+
+
+# --------------------------------------------------------------------------- #
+# Bad arguments
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [(lambda: fashion_mnist_tensors(train="no"), "train"),
+     (lambda: fashion_mnist_tensors(quick="false"), "quick"),
+     (lambda: fashion_mnist_tensors(train=1), "train"),
+     (lambda: load_data_fashion_mnist(8, quick="false"), "quick")],
+)
+def test_train_and_quick_take_bools_only(call, name):
+    # A non-empty string is truthy: train="no" would silently give the training split.
+    with pytest.raises(TypeError, match=f"{name} must be True or False"):
+        call()
+
+
+def test_labels_accept_class_numbers_only():
+    assert get_fashion_mnist_labels([0, 9]) == ["t-shirt", "ankle boot"]
+    assert get_fashion_mnist_labels(3) == ["dress"]
+    assert get_fashion_mnist_labels(torch.tensor(3)) == ["dress"]
+    with pytest.raises(ValueError, match=r"0 to 9, got \[-1\]"):
+        get_fashion_mnist_labels([-1])  # would index from the end: "ankle boot"
+    with pytest.raises(ValueError, match=r"got \[10\]"):
+        get_fashion_mnist_labels(torch.tensor([1, 10]))
+    with pytest.raises(TypeError, match="string"):
+        get_fashion_mnist_labels("12")  # would be read as [1, 2]
+    with pytest.raises(TypeError, match="float"):
+        get_fashion_mnist_labels(torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="int"):
+        get_fashion_mnist_labels([1.5])
+
+
+def test_resize_needs_one_or_two_sizes():
+    with pytest.raises(ValueError, match="resize"):
+        load_data_fashion_mnist(8, resize=(28, 28, 28))  # used to fail at the first batch
+
+
+@pytest.mark.parametrize("noise", [float("nan"), float("inf")])
+def test_synthetic_regression_rejects_non_finite_noise(noise):
+    with pytest.raises(ValueError, match="noise"):
+        synthetic_regression(10, 2, noise=noise)
+
+
+# --------------------------------------------------------------------------- #
+# Checking the raw files
+# --------------------------------------------------------------------------- #
+
+RAW_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+@pytest.fixture
+def data_copy(tmp_path, monkeypatch):
+    """A data root whose raw files are links to the real ones; a test replaces one by a
+    damaged copy. Nothing is written where the real files are."""
+    raw = tmp_path / "data" / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    real = d2lgpu.data_root() / "FashionMNIST" / "raw"
+    for name in RAW_FILES:
+        (raw / name).symlink_to((real / name).resolve())
+    monkeypatch.setenv("D2LGPU_DATA", str(tmp_path / "data"))
+
+    def offline(self):
+        raise urllib.error.URLError("network is unreachable")
+
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "download", offline)
+    return raw
+
+
+def _damage(raw: Path, name: str, change) -> Path:
+    """Replace the link ``raw / name`` by a copy of the real file changed by ``change``."""
+    path = raw / name
+    content = bytearray(path.read_bytes())
+    path.unlink()
+    path.write_bytes(bytes(change(content)))
+    return path
+
+
+@needs_data
+def test_verified_files_are_hashed_once_and_nothing_is_written_next_to_them(
+    data_copy, private_stamps, monkeypatch
+):
+    hashed = []
+    md5 = data_module._md5_of_file
+    monkeypatch.setattr(data_module, "_md5_of_file", lambda path: hashed.append(path.name)
+                        or md5(path))
+    before = sorted(p.name for p in data_copy.iterdir())
+    fashion_mnist_tensors(train=False, quick=True)
+    assert sorted(hashed) == ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    fashion_mnist_tensors(train=False, quick=True)
+    assert len(hashed) == 2  # the stamps of the first check are reused
+    assert len(list(private_stamps.iterdir())) == 2
+    assert sorted(p.name for p in data_copy.iterdir()) == before
+
+
+@needs_data
+def test_a_truncated_file_says_how_much_is_missing(data_copy):
+    path = _damage(data_copy, "t10k-labels-idx1-ubyte", lambda b: b[:5000])
+    with pytest.raises(RuntimeError, match=r"is truncated \(5000 of 10008 bytes\)") as info:
+        fashion_mnist_tensors(train=False)
+    assert str(path) in str(info.value) and "Delete it" in str(info.value)
+
+
+@needs_data
+def test_an_empty_labels_file_is_named_not_blamed_on_the_network(data_copy):
+    _damage(data_copy, "t10k-labels-idx1-ubyte", lambda b: b"")
+    with pytest.raises(RuntimeError, match=r"t10k-labels-idx1-ubyte is empty") as info:
+        fashion_mnist_tensors(train=False)
+    assert "internet" not in str(info.value)
+
+
+def _shuffle_labels(content: bytearray) -> bytearray:
+    labels = torch.tensor(list(content[8:]), dtype=torch.uint8)
+    shuffled = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]
+    return content[:8] + bytearray(shuffled.tolist())
+
+
+@needs_data
+@pytest.mark.parametrize(
+    "name, change",
+    [("t10k-labels-idx1-ubyte", _shuffle_labels),
+     ("t10k-images-idx3-ubyte",  # pixels inverted: x -> 255 - x
+      lambda b: b[:16] + bytes(b[16:]).translate(bytes(range(255, -1, -1)))),
+     ("t10k-labels-idx1-ubyte", lambda b: os.urandom(len(b))),
+     ("t10k-labels-idx1-ubyte", lambda b: b + b"\0")],
+    ids=["shuffled-labels", "inverted-pixels", "random-bytes", "one-byte-too-many"],
+)
+def test_a_damaged_file_is_called_corrupt(data_copy, name, change):
+    path = _damage(data_copy, name, change)
+    with pytest.raises(RuntimeError, match="is corrupt") as info:
+        fashion_mnist_tensors(train=False)
+    assert str(path) in str(info.value) and "official" in str(info.value)
+
+
+@needs_data
+def test_a_file_that_changes_after_its_check_is_checked_again(data_copy):
+    fashion_mnist_tensors(train=False, quick=True)
+    _damage(data_copy, "t10k-labels-idx1-ubyte", _shuffle_labels)
+    with pytest.raises(RuntimeError, match="is corrupt"):
+        fashion_mnist_tensors(train=False, quick=True)
+
+
+@needs_data
+def test_a_missing_file_is_named(data_copy):
+    (data_copy / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(RuntimeError, match="missing: t10k-labels-idx1-ubyte"):
+        fashion_mnist_tensors(train=True, quick=True)
+
+
+def test_a_read_only_data_directory_is_named_as_the_cause(tmp_path, monkeypatch):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    real_access = os.access
+
+    def access(path, mode, **kwargs):  # as for a read-only mount (root ignores chmod)
+        if Path(path) == read_only and mode & os.W_OK:
+            return False
+        return real_access(path, mode, **kwargs)
+
+    def download(self):
+        raise AssertionError("no download should be tried into a read-only directory")
+
+    monkeypatch.setattr(os, "access", access)
+    monkeypatch.setattr(torchvision.datasets.FashionMNIST, "download", download)
+    monkeypatch.setenv("D2LGPU_DATA", str(read_only))
+    with pytest.raises(RuntimeError, match="not writable") as info:
+        fashion_mnist_tensors(quick=True)
+    assert str(read_only) in str(info.value) and "internet" not in str(info.value)

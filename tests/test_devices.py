@@ -84,3 +84,12 @@ def test_every_gpu_is_addressable():
     for i, device in enumerate(d2lgpu.try_all_gpus()):
         assert device == d2lgpu.gpu(i)
         assert torch.zeros(1, device=device).device == device
+
+
+def test_as_device_reads_what_torch_reads_and_names_the_spellings_otherwise():
+    assert d2lgpu.devices.as_device("cpu") == torch.device("cpu")
+    assert d2lgpu.devices.as_device(1) == torch.device("cuda", 1)  # an int is a GPU, as in torch
+    with pytest.raises(ValueError, match="'cuda:0'"):
+        d2lgpu.devices.as_device("cuda0")
+    with pytest.raises(TypeError, match="not a device"):
+        d2lgpu.devices.as_device(True)

@@ -153,6 +153,50 @@ def test_bad_loader_input_is_a_clear_error(images, labels, kwargs, message):
         DeviceLoader(images, labels, 2, device=CPU, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"mean": float("nan")}, "mean must be finite"),
+     ({"mean": -float("inf")}, "mean must be finite"),
+     ({"std": float("nan")}, "std must be finite"),
+     ({"std": float("inf")}, "std must be finite")],
+)
+def test_non_finite_statistics_are_rejected(kwargs, message):
+    # NaN would otherwise turn every batch into NaN without a word.
+    images, labels = indexed_data(4)
+    with pytest.raises(ValueError, match=message):
+        DeviceLoader(images, labels, 2, device=CPU, **kwargs)
+
+
+def test_wrong_number_of_statistics_names_the_channels():
+    images, labels = indexed_data(4)  # one channel
+    with pytest.raises(ValueError, match=r"mean has 2 values, but the images have 1 channel"):
+        DeviceLoader(images, labels, 2, device=CPU, mean=[1, 2])
+    rgb = torch.zeros(4, 3, 2, 2, dtype=U8)
+    with pytest.raises(ValueError, match=r"std has 2 values, but the images have 3 channels"):
+        DeviceLoader(rgb, labels, 2, device=CPU, std=[1, 2])
+
+
+@pytest.mark.parametrize("test_batch_size", [0, -5, 2.5])
+def test_fashion_mnist_on_device_rejects_a_bad_test_batch_size(test_batch_size):
+    with pytest.raises(ValueError, match="test_batch_size"):
+        fashion_mnist_on_device(64, CPU, quick=True, test_batch_size=test_batch_size)
+
+
+def _no_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def test_cuda_without_a_gpu_says_why(monkeypatch):
+    _no_cuda(monkeypatch)
+    images, labels = indexed_data(4)
+    with pytest.raises(RuntimeError, match="DeviceLoader was given cuda") as info:
+        DeviceLoader(images, labels, 2, device="cuda")
+    assert "CUDA is NOT usable" in str(info.value) and "try_gpu" in str(info.value)
+    with pytest.raises(RuntimeError, match="(?s)peak_tflops was given cuda:0.*CUDA is NOT usable"):
+        peak_tflops("cuda:0")
+
+
 def test_bad_batch_size_and_seed():
     images, labels = indexed_data(4)
     with pytest.raises(ValueError, match="batch_size"):
@@ -222,15 +266,63 @@ def test_flop_count_leaves_the_model_unchanged():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_peak_table_lookup(monkeypatch):
+def _fake_gpu(monkeypatch, name: str, multiprocessors: int) -> None:
+    """Make cuda:0 look like a GPU called ``name`` with ``multiprocessors`` SMs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    props = type("Props", (), {"name": name, "multi_processor_count": multiprocessors})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+
+
+# Names as torch.cuda.get_device_name reports them, with the dense (no sparsity) peak of
+# the fast Tensor Core format from NVIDIA's data sheets, and the full GPU's SM count.
+@pytest.mark.parametrize(
+    "name, multiprocessors, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 132, 989.0), ("NVIDIA H100 PCIe", 114, 756.0),
+        ("NVIDIA H100 NVL", 132, 835.0), ("NVIDIA H200", 132, 989.0),
+        ("NVIDIA H200 NVL", 132, 835.0), ("NVIDIA A100-SXM4-80GB", 108, 312.0),
+        ("NVIDIA A100-PCIE-40GB", 108, 312.0), ("NVIDIA A100 80GB PCIe", 108, 312.0),
+        ("Tesla T4", 40, 65.0), ("NVIDIA L40S", 142, 362.0), ("NVIDIA L40", 142, 181.0),
+        ("NVIDIA L4", 58, 121.0), ("NVIDIA A10", 72, 125.0),
+        ("Tesla V100-PCIE-16GB", 80, 112.0), ("Tesla V100-SXM2-16GB", 80, 125.0),
+        ("Tesla V100-SXM2-32GB", 80, 125.0), ("Tesla V100S-PCIE-32GB", 80, 130.0),
+    ],
+)
+def test_peak_table_matches_whole_model_names(monkeypatch, name, multiprocessors, peak):
+    _fake_gpu(monkeypatch, name, multiprocessors)
+    assert peak_tflops("cuda:0") == peak
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA RTX A1000",  # contains "A100", but is a small workstation card
+        "NVIDIA T400",  # contains "T4"
+        "NVIDIA L40G",  # an unknown variant of a known model
+        "Tesla V100-FHHL-16GB",  # a V100 variant with its own clocks, not in the table
+        "NVIDIA GeForce RTX 4090", "Some Future GPU", "",
+    ],
+)
+def test_unknown_gpus_have_no_peak(monkeypatch, name):
+    _fake_gpu(monkeypatch, name, 40)
+    assert peak_tflops("cuda:0") is None
+
+
+def test_peak_of_the_cpu_is_unknown():
     assert peak_tflops(CPU) is None
-    for name, peak in [
-        ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("Tesla T4", 65.0),
-        ("NVIDIA L40S", 362.0), ("NVIDIA L4", 121.0), ("Tesla V100-PCIE-16GB", 112.0),
-        ("Tesla V100-SXM2-16GB", 125.0), ("Some Future GPU", None),
-    ]:
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
-        assert peak_tflops("cuda:0") == peak, name
+
+
+def test_a_mig_slice_gets_its_share_of_the_peak(monkeypatch):
+    # A MIG instance reports its parent's name but only its own multiprocessors.
+    _fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", 42)  # a 3g.20gb slice: 42 of 108 SMs
+    assert peak_tflops("cuda:0") == pytest.approx(312.0 * 42 / 108)
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", 16)  # a 1g.10gb slice
+    assert peak_tflops("cuda:0") == pytest.approx(989.0 * 16 / 132)
+    # More multiprocessors than the data sheet's GPU has: not the GPU the table describes.
+    _fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", 128)
+    assert peak_tflops("cuda:0") is None
 
 
 # --------------------------------------------------------------------------- #

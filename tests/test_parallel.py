@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,6 +188,45 @@ def test_max_abs_difference_rejects_mismatched_lists() -> None:
         max_abs_difference([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)])
     with pytest.raises(ValueError, match="shape"):
         max_abs_difference([torch.zeros(2)], [torch.zeros(3)])
+
+
+def test_max_abs_difference_counts_nan_as_a_difference() -> None:
+    # max(0.0, nan) is 0.0 in Python: a NaN must not read as "equal".
+    a = [torch.zeros(3)]
+    b = [torch.tensor([0.0, float("nan"), 0.0])]
+    assert max_abs_difference(a, b) == math.inf
+    assert max_abs_difference(b, b) == math.inf  # NaN equals nothing, not even NaN
+    assert max_abs_difference([torch.tensor([math.inf])], [torch.tensor([math.inf])]) == math.inf
+    # A NaN in a later tensor is not hidden by a finite gap in an earlier one.
+    assert max_abs_difference([torch.ones(2), torch.zeros(1)],
+                              [torch.zeros(2), torch.tensor([float("nan")])]) == math.inf
+
+
+def test_max_abs_difference_rejects_empty_tensors() -> None:
+    with pytest.raises(ValueError, match="tensor 1 is empty"):
+        max_abs_difference([torch.zeros(2), torch.zeros(0)], [torch.zeros(2), torch.zeros(0)])
+
+
+def _no_cuda(monkeypatch) -> None:
+    """Make this process look like a machine without a usable GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def test_cuda_without_a_gpu_says_why_in_split_batch_and_replicate_params(monkeypatch) -> None:
+    _no_cuda(monkeypatch)
+    with pytest.raises(RuntimeError, match="CUDA is NOT usable") as info:
+        split_batch(torch.zeros(4, 2), torch.zeros(4), ["cpu", "cuda"])
+    assert "why:" in str(info.value) and "try_gpu" in str(info.value)
+    with pytest.raises(RuntimeError, match="CUDA is NOT usable"):
+        replicate_params([torch.zeros(2)], "cuda:0")
+
+
+def test_split_batch_names_a_gpu_that_does_not_exist(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="cuda:3 does not exist: this process sees 1 GPU"):
+        split_batch(torch.zeros(4, 2), torch.zeros(4), ["cuda:0", "cuda:3"])
 
 
 # --- data_parallel_step ------------------------------------------------------

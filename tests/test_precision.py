@@ -77,6 +77,15 @@ def test_bad_amp_values_are_rejected_with_the_valid_choices(amp):
         P.precision_policy("cpu", amp)
 
 
+@pytest.mark.parametrize(
+    "device, error", [("nonsense", ValueError), ("gpu0", ValueError), (3.5, TypeError)]
+)
+def test_a_device_torch_does_not_know_is_a_clear_error(device, error):
+    with pytest.raises(error, match="is not a device") as info:
+        P.precision_policy(device)
+    assert "'cpu'" in str(info.value) and "'cuda'" in str(info.value)
+
+
 def test_cuda_policy_without_a_gpu_says_how_to_fall_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="try_gpu"):
@@ -298,6 +307,52 @@ def test_sweep_counts_a_library_allocation_failure_as_oom():
         warmup=0,
     )
     assert [(r.batch_size, r.status) for r in rows] == [(16, "OOM"), (4, "ok")]
+
+
+class _FailsLikeALibraryOutOfMemoryAt(nn.Linear):
+    """Raises ``message`` at batch size 16, as cuDNN or CUDA do when the GPU is full."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(6, 3)
+        self.message = message
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 16:
+            raise RuntimeError(self.message)
+        return super().forward(x)
+
+
+# What cuDNN and the CUDA runtime say when there is no memory left for a workspace or a
+# handle: nothing in these messages is a torch.OutOfMemoryError.
+@pytest.mark.parametrize(
+    "message",
+    [
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. GET was unable to find an engine to "
+        "execute this computation",
+        "Unable to find a valid cuDNN algorithm to run convolution",
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at "
+        "some other API call, so the stacktrace below might be incorrect.",
+    ],
+)
+def test_sweep_counts_cudnn_and_cuda_out_of_memory_symptoms_as_oom(message):
+    rows = P.precision_sweep(
+        lambda: _FailsLikeALibraryOutOfMemoryAt(message),
+        P.random_batch_maker((6,), num_classes=3),
+        ["fp32"],
+        [16, 4],
+        "cpu",
+        steps=1,
+        warmup=0,
+    )
+    assert [(r.batch_size, r.status) for r in rows] == [(16, "OOM"), (4, "ok")]
+
+
+def test_oom_check_works_on_a_torch_without_torch_out_of_memory_error(monkeypatch):
+    # torch.OutOfMemoryError is recent; older releases have only torch.cuda.OutOfMemoryError.
+    cuda_oom = torch.cuda.OutOfMemoryError
+    monkeypatch.delattr(torch, "OutOfMemoryError", raising=False)
+    assert P._is_out_of_memory(cuda_oom("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not P._is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
 def test_sweep_on_cpu_measures_fp32_and_bf16_and_explains_the_rest():

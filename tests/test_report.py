@@ -1,5 +1,6 @@
 """Tests of d2lgpu.report and the command line: the diagnosis, NVML, the report, `d2lgpu info`."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -209,16 +210,28 @@ def _fake_pynvml(fail_init: bool = False) -> types.ModuleType:
     class NVMLError_DriverNotLoaded(NVMLError):  # noqa: N801
         pass
 
+    class NVMLError_NotSupported(NVMLError):  # noqa: N801
+        pass
+
+    class NVMLError_NoPermission(NVMLError):  # noqa: N801
+        pass
+
+    class NVMLError_GpuIsLost(NVMLError):  # noqa: N801
+        pass
+
     def init():
         if fail_init:
             raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
 
     def temperature(handle, sensor):
-        raise NVMLError("Not Supported")
+        raise NVMLError_NotSupported("Not Supported")
 
     fake.NVMLError = NVMLError
     fake.NVMLError_LibraryNotFound = NVMLError_LibraryNotFound
     fake.NVMLError_DriverNotLoaded = NVMLError_DriverNotLoaded
+    fake.NVMLError_NotSupported = NVMLError_NotSupported
+    fake.NVMLError_NoPermission = NVMLError_NoPermission
+    fake.NVMLError_GpuIsLost = NVMLError_GpuIsLost
     fake.NVML_TEMPERATURE_GPU = 0
     fake.nvmlInit = init
     fake.nvmlShutdown = lambda: None
@@ -246,6 +259,41 @@ def test_read_nvml_converts_units_and_tolerates_unsupported_queries(monkeypatch)
     assert gpu.power_watts == pytest.approx(31.5) and gpu.power_limit_watts == pytest.approx(70)
     assert gpu.memory_used_bytes == 2 * 2**30 and gpu.memory_total_bytes == 16 * 2**30
     assert gpu.temperature_c is None
+
+
+def test_read_nvml_reads_the_other_gpus_when_one_fails(monkeypatch):
+    # Three GPUs: 0 reads, 1 refuses its memory reading (e.g. a GPU of another user in
+    # a container), 2 has fallen off the bus. One bad GPU must not hide the others.
+    fake = _fake_pynvml()
+    memory = fake.nvmlDeviceGetMemoryInfo
+
+    def handle_by_index(i):
+        if i == 2:
+            raise fake.NVMLError_GpuIsLost("GPU is lost")
+        return ("handle", i)
+
+    def memory_info(handle):
+        if handle[1] == 1:
+            raise fake.NVMLError_NoPermission("Insufficient Permissions")
+        return memory(handle)
+
+    fake.nvmlDeviceGetCount = lambda: 3
+    fake.nvmlDeviceGetHandleByIndex = handle_by_index
+    fake.nvmlDeviceGetMemoryInfo = memory_info
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    view = d2lgpu.read_nvml()
+    assert view.error is None and view.driver_version == "550.54"
+    assert [g.index for g in view.gpus] == [0, 1, 2]
+    ok, no_permission, lost = view.gpus
+    assert ok.error is None and ok.memory_total_bytes == 16 * 2**30
+    assert ok.temperature_c is None  # merely unsupported: not an error
+    assert no_permission.memory_used_bytes is None
+    assert no_permission.utilization_percent == 37  # what it may read, it reads
+    assert "memory" in no_permission.error and "Insufficient Permissions" in no_permission.error
+    assert "GPU is lost" in lost.error and lost.memory_total_bytes is None
+    full_report = dataclasses.replace(_report_with(_fake_gpu((8, 0), False)), nvml=view)
+    text = d2lgpu.format_report(full_report)
+    assert "GPU is lost" in text and "Insufficient Permissions" in text
 
 
 def test_read_nvml_explains_a_missing_driver(monkeypatch):
@@ -409,9 +457,21 @@ def test_gpu_memory_refuses_the_cpu():
         d2lgpu.gpu_memory("cpu")
 
 
-def test_gpu_memory_refuses_a_missing_gpu():
-    with pytest.raises(RuntimeError, match="cuda:99 does not exist"):
+def test_gpu_memory_refuses_a_missing_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="cuda:99 does not exist: this process sees 1 GPU"):
         d2lgpu.gpu_memory(99)
+
+
+def test_gpu_memory_without_cuda_says_why(monkeypatch):
+    # torch alone says "Found no NVIDIA driver" (or worse, from current_device()).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for device in ("cuda", 0):
+        with pytest.raises(RuntimeError, match="gpu_memory was given cuda") as info:
+            d2lgpu.gpu_memory(device)
+        assert "CUDA is NOT usable" in str(info.value) and "fix:" in str(info.value)
 
 
 @pytest.mark.gpu

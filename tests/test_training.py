@@ -51,9 +51,10 @@ def test_set_seed_repeats_torch_draws_and_rejects_bad_seeds():
     first = torch.rand(4)
     set_seed(5)
     assert torch.equal(torch.rand(4), first)
-    for bad in (-1, 1.5, True, "1"):
+    for bad in (-1, 1.5, True, "1", 2**64):
         with pytest.raises(ValueError, match="seed"):
             set_seed(bad)
+    set_seed(2**64 - 1)  # the largest seed torch takes
 
 
 def test_init_weights_resets_everything_and_is_seeded():
@@ -88,6 +89,17 @@ def test_resolve_devices():
     missing = f"cuda:{d2lgpu.num_gpus()}"  # one past the last visible GPU
     with pytest.raises(ValueError, match="devices=None"):
         resolve_devices(missing)
+
+
+@pytest.mark.parametrize(
+    "devices, error, match",
+    [("meta", ValueError, "'meta' devices"), (["cpu", "meta"], ValueError, "'meta' devices"),
+     (0, TypeError, r"devices=0 is an int.*'cuda:0'"), ([0, 1], TypeError, "an int"),
+     ("nonsense", ValueError, "not a device")],
+)
+def test_resolve_devices_names_the_fix_for_devices_train_cannot_use(devices, error, match):
+    with pytest.raises(error, match=match):
+        resolve_devices(devices)
 
 
 class ConstantClassifier(nn.Module):
@@ -154,6 +166,44 @@ def test_train_rejects_bad_input(kwargs, match):
     train_iter, test_iter = tiny_loaders()
     with pytest.raises(ValueError, match=match):
         train(small_cnn(), train_iter, test_iter, progress=False, plot=False, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(lr=math.inf), "lr must be a finite number > 0"),
+     (dict(lr=math.nan), "lr must be a finite number > 0"),
+     (dict(lr=0.1, weight_decay=math.nan), "weight_decay must be a finite number >= 0"),
+     (dict(lr=0.1, weight_decay=math.inf), "weight_decay"),
+     (dict(lr=0.1, momentum=math.nan), "momentum"),
+     (dict(lr=0.1, warmup_epochs=math.nan), "warmup_epochs")],
+)
+@pytest.mark.parametrize("fast", [False, True])
+def test_non_finite_hyperparameters_are_rejected(kwargs, match, fast):
+    # train and train_fast share the check; both refuse before any work.
+    train_iter, test_iter = tiny_loaders()
+    if fast:
+        train_iter = test_iter = (torch.zeros(4, 1, 28, 28, dtype=torch.uint8), torch.zeros(4))
+    with pytest.raises(ValueError, match=match):
+        train(small_cnn(), train_iter, test_iter, num_epochs=1, devices="cpu", progress=False,
+              plot=False, fast=fast, **kwargs)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_diverging_training_stops_with_the_epoch_and_the_fix(fast):
+    # lr=1e6 blows the small CNN's weights up: its loss is NaN by the end of epoch 1.
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randint(0, 256, (40, 1, 28, 28), generator=gen, dtype=torch.uint8)
+    y = torch.randint(0, 10, (40,), generator=gen)
+    if fast:  # the fast path keeps sums on the device: the check needs no extra sync
+        train_iter = d2lgpu.DeviceLoader(X, y, 10, device="cpu", shuffle=True)
+        test_iter = d2lgpu.DeviceLoader(X, y, 20, device="cpu")
+    else:
+        data = TensorDataset(X.float() / 255, y)
+        train_iter, test_iter = DataLoader(data, batch_size=10), DataLoader(data, batch_size=20)
+    with pytest.raises(FloatingPointError, match=r"loss became nan in epoch 1") as info:
+        train(small_cnn(), train_iter, test_iter, num_epochs=3, lr=1e6, devices="cpu", seed=0,
+              progress=False, plot=False, fast=fast, amp=False)
+    assert "smaller lr (this run: 1e+06)" in str(info.value)
 
 
 def test_train_beats_chance_and_returns_a_well_formed_history(quick_loaders):
