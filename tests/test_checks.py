@@ -1,6 +1,8 @@
+import math
+
 import pytest
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_non_negative_int, check_positive_float, check_positive_int
 
 
 @pytest.mark.parametrize("value", [1, 7, 2**40])
@@ -12,3 +14,26 @@ def test_positive_ints_pass_through(value):
 def test_everything_else_is_refused_with_the_name(value):
     with pytest.raises(ValueError, match=r"^batch_size must be a positive int, got "):
         check_positive_int("batch_size", value)
+
+
+@pytest.mark.parametrize("value", [0, 5, 2**40])
+def test_non_negative_ints_pass_through(value):
+    assert check_non_negative_int("seed", value) == value
+
+
+@pytest.mark.parametrize("value", [-1, 1.0, "2", None, False])
+def test_negative_or_non_int_seeds_are_refused_with_the_name(value):
+    with pytest.raises(ValueError, match=r"^seed must be an int >= 0, got "):
+        check_non_negative_int("seed", value)
+
+
+@pytest.mark.parametrize("value", [1, 0.5, 1e-12, 300.0])
+def test_positive_finite_numbers_pass_as_floats(value):
+    result = check_positive_float("lr", value)
+    assert result == value and isinstance(result, float)
+
+
+@pytest.mark.parametrize("value", [0, -0.1, math.nan, math.inf, -math.inf, "0.1", None, True])
+def test_everything_else_is_refused_as_a_positive_finite_number(value):
+    with pytest.raises(ValueError, match=r"^lr must be a positive finite number, got "):
+        check_positive_float("lr", value)
