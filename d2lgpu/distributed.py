@@ -11,8 +11,10 @@ Three pieces, each small enough to read in one go:
   ends the job with an error instead of leaving the others waiting forever.
 * :func:`launch` starts one process per rank with the *spawn* start method (the
   only one that is safe with CUDA), waits for them, and returns what rank 0's
-  function returned. When any rank raises, it stops the others and raises that
-  rank's exception in the caller, with the traceback from the rank attached.
+  function returned. When a rank raises, it stops the others and raises that
+  rank's exception in the caller, with the traceback from the rank attached;
+  when a rank dies without an exception (a signal, ``os._exit``), the error
+  names that rank and how it ended, never a rank the launcher stopped itself.
   The function it runs must be importable (defined in a module, like the
   workers of this package): spawn starts a fresh interpreter that finds the
   function by its module and name, and a function defined in a notebook cell
@@ -736,6 +738,8 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
         if hasattr(exc, "add_note"):
             for note in notes:
                 exc.add_note(note)
+        else:  # Python 3.10: the notes are kept (not printed) where 3.11 keeps them
+            exc.__notes__ = [*getattr(exc, "__notes__", []), *notes]
         raise exc from remote
     summary = "; ".join(notes)
     raise RankError(f"{record['type']}: {record['message']} ({summary})", cause) from remote

@@ -141,7 +141,7 @@ def test_launch_refuses_bad_times_by_name(kwargs, name):
 def test_a_rank_that_dies_without_an_exception_is_blamed_not_the_rank_launch_stopped(tmp_path):
     # Rank 1: os._exit(3). Then rank 2: SIGSEGV. Rank 0: healthy, stopped by launch.
     with pytest.raises(RankError) as info:
-        launch(workers.die_without_exception, 3, (str(tmp_path),), timeout_s=120, grace_s=3.0)
+        launch(workers.die_without_exception, 3, (str(tmp_path),), timeout_s=120, grace_s=1.5)
     message = str(info.value)
     assert info.value.rank == 1, message
     assert message.startswith("rank 1 of 3 exited with code 3"), message
