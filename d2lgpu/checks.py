@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 
 def check_positive_int(name: str, value: object) -> int:
     """Return ``value`` if it is an int >= 1; otherwise a ValueError naming ``name``.
@@ -31,3 +34,19 @@ def check_bool(name: str, value: object, *, none_means: str | None = None) -> bo
         return value
     allowed = "True or False" + (f" (or None: {none_means})" if none_means else "")
     raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+def check_positive_float(name: str, value: object) -> float:
+    """Return ``value`` as a float if it is a finite number > 0, else a ValueError naming ``name``.
+
+    nan and inf are refused: an infinite learning rate or timeout is a mistake,
+    and nan compares false with everything, so it would slip through ``> 0``.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)

@@ -23,16 +23,28 @@ from the last completed epoch instead of starting over.
 ``--batch-size`` is the **global** batch: every step processes that many
 examples in total, ``batch_size / world_size`` on each rank, so the same
 command trains the same model whatever the number of processes.
+
+A snapshot continues only the run that wrote it: resuming with another
+``--model``, ``--batch-size``, ``--lr``, ``--seed`` or ``--quick``/``--full``,
+or with fewer ``--epochs`` than it holds, is refused (:class:`SnapshotError`),
+as is a file that is not a snapshot. ``--epochs`` is the total: with as many
+epochs as the snapshot holds there is nothing left to train, which it says,
+and exits 0. A training loss that is not finite (nan or inf) at the end of an
+epoch stops the run with ``FloatingPointError`` before that epoch is written to
+the snapshot. On the command line these errors print their message (no
+traceback) and exit with status 1; bad flag values are usage errors (status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,16 +55,19 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
 from d2lgpu.config import quick_mode
 from d2lgpu.devices import try_gpu
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, all_reduce_sum, process_group
+from d2lgpu.precision import tf32_matmuls
 
 __all__ = [
     "MODELS",
     "DDPConfig",
     "DDPResult",
+    "SnapshotError",
     "build_model",
+    "command_line",
     "ddp_worker",
     "main",
     "strip_batchnorm",
@@ -91,14 +106,23 @@ class DDPConfig:
     #: For demonstrating restarts: the last rank raises after this epoch's snapshot,
     #: on the first attempt only (torchrun counts attempts in TORCHELASTIC_RESTART_COUNT).
     fail_after_epoch: int | None = None
+    #: TF32 in fp32 matmuls and cuDNN convolutions while training: None leaves PyTorch's
+    #: settings as they are; False forbids TF32 (to compare runs to 1e-5, not 1e-3),
+    #: True allows it. The previous settings come back afterwards.
+    tf32: bool | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("epochs", self.epochs)
         check_positive_int("batch_size", self.batch_size)
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr!r}")
+        check_positive_float("lr", self.lr)
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        check_seed(self.seed)
+        if self.fail_after_epoch is not None:
+            check_positive_int("fail_after_epoch", self.fail_after_epoch)
+        for name in ("quick", "tf32"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -162,6 +186,33 @@ def _as_float_images(images: torch.Tensor) -> torch.Tensor:
     return images.float() / 255 if images.dtype == torch.uint8 else images.float()
 
 
+class SnapshotError(ValueError):
+    """A snapshot this run cannot continue from; the message names the file and the way out."""
+
+
+#: What a snapshot holds (see the end of every epoch in :func:`train_ddp`).
+_SNAPSHOT_KEYS = ("model", "optimizer", "epochs_done", "history", "config")
+
+#: Settings a resumed run must share with the run that wrote the snapshot, with their flags:
+#: the model and optimizer state in it only mean something under those settings.
+_MUST_MATCH = {
+    "model": "--model",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "seed": "--seed",
+    "quick": "--quick/--full",
+}
+
+
+def _start_fresh(path: Path) -> str:
+    return f"to start fresh, pass another --snapshot path or delete {path}"
+
+
+def _recorded_config(cfg: DDPConfig) -> dict:
+    """``cfg`` as a snapshot records it, with quick mode resolved (None follows the environment)."""
+    return asdict(cfg) | {"quick": quick_mode() if cfg.quick is None else cfg.quick}
+
+
 def _save_snapshot(path: Path, state: dict) -> None:
     """Write to a temporary file and rename it: a crash mid-write leaves the old snapshot intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,20 +221,99 @@ def _save_snapshot(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def _read_snapshot(path: Path) -> dict:
+    """The snapshot at ``path``, or a :class:`SnapshotError` saying what is wrong with the file."""
+    if path.is_dir():
+        raise SnapshotError(
+            f"snapshot path {path} is a directory; --snapshot takes a file name (the file is "
+            "created after the first epoch): pass a file path, e.g. "
+            f"--snapshot {path / 'snapshot.pt'}"
+        )
+    if path.stat().st_size == 0:
+        raise SnapshotError(f"snapshot {path} is empty (0 bytes); {_start_fresh(path)}")
+    try:
+        # Only tensors, numbers, strings and containers: no code runs on loading.
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        # torch's weights-only loader wraps the reason in a page of advice on trusting files.
+        reason = str(exc).split("WeightsUnpickler error:")[-1]
+        raise SnapshotError(
+            f"cannot read snapshot {path} ({type(exc).__name__}: {_first_line(reason)}): it is "
+            f"damaged or was not written by d2lgpu.ddp_train; {_start_fresh(path)}"
+        ) from exc
+    if not isinstance(snapshot, dict):
+        raise SnapshotError(
+            f"snapshot {path} holds a {type(snapshot).__name__}, not the dict that "
+            f"d2lgpu.ddp_train writes; {_start_fresh(path)}"
+        )
+    missing = [repr(key) for key in _SNAPSHOT_KEYS if key not in snapshot]
+    if not missing and isinstance(snapshot["config"], dict):
+        missing = [f"config[{key!r}]" for key in _MUST_MATCH if key not in snapshot["config"]]
+    elif not missing:
+        missing = ["a config dict"]
+    if missing:
+        raise SnapshotError(
+            f"snapshot {path} lacks {', '.join(missing)}, so d2lgpu.ddp_train did not write it "
+            f"(or an older version did); {_start_fresh(path)}"
+        )
+    return snapshot
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
 def _load_snapshot(path: Path | None, ctx: DistContext | None) -> dict | None:
     """Rank 0 reads the snapshot, if any, and sends it to every rank.
 
     Only rank 0 needs to see the file, so it works when the other machines of a
-    multi-node job have no shared file system.
+    multi-node job have no shared file system. When the file is unusable, every
+    rank raises the same :class:`SnapshotError` (none is left waiting for rank 0).
     """
-    snapshot = None
+    snapshot: dict | None = None
+    problem: str | None = None
     if (ctx is None or ctx.is_main) and path is not None and path.exists():
-        snapshot = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            snapshot = _read_snapshot(path)
+        except SnapshotError as exc:
+            if ctx is None or ctx.world_size == 1:
+                raise
+            problem = str(exc)
     if ctx is not None and ctx.world_size > 1:
-        box = [snapshot]
+        box = [(snapshot, problem)]
         dist.broadcast_object_list(box, src=0)
-        snapshot = box[0]
+        snapshot, problem = box[0]
+    if problem is not None:
+        raise SnapshotError(problem)
     return snapshot
+
+
+def _difference(key: str, old: object, new: object) -> str:
+    if key == "quick":
+        mode = {True: "--quick", False: "--full"}
+        return f"{mode.get(old, old)} in the snapshot, {mode.get(new, new)} now"
+    return f"{_MUST_MATCH[key]} {old} in the snapshot, {new} now"
+
+
+def _check_resumable(snapshot: dict, cfg: DDPConfig, path: Path) -> None:
+    """Refuse a snapshot written under other settings, or with more epochs than asked for."""
+    old, new = snapshot["config"], _recorded_config(cfg)
+    differences = [
+        _difference(key, old[key], new[key]) for key in _MUST_MATCH if old[key] != new[key]
+    ]
+    if differences:
+        raise SnapshotError(
+            f"snapshot {path} was written with other settings ({'; '.join(differences)}); "
+            "resuming would continue its model and optimizer under the new ones. Rerun with "
+            f"the snapshot's settings; or, {_start_fresh(path)}"
+        )
+    done = snapshot["epochs_done"]
+    if done > cfg.epochs:
+        raise SnapshotError(
+            f"snapshot {path} already holds {done} epochs, more than --epochs {cfg.epochs}: "
+            f"--epochs is the total number of epochs, not the number to add: pass "
+            f"--epochs {done + 1} or more to train on; or, {_start_fresh(path)}"
+        )
 
 
 def train_ddp(
@@ -209,6 +339,13 @@ def train_ddp(
         )
     local_batch = cfg.batch_size // world_size
 
+    # The snapshot first: a run that cannot continue from it fails before loading any data.
+    snapshot_path = Path(cfg.snapshot) if cfg.snapshot else None
+    snapshot = _load_snapshot(snapshot_path, ctx)
+    if snapshot is not None:
+        assert snapshot_path is not None
+        _check_resumable(snapshot, cfg, snapshot_path)
+
     train_x, train_y, test_x, test_y = data if data is not None else _load_tensors(cfg)
     train_set = TensorDataset(_as_float_images(train_x), train_y)
     # Evaluation: every rank takes every world_size-th test example; no padding,
@@ -222,14 +359,6 @@ def train_ddp(
     )
     train_loader = DataLoader(train_set, batch_size=local_batch, sampler=sampler)
     test_loader = DataLoader(test_set, batch_size=local_batch)
-
-    snapshot_path = Path(cfg.snapshot) if cfg.snapshot else None
-    snapshot = _load_snapshot(snapshot_path, ctx)
-    if snapshot is not None and snapshot["config"]["model"] != cfg.model:
-        raise ValueError(
-            f"snapshot {snapshot_path} holds a {snapshot['config']['model']!r} model but "
-            f"this run trains {cfg.model!r}: pass a different --snapshot path or delete it"
-        )
 
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere
     model = build_model(cfg.model).to(device)
@@ -247,7 +376,14 @@ def train_ddp(
         start_epoch = snapshot["epochs_done"]
         history = snapshot["history"]
         if is_main and cfg.log:
-            print(f"resuming from {snapshot_path} after epoch {start_epoch}", flush=True)
+            if start_epoch == cfg.epochs:
+                print(
+                    f"snapshot {snapshot_path} already holds all {start_epoch} epochs: nothing "
+                    "left to train (--epochs is the total; pass a larger one to train on)",
+                    flush=True,
+                )
+            else:
+                print(f"resuming from {snapshot_path} after epoch {start_epoch}", flush=True)
 
     # DDP registers hooks that all-reduce gradient buckets while backward is still running.
     net: nn.Module = model
@@ -256,56 +392,66 @@ def train_ddp(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
 
-    for epoch in range(start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
-        net.train()
-        started = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device)
-        seen = 0
-        for X, y in train_loader:
-            X, y = X.to(device), y.to(device)
-            optimizer.zero_grad(set_to_none=True)
-            logits = net(X)
-            loss = loss_fn(logits, y)
-            loss.backward()  # with DDP, gradients arrive here already averaged over ranks
-            optimizer.step()
-            loss_sum += loss.detach() * len(y)
-            correct += (logits.argmax(dim=1) == y).sum()
-            seen += len(y)
-        test_correct, test_seen = _count_correct(net, test_loader, device)
-        stats = [loss_sum.item(), correct.item(), seen, test_correct, test_seen]
-        if ctx is not None:
-            stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
-        seconds = time.perf_counter() - started
-        history["train_loss"].append(stats[0] / stats[2])
-        history["train_acc"].append(stats[1] / stats[2])
-        history["test_acc"].append(stats[3] / max(stats[4], 1))
-        history["epoch_seconds"].append(seconds)
-        history["examples_per_second"].append(stats[2] / seconds)
-        if is_main and cfg.log:
-            print(
-                f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
-                f"train acc {history['train_acc'][-1]:.3f}, "
-                f"test acc {history['test_acc'][-1]:.3f}, "
-                f"{seconds:.1f} s, {history['examples_per_second'][-1]:.0f} examples/s "
-                f"({world_size} rank(s), {ctx.backend if ctx else 'no process group'})",
-                flush=True,
-            )
-        if is_main and snapshot_path is not None:
-            _save_snapshot(
-                snapshot_path,
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "epochs_done": epoch + 1,
-                    "history": history,
-                    "config": asdict(cfg),
-                },
-            )
-        if ctx is not None:
-            dist.barrier()  # nobody moves on (or fails, below) before the snapshot is on disk
-        _maybe_fail(cfg, epoch + 1, rank, world_size)
+    tf32 = contextlib.nullcontext() if cfg.tf32 is None else tf32_matmuls(cfg.tf32)
+    with tf32:
+        for epoch in range(start_epoch, cfg.epochs):
+            sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
+            net.train()
+            started = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            correct = torch.zeros((), device=device)
+            seen = 0
+            for X, y in train_loader:
+                X, y = X.to(device), y.to(device)
+                optimizer.zero_grad(set_to_none=True)
+                logits = net(X)
+                loss = loss_fn(logits, y)
+                loss.backward()  # with DDP, gradients arrive here already averaged over ranks
+                optimizer.step()
+                loss_sum += loss.detach() * len(y)
+                correct += (logits.argmax(dim=1) == y).sum()
+                seen += len(y)
+            test_correct, test_seen = _count_correct(net, test_loader, device)
+            stats = [loss_sum.item(), correct.item(), seen, test_correct, test_seen]
+            if ctx is not None:
+                stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
+            # Checked once per epoch (no extra GPU sync per step), on the totals every
+            # rank shares, so all ranks stop together; the snapshot keeps the last good epoch.
+            if not math.isfinite(stats[0]):
+                raise FloatingPointError(
+                    f"the training loss of epoch {epoch + 1} is {stats[0] / stats[2]} (not "
+                    f"finite): training diverged (lr={cfg.lr} may be too large) or the data hold "
+                    "nan or inf. Stopped before writing this epoch to the snapshot"
+                )
+            seconds = time.perf_counter() - started
+            history["train_loss"].append(stats[0] / stats[2])
+            history["train_acc"].append(stats[1] / stats[2])
+            history["test_acc"].append(stats[3] / max(stats[4], 1))
+            history["epoch_seconds"].append(seconds)
+            history["examples_per_second"].append(stats[2] / seconds)
+            if is_main and cfg.log:
+                print(
+                    f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
+                    f"train acc {history['train_acc'][-1]:.3f}, "
+                    f"test acc {history['test_acc'][-1]:.3f}, "
+                    f"{seconds:.1f} s, {history['examples_per_second'][-1]:.0f} examples/s "
+                    f"({world_size} rank(s), {ctx.backend if ctx else 'no process group'})",
+                    flush=True,
+                )
+            if is_main and snapshot_path is not None:
+                _save_snapshot(
+                    snapshot_path,
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "epochs_done": epoch + 1,
+                        "history": history,
+                        "config": _recorded_config(cfg),
+                    },
+                )
+            if ctx is not None:
+                dist.barrier()  # nobody moves on (or fails, below) before the snapshot is on disk
+            _maybe_fail(cfg, epoch + 1, rank, world_size)
 
     return DDPResult(
         world_size=world_size,
@@ -351,19 +497,51 @@ def ddp_worker(
         return train_ddp(cfg, ctx, data)
 
 
+def _flag_type(check: Callable[[str, object], object], parse: type) -> Callable[[str], object]:
+    """An argparse ``type=`` that parses with ``parse`` and checks with a d2lgpu.checks function.
+
+    argparse turns the error into a usage error: ``argument --epochs: must be ...``, exit 2.
+    """
+
+    def convert(text: str) -> object:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'an int' if parse is int else 'a number'}, got {text!r}"
+            ) from None
+        try:
+            return check("value", value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
+
+    convert.__name__ = check.__name__.removeprefix("check_")
+    return convert
+
+
+_POSITIVE_INT = _flag_type(check_positive_int, int)
+_SEED = _flag_type(lambda _name, value: check_seed(value), int)
+_POSITIVE_NUMBER = _flag_type(check_positive_float, float)
+
+
 def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node=N -m d2lgpu.ddp_train",
         description="Train on Fashion-MNIST with DistributedDataParallel.",
     )
-    parser.add_argument("--epochs", type=int, default=DDPConfig.epochs)
+    parser.add_argument(
+        "--epochs",
+        type=_POSITIVE_INT,
+        default=DDPConfig.epochs,
+        help="total epochs, including those a snapshot already holds (default %(default)s)",
+    )
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=_POSITIVE_INT,
         default=DDPConfig.batch_size,
         help="global batch size, split evenly over the ranks (default %(default)s)",
     )
-    parser.add_argument("--lr", type=float, default=DDPConfig.lr)
+    parser.add_argument("--lr", type=_POSITIVE_NUMBER, default=DDPConfig.lr)
     parser.add_argument(
         "--model",
         choices=MODELS,
@@ -376,7 +554,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
         default=None,
         help="resume from this file if it exists, and rewrite it after every epoch",
     )
-    parser.add_argument("--seed", type=int, default=DDPConfig.seed)
+    parser.add_argument("--seed", type=_SEED, default=DDPConfig.seed)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--quick",
@@ -388,29 +566,32 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
     mode.add_argument("--full", dest="quick", action="store_false", help="the whole data set")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=_POSITIVE_NUMBER,
         default=DEFAULT_TIMEOUT_S,
         help="seconds a collective waits for the other ranks (default %(default)s)",
     )
     parser.add_argument(
         "--fail-after-epoch",
-        type=int,
+        type=_POSITIVE_INT,
         default=None,
         help="make the last rank crash once after this epoch (to try --max-restarts)",
     )
     args = parser.parse_args(argv)
     quick = quick_mode() if args.quick is None else args.quick
-    cfg = DDPConfig(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        model=args.model or ("small_cnn" if quick else "resnet18"),
-        data_root=args.data_root,
-        snapshot=args.snapshot,
-        seed=args.seed,
-        quick=quick,
-        fail_after_epoch=args.fail_after_epoch,
-    )
+    try:
+        cfg = DDPConfig(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            model=args.model or ("small_cnn" if quick else "resnet18"),
+            data_root=args.data_root,
+            snapshot=args.snapshot,
+            seed=args.seed,
+            quick=quick,
+            fail_after_epoch=args.fail_after_epoch,
+        )
+    except ValueError as exc:  # the flags were checked above; this is a safety net
+        parser.error(str(exc))
     return cfg, args.timeout
 
 
@@ -438,15 +619,33 @@ def main(argv: Sequence[str] | None = None) -> DDPResult:
         return result
 
 
-if __name__ == "__main__":
+def command_line(argv: Sequence[str] | None = None) -> int:
+    """:func:`main` as ``python -m d2lgpu.ddp_train`` runs it; returns the exit status.
+
+    0 when the run finished (or had nothing left to train). 1 when it failed:
+    for a snapshot it cannot continue from, or a loss that stopped being
+    finite, the message alone (the traceback would add nothing); for anything
+    else the traceback. Bad flags end in ``main`` with argparse's usage error
+    (``SystemExit(2)``).
+    """
     try:
-        main()
+        main(argv)
+    except (SnapshotError, FloatingPointError) as exc:
+        print(f"d2lgpu.ddp_train: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except Exception:
-        # Print the error, then end the process without interpreter teardown: an
-        # NCCL process group left after an error could wait there for peers that
-        # are stuck waiting for this rank, and torchrun would notice the failure
-        # (and restart the workers) only after the collective timeout.
         traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    status = command_line()
+    if status:
+        # End the process without interpreter teardown: an NCCL process group left
+        # after an error could wait there for peers that are stuck waiting for this
+        # rank, and torchrun would notice the failure (and restart the workers) only
+        # after the collective timeout.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(status)

@@ -11,8 +11,10 @@ Three pieces, each small enough to read in one go:
   ends the job with an error instead of leaving the others waiting forever.
 * :func:`launch` starts one process per rank with the *spawn* start method (the
   only one that is safe with CUDA), waits for them, and returns what rank 0's
-  function returned. When any rank raises, it stops the others and raises that
-  rank's exception in the caller, with the traceback from the rank attached.
+  function returned. When a rank raises, it stops the others and raises that
+  rank's exception in the caller, with the traceback from the rank attached;
+  when a rank dies without an exception (a signal, ``os._exit``), the error
+  names that rank and how it ended, never a rank the launcher stopped itself.
   The function it runs must be importable (defined in a module, like the
   workers of this package): spawn starts a fresh interpreter that finds the
   function by its module and name, and a function defined in a notebook cell
@@ -24,17 +26,23 @@ Three pieces, each small enough to read in one go:
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import math
 import os
 import pickle
+import signal
 import socket
+import stat
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -43,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
 from d2lgpu.devices import num_gpus
 
 __all__ = [
@@ -140,7 +148,142 @@ def _env_int(name: str) -> int:
         raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def _torchrun_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+#: Seconds the rendezvous may take beyond ``timeout_s`` before it is given up: the
+#: store's own timeout fires first when it can, with the more specific error.
+_RENDEZVOUS_SLACK_S = 2.0
+
+
+def _open_store(
+    host: str, port: int, rank: int, world_size: int, *, serve: bool, timeout_s: float, fix: str
+) -> dist.Store:
+    """Open the job's rendezvous store at ``host:port``; rank 0 serves it unless ``serve`` is False.
+
+    Bounded by ``timeout_s``, whatever answers on the port: a TCPStore client
+    that reaches a program which accepts the connection but speaks another
+    protocol waits inside native code for a reply that never comes, ignoring
+    its own timeout and every signal. So the store is opened in a helper
+    thread that the caller stops waiting for; the caller gets an error.
+    ``fix`` says what to do about a port that does not work.
+    """
+    outcome: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            outcome["store"] = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=serve,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                # Several groups of one process may share the port, as with init_method="tcp://".
+                multi_tenant=serve,
+            )
+        except Exception as exc:  # raised again below, in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, name="d2lgpu-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout_s + _RENDEZVOUS_SLACK_S)
+    timed_out = thread.is_alive()
+    if timed_out:
+        _abandon(thread, host, port, timeout_s)
+    where = f"{host}:{port}"
+    if "store" in outcome and not timed_out:
+        return outcome["store"]
+    # After a timeout, the thread's own error (if any by now) is the one _abandon caused.
+    error = None if timed_out else outcome.get("error")
+    reason = f" ({type(error).__name__}: {_first_line(str(error))})" if error else ""
+    if serve and error is not None:
+        raise RuntimeError(
+            f"rank {rank} could not serve the rendezvous at {where}{reason}; if the port is in "
+            "use, another program or an earlier job still holds it; otherwise the other ranks "
+            f"did not all join within timeout_s={timeout_s:g} s. {fix}"
+        ) from error
+    if serve:
+        raise TimeoutError(
+            f"rank {rank} serves the rendezvous at {where}, but the other ranks did not all join "
+            f"within timeout_s={timeout_s:g} s: did every rank start, with the same port? {fix}"
+        )
+    if _accepts_connections(host, port):
+        why = (
+            "the port accepts connections, but no torch.distributed store answers there "
+            "(another program may be listening on it)"
+        )
+    else:
+        why = "nothing listens there: is rank 0 running, with the same address and port?"
+    message = (
+        f"rank {rank} could not join the rendezvous at {where} within timeout_s={timeout_s:g} s"
+        f"{reason}: {why}. {fix}"
+    )
+    if error is None:
+        raise TimeoutError(message)
+    raise RuntimeError(message) from error
+
+
+def _abandon(thread: threading.Thread, host: str, port: int, timeout_s: float) -> None:
+    """Let a rendezvous thread that is still blocked end without harm.
+
+    Left alone, it could wake up (its peer closes the connection, or its retries
+    run out) while the interpreter shuts down, and a native exception raised
+    then aborts the process. So its connection is shut down now, which makes it
+    fail at once, and the interpreter waits for it at exit for at most ``timeout_s``.
+    """
+    _shut_down_connections_to(host, port)
+    thread.join(1.0)
+    if thread.is_alive():
+        atexit.register(thread.join, timeout_s)
+
+
+def _shut_down_connections_to(host: str, port: int) -> None:
+    """Shut down every TCP connection of this process to ``host:port`` (POSIX; no-op elsewhere)."""
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        fds = [int(name) for name in os.listdir(fd_dir)]
+    except OSError:
+        return
+    addresses = {_plain_ip(info[4][0]) for info in infos}
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            copy = os.dup(fd)
+        except OSError:
+            continue  # closed meanwhile
+        # A duplicate of the descriptor: shutdown() acts on the connection both share.
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            continue
+        with sock:
+            try:
+                peer = sock.getpeername()
+                if peer[1] == port and _plain_ip(peer[0]) in addresses:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, TypeError):
+                pass  # not connected, or not an internet socket
+
+
+def _plain_ip(address: str) -> str:
+    # TCPStore connects over IPv6 where it can: 127.0.0.1 appears as ::ffff:127.0.0.1.
+    return address.removeprefix("::ffff:")
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _torchrun_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """The rendezvous store of a torchrun worker, with keys private to this restart attempt.
 
     ``init_method="env://"`` would do the same without the prefix. But torchrun
@@ -154,11 +297,25 @@ def _torchrun_store(rank: int, world_size: int, timeout: datetime.timedelta) -> 
         raise RuntimeError("MASTER_ADDR is not set: start this program with torchrun")
     # torchrun's agent serves the store itself when it says so; otherwise rank 0 does.
     agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        addr, port, world_size, is_master=not agent_serves and rank == 0, timeout=timeout
+    store = _open_store(
+        addr,
+        port,
+        rank,
+        world_size,
+        serve=not agent_serves and rank == 0,
+        timeout_s=timeout_s,
+        fix="torchrun chose this address (MASTER_ADDR, MASTER_PORT): give it a free port "
+        "with --master-port or --rdzv-endpoint, the same on every machine",
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"d2lgpu/attempt_{attempt}", store)
+
+
+def _check_int(name: str, value: object) -> int:
+    # The same wording as d2lgpu.checks; bool is refused although it is an int.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
 
 
 @contextmanager
@@ -181,39 +338,49 @@ def process_group(
     ``MASTER_PORT``). Processes started by :func:`launch` pass ``rank``,
     ``world_size`` and ``master_port`` (one machine, so local rank = rank).
 
-    ``backend=None`` lets :func:`choose_backend` decide. ``timeout_s`` bounds how
-    long any collective waits for the other ranks. After an error in a multi-rank
-    NCCL group the group is not torn down here (that would wait for the stuck
-    peers): end the process, as :func:`launch` and torchrun do.
+    ``backend=None`` lets :func:`choose_backend` decide. ``timeout_s`` bounds the
+    rendezvous (joining the group; a port held by another program ends in an
+    error that names it) and how long any collective waits for the other ranks.
+    After an error in a multi-rank NCCL group the group is not torn down here
+    (that would wait for the stuck peers): end the process, as :func:`launch`
+    and torchrun do.
     """
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank and world_size (spawned processes) or neither (torchrun)")
+    under_torchrun = rank is None
     if rank is None:
         rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
         local_rank = _env_int("LOCAL_RANK") if local_rank is None else local_rank
         if local_world_size is None:
             local_world_size = _env_int("LOCAL_WORLD_SIZE")
-        init_method = None  # a store of our own, below
     else:
+        _check_int("rank", rank)
+        _check_int("world_size", world_size)
         if master_port is None:
             raise ValueError(
                 "master_port is required with an explicit rank: choose one in the parent with "
                 "d2lgpu.distributed.find_free_port() and pass the same port to every rank"
             )
-        if not 0 < master_port < 65536:
+        if _check_int("master_port", master_port) not in range(1, 65536):
             raise ValueError(f"master_port must be in 1..65535, got {master_port}")
+        if not isinstance(master_addr, str) or not master_addr:
+            raise ValueError(f"master_addr must be a host name or address, got {master_addr!r}")
         local_rank = rank if local_rank is None else local_rank
         local_world_size = world_size if local_world_size is None else local_world_size
-        init_method = f"tcp://{master_addr}:{master_port}"
     assert world_size is not None and local_world_size is not None  # for the type checker
+    _check_int("local_rank", local_rank)
+    _check_int("local_world_size", local_world_size)
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     if not 0 <= local_rank < local_world_size:
         raise ValueError(
             f"need 0 <= local_rank < local_world_size, got {local_rank} and {local_world_size}"
         )
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    check_positive_float("timeout_s", timeout_s)
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+    except OverflowError:
+        raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}") from None
     if dist.is_initialized():
         raise RuntimeError(
             "this process already belongs to a process group; leave it first "
@@ -237,11 +404,22 @@ def process_group(
     else:
         device = torch.device("cpu")
 
-    timeout = datetime.timedelta(seconds=timeout_s)
+    if under_torchrun:
+        store = _torchrun_store(rank, world_size, timeout_s)
+    else:
+        store = _open_store(
+            master_addr,
+            master_port,
+            rank,
+            world_size,
+            serve=rank == 0,
+            timeout_s=timeout_s,
+            fix="Choose a free port in the parent with d2lgpu.distributed.find_free_port() and "
+            "pass the same one to every rank",
+        )
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
-        store=_torchrun_store(rank, world_size, timeout) if init_method is None else None,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,
@@ -300,11 +478,17 @@ class RemoteTraceback(Exception):
 
 
 class RankError(RuntimeError):
-    """A rank failed and its own exception could not be rebuilt here (or it was killed)."""
+    """A rank failed and its own exception cannot be raised here: it died without one, or called
+    ``sys.exit`` with a failure status, or its exception could not be rebuilt.
 
-    def __init__(self, message: str, rank: int) -> None:
+    ``rank`` is the rank that failed first. ``exitcode`` is its exit status when
+    it ended without a Python exception (negative: killed by that signal), else None.
+    """
+
+    def __init__(self, message: str, rank: int, exitcode: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+        self.exitcode = exitcode
 
 
 def _loopback_interface() -> str | None:
@@ -312,6 +496,22 @@ def _loopback_interface() -> str | None:
     # containers resolves to an address that is not reachable. A one-machine
     # job only needs the loopback interface.
     return {"linux": "lo", "darwin": "lo0"}.get(sys.platform)
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line in function`` of the innermost frame an exception passed through."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "unknown place"
+    frame = frames[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _run_rank(
@@ -327,42 +527,70 @@ def _run_rank(
     Rank 0's return value goes to ``result.pt``; an exception of any rank goes
     to ``error-<rank>.pkl`` with the time it happened, so that the parent can
     tell the first failure (the cause) from the ranks that failed because a
-    peer was gone.
+    peer was gone. ``sys.exit(0)`` ends the rank successfully and leaves a note
+    in ``exit-<rank>.txt``, in case its peers then fail waiting for it.
     """
     torch.set_num_threads(threads)
+    work = Path(workdir)
     try:
-        value = fn(rank, *args)
-    except BaseException as exc:
-        record: dict[str, Any] = {
-            "rank": rank,
-            # Inside a process group, the moment the error left it; otherwise now.
-            "time": _failed_at if _failed_at is not None else time.time(),
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-            "exception": None,
-        }
         try:
-            record["exception"] = pickle.dumps(exc)
-            pickle.loads(record["exception"])  # some exceptions pickle but cannot be rebuilt
-        except Exception:
-            record["exception"] = None
-        with open(Path(workdir) / f"error-{rank}.pkl", "wb") as fh:
-            pickle.dump(record, fh)
+            value = fn(rank, *args)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise  # a failure status: recorded below like an exception
+            (work / f"exit-{rank}.txt").write_text(_where(exc))
+            value = None
+        if rank == 0:
+            _save_result(value, work)
+    except BaseException as exc:
+        _record_error(rank, exc, work)
         # The parent rebuilds the error from the record. Exit at once, like a
         # finished rank below, so that no teardown (an NCCL communicator whose
         # peers are stuck waiting for this rank) can delay the failure.
         _exit_now(1)
-    if rank == 0:
-        # Write then rename: the parent never reads a half-written file.
-        tmp = Path(workdir) / "result.pt.tmp"
-        torch.save(value, tmp)
-        os.replace(tmp, Path(workdir) / "result.pt")
     # The rank's work is done and recorded. Leave now rather than through the
     # interpreter's normal shutdown: native libraries' destructors (gloo's
     # threads among them) have been seen to abort a finished process there,
     # which would turn a successful job into a failed one.
     _exit_now(0)
+
+
+def _save_result(value: Any, workdir: Path) -> None:
+    """Pickle rank 0's return value for the parent; say what is wrong if it cannot be pickled."""
+    tmp = workdir / "result.pt.tmp"
+    try:
+        torch.save(value, tmp)
+    except Exception as exc:
+        raise TypeError(
+            f"rank 0 returned a {_type_name(value)}, which cannot be pickled "
+            f"({type(exc).__name__}: {exc}); launch pickles rank 0's return value to send it to "
+            "the caller, so return plain data: tensors, numbers, strings, and lists, tuples, "
+            "dicts or dataclasses of them (a model's state_dict() rather than an object that "
+            "holds functions, locks or open files)"
+        ) from exc
+    # Write then rename: the parent never reads a half-written file.
+    os.replace(tmp, workdir / "result.pt")
+
+
+def _record_error(rank: int, exc: BaseException, workdir: Path) -> None:
+    record: dict[str, Any] = {
+        "rank": rank,
+        # Inside a process group, the moment the error left it; otherwise now.
+        "time": _failed_at if _failed_at is not None else time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": traceback.format_exc(),
+        "where": _where(exc),
+        "sys_exit": repr(exc.code) if isinstance(exc, SystemExit) else None,
+        "exception": None,
+    }
+    try:
+        record["exception"] = pickle.dumps(exc)
+        pickle.loads(record["exception"])  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        record["exception"] = None
+    with open(workdir / f"error-{rank}.pkl", "wb") as fh:
+        pickle.dump(record, fh)
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -372,34 +600,165 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _raise_first_failure(workdir: Path, processes: Sequence[Any]) -> None:
+# What usually ends a process with these signals, for the error message.
+_LIKELY_CAUSES = {
+    "SIGKILL": "running out of memory (the kernel's out-of-memory killer sends SIGKILL) or a "
+    "`kill -9` from a user or a job scheduler",
+    "SIGSEGV": "a crash in native code (a C++ or CUDA library or extension)",
+    "SIGBUS": "a crash in native code, or shared memory (/dev/shm) running full",
+    "SIGABRT": "a native library aborting (a failed assertion or an uncaught C++ exception)",
+}
+
+
+def _how_it_ended(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    return f"was killed by signal {name} ({-code})"
+
+
+def _likely_cause(code: int) -> str:
+    if code >= 0:
+        return "os._exit() or a native library ending the process"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = ""
+    return _LIKELY_CAUSES.get(name, "a signal sent from outside the process")
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """How the ranks of a failed job ended, as the parent saw them and as they recorded it."""
+
+    exitcodes: list[int | None]
+    #: Ranks seen failed at the first poll that saw any failure.
+    first_seen: list[int]
+    #: Ranks launch itself stopped because they were still running.
+    stopped: list[int]
+    #: Exception records by rank (ranks that raised).
+    records: dict[int, dict[str, Any]]
+    #: Where each rank that called sys.exit(0) did so, by rank.
+    early_exits: dict[int, str]
+
+    @classmethod
+    def read(
+        cls, workdir: Path, exitcodes: list[int | None], first_seen: list[int], stopped: list[int]
+    ) -> _Outcome:
+        records = {}
+        for path in workdir.glob("error-*.pkl"):
+            with open(path, "rb") as fh:
+                record = pickle.load(fh)
+            records[record["rank"]] = record
+        early = {
+            int(path.stem.split("-")[1]): path.read_text() for path in workdir.glob("exit-*.txt")
+        }
+        return cls(exitcodes, first_seen, stopped, records, early)
+
+    def cause(self) -> int:
+        """The rank that failed first.
+
+        A rank that died without an exception (a signal, ``os._exit``) and was
+        among the first seen dead is the cause: the exceptions of the others
+        ("connection closed by peer") are what its death did to them. Otherwise
+        the rank whose exception came first, by the time it recorded.
+        """
+        silent = [r for r in self.first_seen if r not in self.records]
+        if silent:
+            return silent[0]
+        return min(self.records.values(), key=lambda record: record["time"])["rank"]
+
+    def early_exit_lines(self) -> list[str]:
+        return [
+            f"rank {rank} had already ended with sys.exit(0) ({where}) while the others were "
+            "still running: a rank that leaves early makes its peers fail in their next "
+            "collective (or wait in it until the timeout)"
+            for rank, where in sorted(self.early_exits.items())
+        ]
+
+    def aftermath(self, cause: int) -> list[str]:
+        """One line for each thing that happened to the other ranks."""
+        lines = self.early_exit_lines()
+        for rank, record in sorted(self.records.items()):
+            if rank != cause:
+                lines.append(
+                    f"then rank {rank} failed with {record['type']}: "
+                    f"{_first_line(record['message'])} (usually because a peer was gone)"
+                )
+        for rank, code in enumerate(self.exitcodes):
+            if code and rank != cause and rank not in self.records and rank not in self.stopped:
+                lines.append(f"then rank {rank} {_how_it_ended(code)}")
+        if len(self.stopped) == 1:
+            lines.append(f"launch stopped rank {self.stopped[0]}, which was still running")
+        elif self.stopped:
+            ranks = ", ".join(map(str, self.stopped))
+            lines.append(f"launch stopped ranks {ranks}, which were still running")
+        return lines
+
+
+def _raise_first_failure(outcome: _Outcome) -> NoReturn:
     """Raise the exception of the rank that failed first (the cause), or say how it died."""
-    records = []
-    for path in workdir.glob("error-*.pkl"):
-        with open(path, "rb") as fh:
-            records.append(pickle.load(fh))
-    if not records:
-        codes = {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode}
-        rank = min(codes) if codes else 0
-        code = codes.get(rank)
-        how = f"was killed by signal {-code}" if code and code < 0 else f"exited with code {code}"
+    nprocs = len(outcome.exitcodes)
+    cause = outcome.cause()
+    aftermath = outcome.aftermath(cause)
+    record = outcome.records.get(cause)
+    if record is None:
+        code = outcome.exitcodes[cause]
+        assert code is not None  # it was seen failed
         raise RankError(
-            f"rank {rank} {how} without raising a Python exception (out of memory, a crash in "
-            "native code, or os._exit); its output above may say more",
-            rank,
+            "\n  ".join(
+                [
+                    f"rank {cause} of {nprocs} {_how_it_ended(code)} without raising a Python "
+                    f"exception; the usual cause is {_likely_cause(code)}. Its output above "
+                    "may say more.",
+                    *aftermath,
+                ]
+            ),
+            cause,
+            code,
         )
-    first = min(records, key=lambda r: r["time"])
-    others = sorted(r["rank"] for r in records if r is not first)
-    note = f"raised by rank {first['rank']} of {len(processes)} started by d2lgpu.launch"
-    if others:
-        note += f"; ranks {others} failed after it (usually because a peer was gone)"
-    remote = RemoteTraceback(first["traceback"])
-    exc = pickle.loads(first["exception"]) if first["exception"] is not None else None
+    remote = RemoteTraceback(record["traceback"])
+    if record["sys_exit"] is not None:
+        raise RankError(
+            "\n  ".join(
+                [
+                    f"rank {cause} of {nprocs} called sys.exit({record['sys_exit']}) "
+                    f"({record['where']}): launch takes any status but 0 or None as a failure",
+                    *aftermath,
+                ]
+            ),
+            cause,
+        ) from remote
+    notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.launch", *aftermath]
+    exc = pickle.loads(record["exception"]) if record["exception"] is not None else None
     if isinstance(exc, Exception):
         if hasattr(exc, "add_note"):
-            exc.add_note(note)
+            for note in notes:
+                exc.add_note(note)
+        else:  # Python 3.10: the notes are kept (not printed) where 3.11 keeps them
+            exc.__notes__ = [*getattr(exc, "__notes__", []), *notes]
         raise exc from remote
-    raise RankError(f"{first['type']}: {first['message']} ({note})", first["rank"]) from remote
+    summary = "; ".join(notes)
+    raise RankError(f"{record['type']}: {record['message']} ({summary})", cause) from remote
+
+
+def _check_times(timeout_s: float | None, grace_s: float, poll_s: float) -> None:
+    if timeout_s is not None:
+        try:
+            check_positive_float("timeout_s", timeout_s)
+        except ValueError:
+            raise ValueError(
+                f"timeout_s must be a positive finite number of seconds, or None for no limit, "
+                f"got {timeout_s!r}"
+            ) from None
+    if isinstance(grace_s, bool) or not isinstance(grace_s, Real) or not math.isfinite(grace_s):
+        raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {grace_s!r}")
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {grace_s!r}")
+    check_positive_float("poll_s", poll_s)
 
 
 def launch(
@@ -415,18 +774,31 @@ def launch(
 
     Like ``torch.multiprocessing.spawn`` (same start method and calling
     convention) with three differences a notebook needs: it returns rank 0's
-    value; when a rank raises, the caller gets *that* exception (the first one,
-    not the "connection closed" errors it causes on the other ranks) with the
-    rank's traceback as its cause; and it never waits forever: ranks that are
-    still running ``grace_s`` seconds after a failure, or when ``timeout_s``
-    runs out, are terminated and then killed.
+    value; when a rank fails, the caller hears about *that* rank (the first
+    one, not the "connection closed" errors it causes on the other ranks); and
+    it never waits forever: ranks that are still running ``grace_s`` seconds
+    after a failure, or when ``timeout_s`` runs out, are terminated and then killed.
+
+    How a failure is reported: a rank that raised gives the caller its own
+    exception, with the rank's traceback as ``__cause__`` and notes on what
+    happened to the other ranks. A rank that died without an exception (killed
+    by a signal, such as SIGKILL from the out-of-memory killer, or a crash in
+    native code, or ``os._exit``) gives a :class:`RankError` naming it and its
+    exit code or signal. Ranks that launch stopped itself are never blamed.
+
+    ``sys.exit(0)`` (or ``sys.exit()``) in a rank ends that rank successfully,
+    as under torchrun; if it is rank 0, ``launch`` returns None. If its peers
+    then fail waiting for it in a collective, the error says which rank left
+    early and where. ``sys.exit`` with any other status is a failure of that
+    rank (a :class:`RankError`).
 
     ``fn`` must be importable by module and name (defined in a ``.py`` file),
-    and ``args`` and the result must be picklable. Each process gets an equal
-    share of the CPU cores for its intra-op threads, so two ranks on two cores
-    do not fight over them.
+    and ``args`` and the result must be picklable (an unpicklable result is a
+    ``TypeError`` naming its type). Each process gets an equal share of the CPU
+    cores for its intra-op threads, so two ranks on two cores do not fight over them.
     """
     check_positive_int("nprocs", nprocs)
+    _check_times(timeout_s, grace_s, poll_s)
     if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
         fn, "__qualname__", ""
     ):
@@ -450,12 +822,16 @@ def launch(
             start_method="spawn",
         )
         processes = context.processes
-        failed = timed_out = False
+        first_seen: list[int] = []
+        still_running: list[int] = []
+        timed_out = False
         try:
             while True:
                 codes = [p.exitcode for p in processes]
-                if any(c not in (None, 0) for c in codes):
-                    failed = True
+                # A dead process's status is there at once, so the ranks seen failed
+                # at the first poll that sees any include the one that failed first.
+                first_seen = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+                if first_seen:
                     break
                 if all(c == 0 for c in codes):
                     break
@@ -463,30 +839,56 @@ def launch(
                     timed_out = True
                     break
                 time.sleep(poll_s)
-            if failed:
+            if first_seen:
                 # Give the other ranks a moment to notice and record their own errors.
                 end = time.monotonic() + grace_s
                 while any(p.is_alive() for p in processes) and time.monotonic() < end:
                     time.sleep(poll_s)
         finally:
             # Also reached on KeyboardInterrupt (the stop button): no orphans left behind.
-            for p in processes:
-                if p.is_alive():
-                    p.terminate()
+            still_running = [rank for rank, p in enumerate(processes) if p.is_alive()]
+            for rank in still_running:
+                processes[rank].terminate()
             for p in processes:
                 p.join(timeout=grace_s)
                 if p.is_alive():
                     p.kill()
                     p.join()
-        if failed:
-            _raise_first_failure(workdir, processes)
+        exitcodes = [p.exitcode for p in processes]
+        # Ended by launch's own terminate() or kill(), not by something of their own.
+        stop_codes = {-signal.SIGTERM, -getattr(signal, "SIGKILL", signal.SIGTERM)}
+        stopped = [rank for rank in still_running if exitcodes[rank] in stop_codes]
+        if first_seen:
+            _raise_first_failure(_Outcome.read(workdir, exitcodes, first_seen, stopped))
         if timed_out:
+            early = _Outcome.read(workdir, exitcodes, [], stopped).early_exit_lines()
             raise TimeoutError(
-                f"the {nprocs} processes did not finish within timeout_s={timeout_s} s and were "
-                "stopped; give them more time, or look for a rank waiting on a collective the "
-                "others never reached"
+                "\n  ".join(
+                    [
+                        f"the {nprocs} processes did not finish within timeout_s={timeout_s} s "
+                        "and were stopped; give them more time, or look for a rank waiting on "
+                        "a collective the others never reached",
+                        *early,
+                    ]
+                )
             )
-        return torch.load(workdir / "result.pt", weights_only=False)
+        result = workdir / "result.pt"
+        if not result.exists():
+            raise RankError(
+                f"rank 0 of {nprocs} ended with status 0 without returning from "
+                f"{getattr(fn, '__qualname__', fn)} (os._exit(0), or a native library ending "
+                "the process), so there is no value to return",
+                0,
+                0,
+            )
+        try:
+            return torch.load(result, weights_only=False)
+        except Exception as exc:
+            raise RuntimeError(
+                f"rank 0's return value was pickled but cannot be unpickled here "
+                f"({type(exc).__name__}: {exc}): return plain data (tensors, numbers, strings "
+                "and containers of them) whose classes this process can import"
+            ) from exc
 
 
 def faulty_worker(
@@ -559,6 +961,11 @@ def hogwild_train(
     the result of everybody's updates. The updates race (no locks); for sparse
     or small updates that costs little accuracy, which is the point of Hogwild.
     """
+    check_positive_int("epochs", epochs)
+    check_positive_int("batch_size", batch_size)
+    check_positive_float("lr", lr)
+    check_seed(seed)
+    check_positive_float("timeout_s", timeout_s)
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ValueError(
             "hogwild_train shares CPU memory between processes; move the model to the CPU first"

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from d2lgpu.distributed import DistContext, process_group
+from d2lgpu.report import nccl_version
 
 __all__ = ["health_check", "healthcheck_worker", "main"]
 
@@ -58,7 +59,8 @@ def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
     everyone: list[dict | None] = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
 
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
+    # None on CPU-only builds and on CUDA builds without NCCL (Windows, macOS).
+    nccl = nccl_version() or "n/a"
     lines = [
         f"python {platform.python_version()}, torch {torch.__version__}, "
         f"CUDA {torch.version.cuda or 'n/a'}, NCCL {nccl}",

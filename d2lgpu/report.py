@@ -44,6 +44,7 @@ __all__ = [
     "environment_report",
     "format_report",
     "gpu_memory",
+    "nccl_version",
     "parse_cuda_visible_devices",
     "print_report",
     "print_setup",
@@ -545,7 +546,8 @@ def _cudnn_version() -> str | None:
     return None if version is None else _format_cudnn(version)
 
 
-def _nccl_version() -> str | None:
+def nccl_version() -> str | None:
+    """The NCCL version this PyTorch build ships (e.g. ``"2.21.5"``), or None if it has none."""
     if torch.version.cuda is None:
         return None
     try:
@@ -616,7 +618,7 @@ def environment_report() -> EnvironmentReport:
         torch_version=torch.__version__,
         cuda_build=torch.version.cuda,
         cudnn_version=_cudnn_version(),
-        nccl_version=_nccl_version(),
+        nccl_version=nccl_version(),
         visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
         gpus=tuple(gpus),
         nvml=nvml,

@@ -27,7 +27,6 @@ from d2lgpu.distributed import (
     launch,
     process_group,
 )
-from d2lgpu.healthcheck import health_check
 
 # Child processes: one intra-op thread each, so two ranks do not fight over two cores.
 # No GPUs: these tests are about gloo, and on a GPU machine the two simulated nodes
@@ -104,14 +103,6 @@ def test_process_group_is_destroyed_even_after_an_error():
     assert not dist.is_initialized()
 
 
-def test_health_check_single_rank():
-    with process_group(0, 1, master_port=find_free_port(), timeout_s=20) as ctx:
-        healthy, lines = health_check(ctx)
-    assert healthy
-    assert "all_reduce of rank+1 must give 1" in lines[1]
-    assert "rank 0 (local 0)" in lines[2] and "all_reduce OK" in lines[2]
-
-
 def test_launch_refuses_functions_a_spawned_process_cannot_import():
     def local_worker(rank: int) -> int:
         return rank
@@ -151,7 +142,7 @@ def test_resume_from_snapshot_continues_the_epoch_count(tmp_path):
     assert _max_abs_diff(resumed.state_dict, straight.state_dict) < 1e-6
     assert torch.load(snapshot, weights_only=False)["epochs_done"] == 2
 
-    with pytest.raises(ValueError, match="holds a 'small_cnn' model"):
+    with pytest.raises(ValueError, match="--model small_cnn in the snapshot, resnet18 now"):
         train_ddp(
             DDPConfig(epochs=3, snapshot=str(snapshot), **{**common, "model": "resnet18"}),
             None,
@@ -195,7 +186,9 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch(monkeypatch):
 @pytest.mark.multigpu
 def test_ddp_with_nccl_on_two_gpus_matches_one_process_on_the_full_batch():
     data = _synthetic_images()
-    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False)
+    # TF32 off in both runs (cuDNN convolutions use it by default from Ampere on): its
+    # 10-bit mantissa alone can move the weights by more than the tolerance.
+    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False, tf32=False)
     two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 60.0), timeout_s=300)
     one = train_ddp(cfg, None, data, device=torch.device("cuda", 0))
     assert two.backend == "nccl" and two.epochs_done == 2

@@ -1,0 +1,75 @@
+"""Workers that fail in the ways real jobs fail, for the launcher tests.
+
+They live in a module of their own (not in a test file) so that the processes
+:func:`d2lgpu.distributed.launch` spawns can import them by name; pytest puts
+this directory on ``sys.path`` and spawned processes inherit it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from d2lgpu.distributed import process_group
+
+
+def return_rank(rank: int) -> int:
+    return rank
+
+
+def die_without_exception(rank: int, flag_dir: str) -> None:
+    """Rank 1 ends with ``os._exit(3)``; then rank 2 crashes (SIGSEGV); rank 0 is healthy.
+
+    Rank 0 would run for a minute: it is still running when the others are
+    gone, so launch has to stop it, and must not blame it for the failure.
+    Rank 2 waits for rank 1's flag file, so the order of the two deaths is fixed.
+    """
+    flag = Path(flag_dir) / "rank1-exiting"
+    if rank == 1:
+        flag.touch()
+        os._exit(3)
+    if rank == 2:
+        while not flag.exists():
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)
+
+
+def killed_in_collective(rank: int, world_size: int, master_port: int) -> float:
+    """Rank 1 is killed (SIGKILL, as the OOM killer does) while rank 0 waits in an all-reduce."""
+    with process_group(rank, world_size, master_port=master_port, timeout_s=30):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        return value.item()
+
+
+def return_unpicklable(rank: int):
+    """Returns a lambda, which pickle cannot send back to the caller."""
+    return lambda x: x + rank
+
+
+def exit_early(rank: int, exiting_rank: int, code: int | str | None) -> str:
+    """Rank ``exiting_rank`` calls ``sys.exit(code)``; every other rank returns a string."""
+    if rank == exiting_rank:
+        sys.exit(code)
+    time.sleep(0.5)  # still running when the other rank has already left
+    return f"rank {rank} returned"
+
+
+def exit_early_in_collective(rank: int, world_size: int, master_port: int) -> float:
+    """Rank 1 calls ``sys.exit(0)`` inside the group while rank 0 waits for it in an all-reduce."""
+    with process_group(rank, world_size, master_port=master_port, timeout_s=30):
+        if rank == 1:
+            sys.exit(0)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        return value.item()

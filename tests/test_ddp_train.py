@@ -1,0 +1,199 @@
+"""d2lgpu.ddp_train without a process group: settings, snapshots and the command line.
+
+All in this process on small synthetic tensors (seconds in all); the
+multi-process runs are in test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from d2lgpu import ddp_train
+from d2lgpu.ddp_train import DDPConfig, main, train_ddp
+
+COMMON = dict(batch_size=32, lr=0.1, model="small_cnn", seed=0, quick=True, log=False)
+
+
+def _images(n_train: int = 64, n_test: int = 32):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (n_train + n_test, 1, 28, 28), generator=gen, dtype=torch.uint8)
+    y = torch.randint(0, 10, (n_train + n_test,), generator=gen)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+# --- settings -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        ({"lr": math.inf}, "lr"),
+        ({"lr": math.nan}, "lr"),
+        ({"lr": -0.1}, "lr"),
+        ({"seed": -5}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"epochs": 0}, "epochs"),
+        ({"fail_after_epoch": 0}, "fail_after_epoch"),
+        ({"tf32": "no"}, "tf32"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(change, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        DDPConfig(**{**COMMON, **change})
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--epochs", "-1"], "--epochs"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--seed", "-5"], "--seed"),
+        (["--lr", "inf"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--timeout", "0"], "--timeout"),
+        (["--fail-after-epoch", "0"], "--fail-after-epoch"),
+    ],
+)
+def test_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
+    # --data-root is a file: whatever gets past the checks fails at once instead of training.
+    not_a_directory = tmp_path / "file"
+    not_a_directory.touch()
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--data-root", str(not_a_directory)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and "Traceback" not in err, err
+
+
+def test_tf32_false_turns_tf32_off_during_training_and_restores_it(monkeypatch):
+    seen = []
+    count_correct = ddp_train._count_correct
+
+    def spy(*args, **kwargs):
+        seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
+        return count_correct(*args, **kwargs)
+
+    monkeypatch.setattr(ddp_train, "_count_correct", spy)
+    previous = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        train_ddp(DDPConfig(epochs=1, tf32=False, **COMMON), None, _images())
+        assert seen == [("highest", False)]
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cudnn.allow_tf32 is True
+        train_ddp(DDPConfig(epochs=1, **COMMON), None, _images())  # tf32=None: left alone
+        assert seen[-1] == ("high", True)
+    finally:
+        torch.set_float32_matmul_precision(previous[0])
+        torch.backends.cudnn.allow_tf32 = previous[1]
+
+
+# --- training that goes wrong -------------------------------------------------------------
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_snapshot(tmp_path):
+    snapshot = tmp_path / "snap.pt"
+    good = _images()
+    train_ddp(DDPConfig(epochs=1, snapshot=str(snapshot), **COMMON), None, good)
+    poisoned = (good[0].float(), *good[1:])
+    poisoned[0][5, 0, 3, 3] = math.nan
+    with pytest.raises(FloatingPointError, match=r"epoch 2.*(nan|inf)"):
+        train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **COMMON), None, poisoned)
+    assert torch.load(snapshot, weights_only=False)["epochs_done"] == 1
+
+
+# --- snapshots ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_epoch_snapshot(tmp_path):
+    path = tmp_path / "snap.pt"
+    train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
+    return path
+
+
+def test_resuming_with_other_settings_is_refused_naming_each(one_epoch_snapshot):
+    path = one_epoch_snapshot
+    written = path.read_bytes()
+    changed = {**COMMON, "lr": 0.05, "batch_size": 16, "seed": 3, "quick": False}
+    with pytest.raises(ValueError) as info:
+        train_ddp(DDPConfig(epochs=2, snapshot=str(path), **changed), None, _images())
+    message = str(info.value)
+    assert str(path) in message
+    assert "--lr 0.1 in the snapshot, 0.05 now" in message
+    assert "--batch-size 32 in the snapshot, 16 now" in message
+    assert "--seed 0 in the snapshot, 3 now" in message
+    assert "--quick in the snapshot, --full now" in message
+    assert "--model" not in message  # only the settings that differ
+    assert "another --snapshot path" in message and "delete" in message
+    assert path.read_bytes() == written  # the refused run did not touch it
+
+
+def test_fewer_epochs_than_the_snapshot_holds_is_refused(one_epoch_snapshot):
+    path = one_epoch_snapshot
+    train_ddp(DDPConfig(epochs=2, snapshot=str(path), **COMMON), None, _images())
+    with pytest.raises(ValueError, match=r"already holds 2 epochs, more than --epochs 1"):
+        train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
+
+
+def test_as_many_epochs_as_the_snapshot_holds_trains_nothing_and_says_so(
+    one_epoch_snapshot, capsys
+):
+    path = one_epoch_snapshot
+    result = train_ddp(
+        DDPConfig(epochs=1, snapshot=str(path), **{**COMMON, "log": True}), None, _images()
+    )
+    out = capsys.readouterr().out
+    assert f"{path} already holds all 1 epochs: nothing left to train" in out, out
+    assert result.resumed_from_epoch == 1 and result.epochs_done == 1
+    assert "epoch 1/1" not in out  # no epoch was trained
+
+
+def _garbage(path):
+    path.write_bytes(b"this is not a snapshot\x00\x01")
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _wrong_dict(path):
+    # Everything but the settings it was written with (an older format, or another program's).
+    torch.save({"model": {}, "optimizer": {}, "epochs_done": 1, "history": {}}, path)
+
+
+def _directory(path):
+    path.mkdir()
+
+
+@pytest.mark.parametrize(
+    "make, what",
+    [
+        (_garbage, "cannot read"),
+        (_empty, "is empty"),
+        (_wrong_dict, "lacks 'config'"),
+        (_directory, "is a directory"),
+    ],
+)
+def test_unusable_snapshots_name_the_file_the_problem_and_the_way_out(tmp_path, make, what):
+    path = tmp_path / "snap.pt"
+    make(path)
+    with pytest.raises(ValueError) as info:
+        train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
+    message = str(info.value)
+    assert str(path) in message and what in message, message
+    assert "--snapshot" in message, message
+
+
+def test_snapshot_errors_on_the_command_line_print_the_message_and_exit_1(tmp_path, capsys):
+    path = tmp_path / "snap.pt"
+    _garbage(path)
+    status = ddp_train.command_line(["--snapshot", str(path), "--data-root", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert f"error: cannot read snapshot {path}" in err and "Traceback" not in err, err
