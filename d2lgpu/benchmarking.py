@@ -599,3 +599,210 @@ def measure_host_to_device(
             )
         )
     return rows
+
+
+# --------------------------------------------------------------------------- #
+# Reading the numbers of chapter 2: sentences that follow the measurements
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class TimerComparison:
+    """The naive and the synchronised timer on the same work, measured side by side."""
+
+    device: str
+    naive: Timing
+    synchronised: Timing
+
+    @property
+    def ratio(self) -> float:
+        """Median naive time over median synchronised time (1 means they agree)."""
+        return self.naive.median / self.synchronised.median
+
+    def verdict(self) -> str:
+        """One sentence on what the ratio means on this device, following the numbers."""
+        ratio = self.ratio
+        if self.device.startswith("cuda"):
+            if ratio < 0.5:
+                return (
+                    f"{self.device}: the naive timer saw {ratio:.0%} of the real time: it "
+                    "stopped when the kernels were queued, long before they were done."
+                )
+            return (
+                f"{self.device}: the naive timer saw {ratio:.0%} of the real time: for work "
+                "this small, queuing the kernels takes about as long as running them; "
+                "the gap opens with larger tensors."
+            )
+        if 0.8 <= ratio <= 1.25:
+            return (
+                f"{self.device}: the two timers agree to within {abs(ratio - 1):.0%}: CPU "
+                "operations are finished when the call returns, so there is nothing to wait for."
+            )
+        return (
+            f"{self.device}: the two timers differ by a factor of {ratio:.2f}, although on the "
+            "CPU both time the same finished work: that is noise (other programs sharing "
+            "the cores; see the spreads above), so measure again on a quieter machine."
+        )
+
+
+def compare_timers(
+    fn: Callable[[], object], device: DeviceLike, *, warmup: int = 1, repeats: int = 5
+) -> TimerComparison:
+    """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run.
+
+    Alternating puts both timers under the same conditions: a burst of load from
+    another program lands on both, not on one of them.
+    """
+    _check_counts(warmup, repeats)
+    dev = resolve_device(device)
+    if dev is None:
+        raise ValueError("compare_timers needs a device, e.g. 'cpu' or 'cuda:0'")
+    for _ in range(warmup):
+        fn()
+    naive, synced = [], []
+    for _ in range(repeats):
+        naive += time_naive(fn, dev, warmup=0, repeats=1).times
+        synced += time_fn(fn, dev, warmup=0, repeats=1).times
+    return TimerComparison(str(dev), Timing(tuple(naive)), Timing(tuple(synced)))
+
+
+def _working_set_bytes(row: ElementwiseRow) -> int:
+    # a, b and result stay alive across steps; unfused adds the temporary a * b
+    # and the new result while the old one is still referenced.
+    tensors = 3 if row.variant != "unfused" else 5
+    return tensors * row.numel * 4
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+def multiply_add_findings(
+    rows: Sequence[ElementwiseRow], copy_gbps: Mapping[str, float]
+) -> list[str]:
+    """What the multiply-add sweep shows, as sentences that follow its numbers.
+
+    Per device: which rows beat the copy bandwidth (only data small enough to
+    stay in a cache can), how close the largest size comes to it, and how fused
+    compares with unfused there against the 1.5x that the bytes predict. Across
+    devices: each GPU's speed-up over the CPU at the largest size, next to the
+    ratio of their copy bandwidths.
+    """
+    if not rows:
+        raise ValueError("no rows: run multiply_add_sweep first")
+    findings = []
+    devices = list(dict.fromkeys(r.device for r in rows))
+    for dev in devices:
+        mine = [r for r in rows if r.device == dev]
+        above = [r for r in mine if r.share_of_copy_peak > 1.0]
+        if above:
+            best = max(above, key=lambda r: r.share_of_copy_peak)
+            largest_set = max(_working_set_bytes(r) for r in above)
+            findings.append(
+                f"{dev}: {len(above)} of {len(mine)} rows beat the copy bandwidth of "
+                f"{copy_gbps[dev]:.3g} GB/s (up to {100 * best.share_of_copy_peak:.0f} % at "
+                f"{best.numel:,} floats). Their tensors take at most {_mib(largest_set)}, "
+                "small enough to stay in the caches, which are faster than memory; the copy "
+                "bandwidth was measured on buffers far larger than the caches."
+            )
+        else:
+            findings.append(
+                f"{dev}: no row beats the copy bandwidth of {copy_gbps[dev]:.3g} GB/s, as "
+                "memory-bound work should not."
+            )
+        largest = max(r.numel for r in mine)
+        at_largest = {r.variant: r for r in mine if r.numel == largest}
+        shares = ", ".join(
+            f"{name} {100 * r.share_of_copy_peak:.0f} %" for name, r in at_largest.items()
+        )
+        findings.append(f"{dev}: at {largest:,} floats, {shares} of the copy bandwidth.")
+        if "fused" in at_largest and "unfused" in at_largest:
+            gain = at_largest["unfused"].seconds / at_largest["fused"].seconds
+            expected = UNFUSED_TENSOR_PASSES / FUSED_TENSOR_PASSES
+            if gain > 1.2 * expected:
+                why = (
+                    f"more than the {expected:.1f}x that the bytes explain: the unfused step "
+                    "also allocates two new tensors every step (a * b and the new result), "
+                    "and that costs time on top of the traffic"
+                )
+            elif gain >= 0.8 * expected:
+                why = f"close to the {expected:.1f}x fewer bytes it moves"
+            else:
+                why = (
+                    f"less than the {expected:.1f}x fewer bytes it moves: something other than "
+                    "memory traffic limits this size here (per-operation overheads, or other "
+                    "programs sharing the device)"
+                )
+            findings.append(f"{dev}: fused is {gain:.2f}x as fast as unfused there, {why}.")
+    cpu_rows = {(r.numel, r.variant): r for r in rows if r.device == "cpu"}
+    gpus = [d for d in devices if d != "cpu"]
+    if not gpus:
+        findings.append(
+            "Only the CPU ran, so the table's speed-up over the CPU is 1 throughout; "
+            "on a machine with a GPU each GPU gets its own rows."
+        )
+    for dev in gpus:
+        largest = max(r.numel for r in rows if r.device == dev)
+        fused = next(
+            (r for r in rows if r.device == dev and r.numel == largest and r.variant == "fused"),
+            None,
+        )
+        base = cpu_rows.get((largest, "fused"))
+        if fused is None or base is None or "cpu" not in copy_gbps:
+            continue
+        findings.append(
+            f"{dev}: {base.seconds / fused.seconds:.1f}x as fast as the CPU at {largest:,} "
+            f"floats (fused); its copy bandwidth is {copy_gbps[dev] / copy_gbps['cpu']:.1f}x "
+            "the CPU's."
+        )
+    return findings
+
+
+def plot_multiply_add(rows: Sequence[ElementwiseRow], copy_gbps: Mapping[str, float]):
+    """Two panels from the multiply-add sweep; returns the figure.
+
+    Left: achieved GB/s against tensor size, one line per device and variant
+    (distinct markers and line styles, so that no line hides another), with each
+    device's copy bandwidth as a dotted line. Right: how much faster fused is than
+    unfused, per device, against the 1.5x that the bytes predict.
+    """
+    if not rows:
+        raise ValueError("no rows to plot: run multiply_add_sweep first")
+    import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
+
+    fig, (ax_gbps, ax_gain) = plt.subplots(1, 2, figsize=(11, 3.8))
+    styles = {"unfused": ("o", "-"), "fused": ("s", "--")}
+    devices = list(dict.fromkeys(r.device for r in rows))
+    for colour, dev in enumerate(devices):
+        color = f"C{colour}"
+        variants = dict.fromkeys(r.variant for r in rows if r.device == dev)
+        for k, variant in enumerate(variants):
+            line = sorted((r for r in rows if r.device == dev and r.variant == variant),
+                          key=lambda r: r.numel)
+            marker, style = styles.get(variant, ("^v<>"[k % 4], ":"))
+            ax_gbps.plot([r.numel for r in line], [r.gbps for r in line], marker=marker,
+                         linestyle=style, color=color, label=f"{dev} {variant}")
+        if dev in copy_gbps:
+            ax_gbps.axhline(copy_gbps[dev], color=color, linestyle=":", linewidth=1,
+                            label=f"{dev} copy bandwidth")
+        unfused = {r.numel: r.seconds for r in rows if r.device == dev and r.variant == "unfused"}
+        fused = sorted((r for r in rows if r.device == dev and r.variant == "fused"),
+                       key=lambda r: r.numel)
+        pairs = [(r.numel, unfused[r.numel] / r.seconds) for r in fused if r.numel in unfused]
+        if pairs:
+            ax_gain.plot(*zip(*pairs, strict=True), marker="s", color=color, label=dev)
+    ax_gain.axhline(UNFUSED_TENSOR_PASSES / FUSED_TENSOR_PASSES, color="gray", linestyle="--",
+                    label="bytes ratio 6/4")
+    for ax, ylabel, title in [
+        (ax_gbps, "GB/s achieved", "bandwidth of result = result + a * b"),
+        (ax_gain, "unfused time / fused time", "what fusing buys"),
+    ]:
+        ax.set_xscale("log")
+        ax.set_xlabel("floats per tensor")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    ax_gbps.set_yscale("log")
+    fig.tight_layout()
+    return fig
