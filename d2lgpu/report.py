@@ -459,8 +459,9 @@ def read_nvml() -> NvmlView:
 class GpuInfo:
     """One GPU visible to torch, as ``cuda:index``.
 
-    ``native_formats`` are the reduced precisions its Tensor Cores run
-    (from the compute capability). ``torch_says_bf16`` is what
+    ``native_formats`` are the reduced-precision training formats (fp16, bf16,
+    tf32) that its Tensor Cores run, from the compute capability; fp8, fp4 and
+    int8 are not listed. ``torch_says_bf16`` is what
     ``torch.cuda.is_bf16_supported()`` answers; it counts emulation as support,
     so on a 7.x GPU it can say True although bf16 is slow there.
     """
@@ -854,3 +855,20 @@ def read_nvml_while_busy(
     torch.cuda.synchronize(dev)
     del a, b
     return view
+
+
+def wrapped(text: str, width: int = 100) -> str:
+    """``text`` with every line longer than ``width`` wrapped at spaces.
+
+    A wrapped line's continuation is indented four spaces more than the line
+    itself, so the ``why:``/``fix:`` items of a diagnosis stay readable in a
+    notebook. Lines without a space to break at are left as they are.
+    """
+    import textwrap
+
+    out = []
+    for line in text.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        out += textwrap.wrap(line, width=width, subsequent_indent=indent + "    ",
+                             break_long_words=False, break_on_hyphens=False) or [""]
+    return "\n".join(out)

@@ -100,3 +100,15 @@ def test_read_nvml_while_busy_sees_the_gpu_working():
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     (ours,) = [r for r in view.gpus if r.uuid.endswith(uuid)]
     assert ours.utilization_percent is not None and ours.utilization_percent >= 50
+
+
+def test_wrapped_keeps_lines_within_the_width_and_indents_continuations():
+    from d2lgpu.report import wrapped
+
+    diagnosis = str(diagnose_cuda(cuda_build=None, visible_devices_env=None,
+                                  driver_found=False, device_count=0))
+    text = wrapped(diagnosis, width=60)
+    assert all(len(line) <= 60 for line in text.splitlines())
+    assert text.split() == diagnosis.split()  # same words, same order
+    assert any(line.startswith("      ") for line in text.splitlines())  # "  " + 4
+    assert wrapped("short\n\n  also short") == "short\n\n  also short"
