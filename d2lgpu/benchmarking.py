@@ -666,9 +666,37 @@ def compare_timers(
     return TimerComparison(str(dev), Timing(tuple(naive)), Timing(tuple(synced)))
 
 
+def last_level_cache_bytes(device: DeviceLike) -> int | None:
+    """Size of the largest cache in front of ``device``'s memory, in bytes; None if unknown.
+
+    A CUDA GPU reports its L2 cache. For the CPU, Linux lists every cache level in
+    ``/sys/devices/system/cpu/cpu0/cache``, and the last level is the largest; on
+    other systems the answer is None.
+    """
+    dev = resolve_device(device)
+    if dev is not None and dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).L2_cache_size) or None
+    if dev is None or dev.type != "cpu":
+        return None
+    from pathlib import Path
+
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=None)
+
+
 def _working_set_bytes(row: ElementwiseRow) -> int:
     # a, b and result stay alive across steps; unfused adds the temporary a * b
-    # and the new result while the old one is still referenced.
+    # and the new result while the old one is still referenced. float32 throughout.
     tensors = 3 if row.variant != "unfused" else 5
     return tensors * row.numel * 4
 
@@ -677,34 +705,70 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3g} MiB"
 
 
+def _beating_the_copy(
+    dev: str, above: Sequence[ElementwiseRow], total: int, copy: float, cache: int | None
+) -> list[str]:
+    """Sentences on the rows of one device that beat its copy bandwidth."""
+    best = max(above, key=lambda r: r.share_of_copy_peak)
+    head = (
+        f"{dev}: {len(above)} of {total} rows beat the copy bandwidth of {copy:.3g} GB/s "
+        f"(up to {100 * best.share_of_copy_peak:.0f} % at {best.numel:,} floats)"
+    )
+    if cache is None:
+        largest = max(_working_set_bytes(r) for r in above)
+        return [
+            f"{head}. Their tensors take at most {_mib(largest)}: rows whose tensors fit in "
+            "the caches can do that, because caches are faster than memory and the copy was "
+            "measured on buffers larger than them; for larger tensors it means a disturbed "
+            "measurement."
+        ]
+    fits = [r for r in above if _working_set_bytes(r) <= cache]
+    spills = [r for r in above if _working_set_bytes(r) > cache]
+    findings = []
+    if fits:
+        findings.append(
+            f"{head}. {len(fits)} of them keep their tensors (at most "
+            f"{_mib(max(_working_set_bytes(r) for r in fits))}) within the {_mib(cache)} "
+            "cache, which is faster than memory; the copy was measured on buffers larger "
+            "than the cache."
+        )
+    if spills:
+        sizes = ", ".join(f"{r.numel:,} floats {r.variant}" for r in spills)
+        findings.append(
+            f"{head if not fits else dev + ':'} {len(spills)} of them ({sizes}) do so although "
+            f"their tensors exceed the {_mib(cache)} cache: that cannot be memory-bound work "
+            "done right, so the copy measurement or these rows were disturbed (other programs "
+            "on the same cores?); measure again on a quiet machine before trusting either."
+        )
+    return findings
+
+
 def multiply_add_findings(
-    rows: Sequence[ElementwiseRow], copy_gbps: Mapping[str, float]
+    rows: Sequence[ElementwiseRow],
+    copy_gbps: Mapping[str, float],
+    cache_bytes: Mapping[str, int | None] | None = None,
 ) -> list[str]:
     """What the multiply-add sweep shows, as sentences that follow its numbers.
 
-    Per device: which rows beat the copy bandwidth (only data small enough to
-    stay in a cache can), how close the largest size comes to it, and how fused
-    compares with unfused there against the 1.5x that the bytes predict. Across
-    devices: each GPU's speed-up over the CPU at the largest size, next to the
-    ratio of their copy bandwidths.
+    Per device: which rows beat the copy bandwidth and why (tensors that fit in
+    the cache can; larger ones point at a disturbed measurement), how close the
+    largest size comes to it, and how fused compares with unfused there against
+    the 1.5x that the bytes predict. Across devices: each GPU's speed-up over the
+    CPU at the largest size, next to the ratio of their copy bandwidths.
+    ``cache_bytes`` maps ``str(device)`` to its last-level cache size (see
+    :func:`last_level_cache_bytes`); missing or None means unknown.
     """
     if not rows:
         raise ValueError("no rows: run multiply_add_sweep first")
+    cache_bytes = {} if cache_bytes is None else cache_bytes
     findings = []
     devices = list(dict.fromkeys(r.device for r in rows))
     for dev in devices:
         mine = [r for r in rows if r.device == dev]
         above = [r for r in mine if r.share_of_copy_peak > 1.0]
         if above:
-            best = max(above, key=lambda r: r.share_of_copy_peak)
-            largest_set = max(_working_set_bytes(r) for r in above)
-            findings.append(
-                f"{dev}: {len(above)} of {len(mine)} rows beat the copy bandwidth of "
-                f"{copy_gbps[dev]:.3g} GB/s (up to {100 * best.share_of_copy_peak:.0f} % at "
-                f"{best.numel:,} floats). Their tensors take at most {_mib(largest_set)}, "
-                "small enough to stay in the caches, which are faster than memory; the copy "
-                "bandwidth was measured on buffers far larger than the caches."
-            )
+            findings += _beating_the_copy(dev, above, len(mine), copy_gbps[dev],
+                                          cache_bytes.get(dev))
         else:
             findings.append(
                 f"{dev}: no row beats the copy bandwidth of {copy_gbps[dev]:.3g} GB/s, as "

@@ -4,6 +4,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 from d2lgpu.benchmarking import (  # noqa: E402
@@ -11,6 +13,7 @@ from d2lgpu.benchmarking import (  # noqa: E402
     TimerComparison,
     Timing,
     compare_timers,
+    last_level_cache_bytes,
     multiply_add_findings,
     plot_multiply_add,
 )
@@ -62,7 +65,7 @@ def test_findings_explain_rows_above_the_copy_bandwidth_by_the_caches():
     findings = multiply_add_findings(rows, {"cpu": 10.0})
     assert findings[0].startswith("cpu: 2 of 4 rows beat the copy bandwidth of 10 GB/s "
                                   "(up to 340 % at 65,536 floats)")
-    assert "at most 1.25 MiB" in findings[0] and "caches" in findings[0]
+    assert "at most 1.25 MiB" in findings[0] and "fit in the caches" in findings[0]
     assert findings[1] == ("cpu: at 16,777,216 floats, unfused 60 %, fused 60 % of the copy "
                            "bandwidth.")
     assert "fused is 1.50x as fast as unfused there, close to the 1.5x" in findings[2]
@@ -109,3 +112,36 @@ def test_plot_keeps_every_line_visible():
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_findings_tell_cache_from_a_disturbed_measurement():
+    rows = [_row("cpu", "fused", 2**16, 1e-5, 3.4), _row("cpu", "unfused", 2**16, 1.5e-5, 2.1),
+            _row("cpu", "fused", 2**24, 1e-2, 1.3), _row("cpu", "unfused", 2**24, 5e-2, 0.3)]
+    findings = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})
+    fits, spills = findings[0], findings[1]
+    assert fits.startswith("cpu: 3 of 4 rows beat the copy bandwidth")
+    assert "2 of them keep their tensors (at most 1.25 MiB) within the 32 MiB cache" in fits
+    assert spills.startswith("cpu: 1 of them (16,777,216 floats fused) do so although")
+    assert "disturbed" in spills and "cache, which is faster" not in spills
+
+
+def test_findings_with_only_rows_too_large_for_the_cache_blame_the_measurement():
+    rows = [_row("cpu", "fused", 2**24, 1e-2, 1.3)]
+    (first, *_) = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})
+    assert first.startswith("cpu: 1 of 1 rows beat the copy bandwidth of 10 GB/s")
+    assert "exceed the 32 MiB cache" in first and "within" not in first
+
+
+def test_last_level_cache_of_the_cpu():
+    size = last_level_cache_bytes("cpu")
+    if Path("/sys/devices/system/cpu/cpu0/cache/index0/size").exists():
+        assert size is not None and size >= 2**16  # at least 64 KiB: every cache level counts
+    else:
+        assert size is None
+
+
+@pytest.mark.gpu
+def test_last_level_cache_of_a_gpu_is_its_l2():
+    import torch
+
+    assert last_level_cache_bytes("cuda:0") == torch.cuda.get_device_properties(0).L2_cache_size
