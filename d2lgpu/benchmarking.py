@@ -726,8 +726,9 @@ def _beating_the_copy(
     spills = [r for r in above if _working_set_bytes(r) > cache]
     findings = []
     if fits:
+        which = "All of them keep" if not spills else f"{len(fits)} of them keep"
         findings.append(
-            f"{head}. {len(fits)} of them keep their tensors (at most "
+            f"{head}. {which} their tensors (at most "
             f"{_mib(max(_working_set_bytes(r) for r in fits))}) within the {_mib(cache)} "
             "cache, which is faster than memory; the copy was measured on buffers larger "
             "than the cache."

@@ -66,6 +66,8 @@ def test_findings_explain_rows_above_the_copy_bandwidth_by_the_caches():
     assert findings[0].startswith("cpu: 2 of 4 rows beat the copy bandwidth of 10 GB/s "
                                   "(up to 340 % at 65,536 floats)")
     assert "at most 1.25 MiB" in findings[0] and "fit in the caches" in findings[0]
+    with_cache = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})[0]
+    assert "All of them keep their tensors (at most 1.25 MiB) within the 32 MiB cache" in with_cache
     assert findings[1] == ("cpu: at 16,777,216 floats, unfused 60 %, fused 60 % of the copy "
                            "bandwidth.")
     assert "fused is 1.50x as fast as unfused there, close to the 1.5x" in findings[2]
