@@ -744,6 +744,30 @@ def _beating_the_copy(
     return findings
 
 
+def _slower_than_larger(dev: str, rows: Sequence[ElementwiseRow]) -> list[str]:
+    """A sentence on rows that took more than twice as long as a larger size of their variant.
+
+    More data can never take less time on a quiet device, so such rows were disturbed.
+    """
+    odd = []
+    for r in rows:
+        larger = [s for s in rows if s.variant == r.variant and s.numel > r.numel]
+        faster = min(larger, key=lambda s: s.seconds, default=None)
+        if faster is not None and 2 * faster.seconds < r.seconds:
+            odd.append((r, faster))
+    if not odd:
+        return []
+    r, faster = max(odd, key=lambda pair: pair[0].seconds / pair[1].seconds)
+    return [
+        f"{dev}: {len(odd)} row(s) took more than twice as long as a larger size of the same "
+        f"variant (e.g. {r.numel:,} floats {r.variant}: {format_seconds(r.seconds)}, against "
+        f"{format_seconds(faster.seconds)} for {faster.numel:,}). More data cannot take less "
+        "time, so other programs were competing for the device while those rows ran (on a "
+        "CPU, an operation split over all cores waits for the slowest one); measure again on "
+        "a quiet machine before reading anything into them."
+    ]
+
+
 def multiply_add_findings(
     rows: Sequence[ElementwiseRow],
     copy_gbps: Mapping[str, float],
@@ -775,6 +799,7 @@ def multiply_add_findings(
                 f"{dev}: no row beats the copy bandwidth of {copy_gbps[dev]:.3g} GB/s, as "
                 "memory-bound work should not."
             )
+        findings += _slower_than_larger(dev, mine)
         largest = max(r.numel for r in mine)
         at_largest = {r.variant: r for r in mine if r.numel == largest}
         shares = ", ".join(

@@ -147,3 +147,19 @@ def test_last_level_cache_of_a_gpu_is_its_l2():
     import torch
 
     assert last_level_cache_bytes("cuda:0") == torch.cuda.get_device_properties(0).L2_cache_size
+
+
+def test_findings_flag_rows_slower_than_a_larger_size():
+    rows = [_row("cpu", "fused", 2**16, 0.172, 0.01), _row("cpu", "fused", 2**18, 5.46e-4, 10.4),
+            _row("cpu", "unfused", 2**16, 1e-4, 0.5), _row("cpu", "unfused", 2**18, 4e-4, 0.5)]
+    findings = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})
+    (odd,) = [f for f in findings if "more than twice as long" in f]
+    assert odd.startswith("cpu: 1 row(s) took more than twice as long as a larger size of the "
+                          "same variant (e.g. 65,536 floats fused: 172.00 ms, against 546.0 us "
+                          "for 262,144)")
+
+
+def test_findings_on_a_quiet_sweep_flag_nothing():
+    rows = [_row("cpu", "fused", 2**16, 1e-4, 0.5), _row("cpu", "fused", 2**18, 4e-4, 0.5)]
+    findings = multiply_add_findings(rows, {"cpu": 10.0})
+    assert not any("more than twice as long" in f for f in findings)
