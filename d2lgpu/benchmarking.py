@@ -750,3 +750,300 @@ def measure_host_to_device(
             )
         )
     return rows
+
+
+# --------------------------------------------------------------------------- #
+# Reading the numbers of chapter 2: sentences that follow the measurements
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class TimerComparison:
+    """The naive and the synchronised timer on the same work, measured side by side."""
+
+    device: str
+    naive: Timing
+    synchronised: Timing
+
+    @property
+    def ratio(self) -> float:
+        """Median naive time over median synchronised time (1 means they agree)."""
+        return self.naive.median / self.synchronised.median
+
+    def verdict(self) -> str:
+        """One sentence on what the ratio means on this device, following the numbers."""
+        ratio = self.ratio
+        if self.device.startswith("cuda"):
+            if ratio < 0.5:
+                return (
+                    f"{self.device}: the naive timer saw {ratio:.0%} of the real time: it "
+                    "stopped when the kernels were queued, long before they were done."
+                )
+            return (
+                f"{self.device}: the naive timer saw {ratio:.0%} of the real time: for work "
+                "this small, queuing the kernels takes about as long as running them; "
+                "the gap opens with larger tensors."
+            )
+        if 0.8 <= ratio <= 1.25:
+            return (
+                f"{self.device}: the two timers agree to within {abs(ratio - 1):.0%}: CPU "
+                "operations are finished when the call returns, so there is nothing to wait for."
+            )
+        return (
+            f"{self.device}: the two timers differ by a factor of {ratio:.2f}, although on the "
+            "CPU both time the same finished work: that is noise (other programs sharing "
+            "the cores; see the spreads above), so measure again on a quieter machine."
+        )
+
+
+def compare_timers(
+    fn: Callable[[], object], device: DeviceLike, *, warmup: int = 1, repeats: int = 5
+) -> TimerComparison:
+    """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run.
+
+    Alternating puts both timers under the same conditions: a burst of load from
+    another program lands on both, not on one of them.
+    """
+    _check_counts(warmup, repeats)
+    dev = resolve_device(device)
+    if dev is None:
+        raise ValueError("compare_timers needs a device, e.g. 'cpu' or 'cuda:0'")
+    for _ in range(warmup):
+        fn()
+    naive, synced = [], []
+    for _ in range(repeats):
+        naive += time_naive(fn, dev, warmup=0, repeats=1).times
+        synced += time_fn(fn, dev, warmup=0, repeats=1).times
+    return TimerComparison(str(dev), Timing(tuple(naive)), Timing(tuple(synced)))
+
+
+def last_level_cache_bytes(device: DeviceLike) -> int | None:
+    """Size of the largest cache in front of ``device``'s memory, in bytes; None if unknown.
+
+    A CUDA GPU reports its L2 cache. For the CPU, Linux lists every cache level in
+    ``/sys/devices/system/cpu/cpu0/cache``, and the last level is the largest; on
+    other systems the answer is None.
+    """
+    dev = resolve_device(device)
+    if dev is not None and dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).L2_cache_size) or None
+    if dev is None or dev.type != "cpu":
+        return None
+    from pathlib import Path
+
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=None)
+
+
+def _working_set_bytes(row: ElementwiseRow) -> int:
+    # a, b and result stay alive across steps; unfused adds the temporary a * b
+    # and the new result while the old one is still referenced. float32 throughout.
+    tensors = 3 if row.variant != "unfused" else 5
+    return tensors * row.numel * 4
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+def _beating_the_copy(
+    dev: str, above: Sequence[ElementwiseRow], total: int, copy: float, cache: int | None
+) -> list[str]:
+    """Sentences on the rows of one device that beat its copy bandwidth."""
+    best = max(above, key=lambda r: r.share_of_copy_peak)
+    head = (
+        f"{dev}: {len(above)} of {total} rows beat the copy bandwidth of {copy:.3g} GB/s "
+        f"(up to {100 * best.share_of_copy_peak:.0f} % at {best.numel:,} floats)"
+    )
+    if cache is None:
+        largest = max(_working_set_bytes(r) for r in above)
+        return [
+            f"{head}. Their tensors take at most {_mib(largest)}: rows whose tensors fit in "
+            "the caches can do that, because caches are faster than memory and the copy was "
+            "measured on buffers larger than them; for larger tensors it means a disturbed "
+            "measurement."
+        ]
+    fits = [r for r in above if _working_set_bytes(r) <= cache]
+    spills = [r for r in above if _working_set_bytes(r) > cache]
+    findings = []
+    if fits:
+        which = "All of them keep" if not spills else f"{len(fits)} of them keep"
+        findings.append(
+            f"{head}. {which} their tensors (at most "
+            f"{_mib(max(_working_set_bytes(r) for r in fits))}) within the {_mib(cache)} "
+            "cache, which is faster than memory; the copy was measured on buffers larger "
+            "than the cache."
+        )
+    if spills:
+        sizes = ", ".join(f"{r.numel:,} floats {r.variant}" for r in spills)
+        findings.append(
+            f"{head if not fits else dev + ':'} {len(spills)} of them ({sizes}) do so although "
+            f"their tensors exceed the {_mib(cache)} cache: that cannot be memory-bound work "
+            "done right, so the copy measurement or these rows were disturbed (other programs "
+            "on the same cores?); measure again on a quiet machine before trusting either."
+        )
+    return findings
+
+
+def _slower_than_larger(dev: str, rows: Sequence[ElementwiseRow]) -> list[str]:
+    """A sentence on rows that took more than twice as long as a larger size of their variant.
+
+    More data can never take less time on a quiet device, so such rows were disturbed.
+    """
+    odd = []
+    for r in rows:
+        larger = [s for s in rows if s.variant == r.variant and s.numel > r.numel]
+        faster = min(larger, key=lambda s: s.seconds, default=None)
+        if faster is not None and 2 * faster.seconds < r.seconds:
+            odd.append((r, faster))
+    if not odd:
+        return []
+    r, faster = max(odd, key=lambda pair: pair[0].seconds / pair[1].seconds)
+    return [
+        f"{dev}: {len(odd)} row(s) took more than twice as long as a larger size of the same "
+        f"variant (e.g. {r.numel:,} floats {r.variant}: {format_seconds(r.seconds)}, against "
+        f"{format_seconds(faster.seconds)} for {faster.numel:,}). More data cannot take less "
+        "time, so other programs were competing for the device while those rows ran (on a "
+        "CPU, an operation split over all cores waits for the slowest one); measure again on "
+        "a quiet machine before reading anything into them."
+    ]
+
+
+def multiply_add_findings(
+    rows: Sequence[ElementwiseRow],
+    copy_gbps: Mapping[str, float],
+    cache_bytes: Mapping[str, int | None] | None = None,
+) -> list[str]:
+    """What the multiply-add sweep shows, as sentences that follow its numbers.
+
+    Per device: which rows beat the copy bandwidth and why (tensors that fit in
+    the cache can; larger ones point at a disturbed measurement), how close the
+    largest size comes to it, and how fused compares with unfused there against
+    the 1.5x that the bytes predict. Across devices: each GPU's speed-up over the
+    CPU at the largest size, next to the ratio of their copy bandwidths.
+    ``cache_bytes`` maps ``str(device)`` to its last-level cache size (see
+    :func:`last_level_cache_bytes`); missing or None means unknown.
+    """
+    if not rows:
+        raise ValueError("no rows: run multiply_add_sweep first")
+    cache_bytes = {} if cache_bytes is None else cache_bytes
+    findings = []
+    devices = list(dict.fromkeys(r.device for r in rows))
+    for dev in devices:
+        mine = [r for r in rows if r.device == dev]
+        above = [r for r in mine if r.share_of_copy_peak > 1.0]
+        if above:
+            findings += _beating_the_copy(dev, above, len(mine), copy_gbps[dev],
+                                          cache_bytes.get(dev))
+        else:
+            findings.append(
+                f"{dev}: no row beats the copy bandwidth of {copy_gbps[dev]:.3g} GB/s, as "
+                "memory-bound work should not."
+            )
+        findings += _slower_than_larger(dev, mine)
+        largest = max(r.numel for r in mine)
+        at_largest = {r.variant: r for r in mine if r.numel == largest}
+        shares = ", ".join(
+            f"{name} {100 * r.share_of_copy_peak:.0f} %" for name, r in at_largest.items()
+        )
+        findings.append(f"{dev}: at {largest:,} floats, {shares} of the copy bandwidth.")
+        if "fused" in at_largest and "unfused" in at_largest:
+            gain = at_largest["unfused"].seconds / at_largest["fused"].seconds
+            expected = UNFUSED_TENSOR_PASSES / FUSED_TENSOR_PASSES
+            if gain > 1.2 * expected:
+                why = (
+                    f"more than the {expected:.1f}x that the bytes explain: the unfused step "
+                    "also allocates two new tensors every step (a * b and the new result), "
+                    "and that costs time on top of the traffic"
+                )
+            elif gain >= 0.8 * expected:
+                why = f"close to the {expected:.1f}x fewer bytes it moves"
+            else:
+                why = (
+                    f"less than the {expected:.1f}x fewer bytes it moves: something other than "
+                    "memory traffic limits this size here (per-operation overheads, or other "
+                    "programs sharing the device)"
+                )
+            findings.append(f"{dev}: fused is {gain:.2f}x as fast as unfused there, {why}.")
+    cpu_rows = {(r.numel, r.variant): r for r in rows if r.device == "cpu"}
+    gpus = [d for d in devices if d != "cpu"]
+    if not gpus:
+        findings.append(
+            "Only the CPU ran, so the table's speed-up over the CPU is 1 throughout; "
+            "on a machine with a GPU each GPU gets its own rows."
+        )
+    for dev in gpus:
+        largest = max(r.numel for r in rows if r.device == dev)
+        fused = next(
+            (r for r in rows if r.device == dev and r.numel == largest and r.variant == "fused"),
+            None,
+        )
+        base = cpu_rows.get((largest, "fused"))
+        if fused is None or base is None or "cpu" not in copy_gbps:
+            continue
+        findings.append(
+            f"{dev}: {base.seconds / fused.seconds:.1f}x as fast as the CPU at {largest:,} "
+            f"floats (fused); its copy bandwidth is {copy_gbps[dev] / copy_gbps['cpu']:.1f}x "
+            "the CPU's."
+        )
+    return findings
+
+
+def plot_multiply_add(rows: Sequence[ElementwiseRow], copy_gbps: Mapping[str, float]):
+    """Two panels from the multiply-add sweep; returns the figure.
+
+    Left: achieved GB/s against tensor size, one line per device and variant
+    (distinct markers and line styles, so that no line hides another), with each
+    device's copy bandwidth as a dotted line. Right: how much faster fused is than
+    unfused, per device, against the 1.5x that the bytes predict.
+    """
+    if not rows:
+        raise ValueError("no rows to plot: run multiply_add_sweep first")
+    import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
+
+    fig, (ax_gbps, ax_gain) = plt.subplots(1, 2, figsize=(11, 3.8))
+    styles = {"unfused": ("o", "-"), "fused": ("s", "--")}
+    devices = list(dict.fromkeys(r.device for r in rows))
+    for colour, dev in enumerate(devices):
+        color = f"C{colour}"
+        variants = dict.fromkeys(r.variant for r in rows if r.device == dev)
+        for k, variant in enumerate(variants):
+            line = sorted((r for r in rows if r.device == dev and r.variant == variant),
+                          key=lambda r: r.numel)
+            marker, style = styles.get(variant, ("^v<>"[k % 4], ":"))
+            ax_gbps.plot([r.numel for r in line], [r.gbps for r in line], marker=marker,
+                         linestyle=style, color=color, label=f"{dev} {variant}")
+        if dev in copy_gbps:
+            ax_gbps.axhline(copy_gbps[dev], color=color, linestyle=":", linewidth=1,
+                            label=f"{dev} copy bandwidth")
+        unfused = {r.numel: r.seconds for r in rows if r.device == dev and r.variant == "unfused"}
+        fused = sorted((r for r in rows if r.device == dev and r.variant == "fused"),
+                       key=lambda r: r.numel)
+        pairs = [(r.numel, unfused[r.numel] / r.seconds) for r in fused if r.numel in unfused]
+        if pairs:
+            ax_gain.plot(*zip(*pairs, strict=True), marker="s", color=color, label=dev)
+    ax_gain.axhline(UNFUSED_TENSOR_PASSES / FUSED_TENSOR_PASSES, color="gray", linestyle="--",
+                    label="bytes ratio 6/4")
+    for ax, ylabel, title in [
+        (ax_gbps, "GB/s achieved", "bandwidth of result = result + a * b"),
+        (ax_gain, "unfused time / fused time", "what fusing buys"),
+    ]:
+        ax.set_xscale("log")
+        ax.set_xlabel("floats per tensor")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    ax_gbps.set_yscale("log")
+    fig.tight_layout()
+    return fig

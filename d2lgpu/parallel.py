@@ -235,3 +235,47 @@ def data_parallel_step(
                 p.grad = None
     # One host synchronisation for the reported loss, after all the work is queued.
     return sum(loss.to(devices[0]) for loss in shard_losses).item()
+
+
+def nn_parallel_on_devices(
+    module: torch.nn.Module, X: torch.Tensor, devices: Sequence[torch.device | str]
+) -> dict[str, Exception | None]:
+    """Try each piece of ``nn.DataParallel``'s forward pass on ``devices``; None where it works.
+
+    The pieces are ``torch.nn.parallel``'s ``replicate(module, devices)``,
+    ``scatter(X, devices)``, ``parallel_apply`` (one forward pass per replica,
+    each in its own thread) and ``gather`` (onto ``devices[0]``). Each is tried on
+    its own with inputs already on the right devices, and the exception it raises
+    is returned rather than raised, so that one call shows which of them accept
+    the devices: they are written for CUDA GPUs, and this tells what the installed
+    PyTorch does with anything else.
+    """
+    import copy
+
+    from torch.nn import parallel
+
+    devices = [torch.device(d) for d in devices]
+    if not devices:
+        raise ValueError("nn_parallel_on_devices needs at least one device")
+    if X.dim() == 0 or X.shape[0] < len(devices):
+        raise ValueError(
+            f"X must hold at least one example per device: {len(devices)} devices, "
+            f"X of shape {tuple(X.shape)}"
+        )
+    shards = [shard.to(d) for shard, d in zip(X.tensor_split(len(devices)), devices, strict=True)]
+    replicas = [copy.deepcopy(module).to(d) for d in devices]
+    attempts = {
+        "replicate": lambda: parallel.replicate(module, devices),
+        "scatter": lambda: parallel.scatter(X, devices),
+        "parallel_apply": lambda: parallel.parallel_apply(replicas, shards, devices=devices),
+        "gather": lambda: parallel.gather(shards, devices[0]),
+    }
+    outcome: dict[str, Exception | None] = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except Exception as err:  # returned to the caller, who shows it
+            outcome[name] = err
+        else:
+            outcome[name] = None
+    return outcome

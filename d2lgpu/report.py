@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from d2lgpu.config import describe_mode
-from d2lgpu.devices import num_gpus, try_all_gpus
+from d2lgpu.devices import num_gpus
 from d2lgpu.precision import native_tensor_core_formats
 
 __all__ = [
@@ -64,20 +64,26 @@ _GIB = 2**30
 
 
 def setup_summary() -> str:
-    """A few lines for the top of every notebook: versions, devices, mode."""
-    import d2lgpu
+    """A few lines for the top of every notebook: versions, what runs where, and why.
 
-    devices = ", ".join(str(d) for d in try_all_gpus())
-    gpus = num_gpus()
-    names = (
-        " (" + ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) + ")" if gpus else ""
-    )
-    return "\n".join(
-        [
-            f"d2lgpu {d2lgpu.__version__}, torch {torch.__version__}",
-            f"GPUs: {gpus}{names}; try_all_gpus() -> [{devices}]",
-            describe_mode(),
-        ]
+    With GPUs: how many, and each one's name. Without: that everything runs on
+    the CPU, and the diagnosis's reason in one line (``python -m d2lgpu info``
+    gives the fix). Last, the workload this process runs (quick, CPU or full).
+    """
+    import d2lgpu
+    from d2lgpu.config import workload
+
+    gpus = [
+        (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+        for i in range(num_gpus())
+    ]
+    return format_setup(
+        versions=f"d2lgpu {d2lgpu.__version__}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}",
+        gpus=gpus,
+        diagnosis=diagnose_this_machine(),
+        workload_name=workload(),
+        mode_line=describe_mode(),
     )
 
 
@@ -483,8 +489,9 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
 class GpuInfo:
     """One GPU visible to torch, as ``cuda:index``.
 
-    ``native_formats`` are the reduced precisions its Tensor Cores run
-    (from the compute capability). ``torch_says_bf16`` is what
+    ``native_formats`` are the reduced-precision training formats (fp16, bf16,
+    tf32) that its Tensor Cores run, from the compute capability; fp8, fp4 and
+    int8 are not listed. ``torch_says_bf16`` is what
     ``torch.cuda.is_bf16_supported()`` answers; it counts emulation as support,
     so on a 7.x GPU it can say True although bf16 is slow there.
     """
@@ -791,3 +798,137 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
         free=int(free),
         total=int(total),
     )
+
+
+# --------------------------------------------------------------------------------------
+# The notebook header, as a pure function; NVML readings as text; NVML under load
+# --------------------------------------------------------------------------------------
+
+# The first problem of a diagnosis, in a few words for the notebook header.
+_CAUSE_IN_BRIEF = {
+    "cpu_build": "this torch is a CPU-only build",
+    "no_driver": "no NVIDIA driver was found",
+    "hidden_by_env": f"{VISIBLE_DEVICES_ENV} hides every GPU",
+    "malformed_env": f"{VISIBLE_DEVICES_ENV} is malformed",
+    "no_usable_device": "a driver is present, yet CUDA finds no usable GPU",
+}
+
+_WORKLOAD_NAMES = {"quick": "quick mode", "cpu": "CPU mode", "full": "full mode"}
+
+
+def format_setup(
+    *,
+    versions: str,
+    gpus: list[tuple[str, tuple[int, int]]],
+    diagnosis: CudaDiagnosis,
+    workload_name: str,
+    mode_line: str,
+) -> str:
+    """The notebook header of :func:`setup_summary`, from the facts (a pure function).
+
+    ``gpus`` holds ``(name, compute capability)`` per visible GPU, in ``cuda:i``
+    order; ``workload_name`` is :func:`d2lgpu.workload`'s answer and ``mode_line``
+    :func:`d2lgpu.describe_mode`'s.
+    """
+    mode = _WORKLOAD_NAMES.get(workload_name, f"{workload_name} mode")
+    lines = [versions]
+    if gpus:
+        count = f"{len(gpus)} CUDA GPU" + ("s" if len(gpus) > 1 else "")
+        lines.append(f"{count} here: the chapters run on them, in {mode}.")
+        for index, (name, (major, minor)) in enumerate(gpus):
+            lines.append(f"  cuda:{index}  {name}  (compute capability {major}.{minor})")
+        for problem in diagnosis.problems:
+            lines.append(f"  note: {_CAUSE_IN_BRIEF.get(problem.code, problem.code)}; "
+                         "`python -m d2lgpu info` says more")
+    else:
+        cause = diagnosis.problems[0] if diagnosis.problems else None
+        reason = "" if cause is None else "; " + _CAUSE_IN_BRIEF.get(
+            cause.code, cause.why.split(":")[0]
+        )
+        lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}{reason}.")
+        lines.append("  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1).")
+    lines.append(mode_line)
+    return "\n".join(lines)
+
+
+def format_nvml_view(
+    view: NvmlView, mark_uuid: str | None = None, mark: str = "<- this GPU"
+) -> str:
+    """NVML's readings as text, one line per physical GPU.
+
+    ``mark_uuid`` puts ``mark`` behind the GPU whose NVML UUID ends with it: torch's
+    ``get_device_properties(i).uuid`` lacks NVML's ``GPU-`` prefix, and NVML numbers
+    GPUs in its own order, so the UUID is the way to find torch's ``cuda:i`` there.
+    """
+    if view.error is not None:
+        return view.error
+    lines = [f"driver {view.driver_version}, {len(view.gpus)} GPU(s)"]
+    for r in view.gpus:
+        memory = (
+            "n/a" if r.memory_used_bytes is None or r.memory_total_bytes is None
+            else f"{r.memory_used_bytes / _GIB:.1f}/{r.memory_total_bytes / _GIB:.1f} GiB"
+        )
+        power = "n/a" if r.power_watts is None else f"{r.power_watts:.0f} W"
+        if r.power_watts is not None and r.power_limit_watts is not None:
+            power += f" of {r.power_limit_watts:.0f} W"
+        tail = f"  {mark}" if mark_uuid and r.uuid.endswith(mark_uuid) else ""
+        lines.append(
+            f"nvml:{r.index} {r.name}: utilisation {_or_na(r.utilization_percent, '%')}, "
+            f"memory {memory}, temperature {_or_na(r.temperature_c, ' C')}, "
+            f"power {power}{tail}"
+        )
+    return "\n".join(lines)
+
+
+def read_nvml_while_busy(
+    device: torch.device | str | int, busy_seconds: float = 3.0, matrix_size: int = 8192
+) -> NvmlView:
+    """Keep ``device`` busy with queued matrix products and read NVML in the middle.
+
+    One product is timed first, then enough of them are queued to last about
+    ``busy_seconds``; CUDA launches are asynchronous, so Python reads NVML a
+    second into that queue (a full sample period on every GPU), and only then
+    waits for the products to finish.
+    """
+    import math
+    import time
+
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(
+            f"read_nvml_while_busy needs a CUDA device, got {dev}: NVML watches NVIDIA GPUs "
+            "only. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
+        )
+    if not busy_seconds > 1.0:
+        raise ValueError(f"busy_seconds must exceed the 1 s NVML waits, got {busy_seconds}")
+    a = torch.randn(matrix_size, matrix_size, device=dev)
+    b = a @ a  # the first product also starts cuBLAS, so it is not timed
+    torch.cuda.synchronize(dev)
+    start = time.perf_counter()
+    b = a @ a
+    torch.cuda.synchronize(dev)
+    one_product = time.perf_counter() - start
+    for _ in range(math.ceil(busy_seconds / one_product)):
+        b = a @ a  # queued: Python goes on while the GPU computes
+    time.sleep(1.0)  # a full sample period into the queued work
+    view = read_nvml()
+    torch.cuda.synchronize(dev)
+    del a, b
+    return view
+
+
+def wrapped(text: str, width: int = 100) -> str:
+    """``text`` with every line longer than ``width`` wrapped at spaces.
+
+    A wrapped line's continuation is indented four spaces more than the line
+    itself, so the ``why:``/``fix:`` items of a diagnosis stay readable in a
+    notebook. Lines without a space to break at are left as they are.
+    """
+    import textwrap
+
+    out = []
+    for line in text.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        out += textwrap.wrap(line, width=width, subsequent_indent=indent + "    ",
+                             break_long_words=False, break_on_hyphens=False) or [""]
+    return "\n".join(out)

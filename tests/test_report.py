@@ -441,12 +441,16 @@ def test_print_report(capsys):
     assert "-- diagnosis --" in capsys.readouterr().out
 
 
-def test_setup_summary():
+def test_setup_summary_says_what_runs_where():
     summary = d2lgpu.setup_summary()
-    devices = ", ".join(str(d) for d in d2lgpu.try_all_gpus())
     assert f"torch {torch.__version__}" in summary
-    assert f"try_all_gpus() -> [{devices}]" in summary
-    assert f"GPUs: {_torch_gpu_count()}" in summary
+    assert summary.endswith(d2lgpu.describe_mode())
+    if _torch_gpu_count() == 0:
+        assert "No CUDA GPU here: everything runs on the CPU" in summary
+    else:
+        for i in range(_torch_gpu_count()):
+            assert f"cuda:{i}  {torch.cuda.get_device_name(i)}" in summary
+    assert all(len(line) <= 100 for line in summary.splitlines())
 
 
 # --- GPU memory -------------------------------------------------------------------------------
