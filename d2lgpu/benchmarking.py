@@ -48,6 +48,7 @@ __all__ = [
     "format_seconds",
     "format_table",
     "gbps",
+    "device_cache_bytes",
     "last_level_cache_bytes",
     "measure_copy_bandwidth",
     "measure_host_to_device",
@@ -817,32 +818,18 @@ def compare_timers(
     return TimerComparison(str(dev), Timing(tuple(naive)), Timing(tuple(synced)))
 
 
-def last_level_cache_bytes(device: DeviceLike) -> int | None:
-    """Size of the largest cache in front of ``device``'s memory, in bytes; None if unknown.
+def device_cache_bytes(device: DeviceLike) -> int | None:
+    """Size of the last-level cache in front of ``device``'s memory, in bytes; None if unknown.
 
-    A CUDA GPU reports its L2 cache. For the CPU, Linux lists every cache level in
-    ``/sys/devices/system/cpu/cpu0/cache``, and the last level is the largest; on
-    other systems the answer is None.
+    A CUDA GPU reports its L2 cache; for the CPU this is :func:`last_level_cache_bytes`.
     """
     dev = resolve_device(device)
     if dev is not None and dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev).L2_cache_size) or None
     if dev is None or dev.type != "cpu":
         return None
-    from pathlib import Path
-
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (entry / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        if text[-1:] in units and text[:-1].isdigit():
-            sizes.append(int(text[:-1]) * units[text[-1]])
-        elif text.isdigit():
-            sizes.append(int(text))
-    return max(sizes, default=None)
+    found = last_level_cache_bytes()
+    return None if found is None else found[0]
 
 
 def _working_set_bytes(row: ElementwiseRow) -> int:
@@ -932,7 +919,7 @@ def multiply_add_findings(
     the 1.5x that the bytes predict. Across devices: each GPU's speed-up over the
     CPU at the largest size, next to the ratio of their copy bandwidths.
     ``cache_bytes`` maps ``str(device)`` to its last-level cache size (see
-    :func:`last_level_cache_bytes`); missing or None means unknown.
+    :func:`device_cache_bytes`); missing or None means unknown.
     """
     if not rows:
         raise ValueError("no rows: run multiply_add_sweep first")
