@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from d2lgpu.devices import num_gpus, try_all_gpus, try_gpu
+from d2lgpu.estimate import training_estimate
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
@@ -308,11 +309,12 @@ def run_epochs(
 ) -> None:
     """The epoch loop shared by :func:`train` and :func:`d2lgpu.train_fast`: train one
     epoch, evaluate, append to ``history``, update the progress bar and live plot."""
+    estimate = training_estimate(train_iter, num_epochs, device)  # one line, for long runs
     for epoch in range(num_epochs):
         start = time.perf_counter()
         loss, train_acc, count = train_epoch(
             model, train_iter, loss_fn, optimizer, device, policy, scaler, scheduler,
-            on_batch=None if bar is None else lambda: bar.update(1),
+            on_batch=estimate.step if bar is None else lambda: (bar.update(1), estimate.step()),
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
         test_acc = evaluate_accuracy(model, test_iter, device, policy=policy)
