@@ -47,7 +47,8 @@ def format_duration(seconds: float) -> str:
 
 def estimate_message(what: str, seconds: float, basis: str) -> str:
     """The one line an estimate prints: ``"<what>: about <duration> on this machine (<basis>)"``."""
-    return f"{what}: about {format_duration(seconds)} on this machine ({basis})"
+    about = "about " if seconds >= 1 else ""  # never "about under a second"
+    return f"{what}: {about}{format_duration(seconds)} on this machine ({basis})"
 
 
 def announce(

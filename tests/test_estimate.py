@@ -51,6 +51,12 @@ def test_the_message_names_the_run_the_duration_and_the_basis():
     )
 
 
+def test_a_run_under_a_second_is_not_about_under_a_second():
+    assert estimate_message("sweep", 0.3, "from one step") == (
+        "sweep: under a second on this machine (from one step)"
+    )
+
+
 def test_the_first_step_is_left_out_and_the_next_five_are_averaged():
     clock, lines = FakeClock(), []
     estimate = StepEstimate("3 epochs x 100 batches", 300, clock=clock, out=lines.append)
