@@ -4,10 +4,11 @@ Modules by concern: ``config`` (environment variables), ``devices`` (naming
 devices), ``report`` (what this machine can do, and why CUDA is missing),
 ``benchmarking`` (timing GPU work correctly), ``data`` (Fashion-MNIST),
 ``models`` (ResNet-18 and a small CNN), ``parallel`` (data parallelism by
-hand), ``training`` (the train loop), ``plotting``, ``precision`` (mixed
-precision), ``fast`` (the device-resident fast path), ``distributed``,
-``ddp_train`` and ``healthcheck`` (torch.distributed and torchrun), and
-``checks`` (argument checks the others share).
+hand), ``training`` (the train loop), ``estimate`` (how long a run will take,
+measured), ``plotting``, ``precision`` (mixed precision), ``fast`` (the
+device-resident fast path), ``distributed``, ``ddp_train`` and ``healthcheck``
+(torch.distributed and torchrun), and ``checks`` (argument checks the others
+share).
 """
 
 from d2lgpu.benchmarking import (

@@ -980,3 +980,73 @@ def hogwild_train(
         timeout_s=timeout_s,
     )
     return model
+
+
+# ---------------------------------------------------------------------------
+# Several command-line jobs at once (pretend machines on one computer)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """How one command of :func:`run_together` ended: its exit status and its output."""
+
+    command: tuple[str, ...]
+    returncode: int
+    output: str  # stdout and stderr interleaved, as a terminal would show them
+
+
+def run_together(
+    commands: Sequence[Sequence[str]],
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 300.0,
+) -> list[CommandResult]:
+    """Start every command at the same time, wait for all of them, and return their results.
+
+    For jobs whose parts must run concurrently, such as one ``torchrun`` per
+    pretend machine: run one after the other, the first would wait at the
+    rendezvous for a second that never starts. Output goes to temporary files,
+    not pipes, so a chatty command cannot block on a full pipe while another is
+    waited for. When ``timeout_s`` runs out, every command still running is
+    killed and ``TimeoutError`` says which; nothing is left running afterwards,
+    also not after an interrupt (the notebook's stop button).
+    """
+    import subprocess  # imported here: only this helper starts command-line programs
+
+    if not commands or any(not command for command in commands):
+        raise ValueError("commands must be a non-empty list of non-empty commands")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    deadline = time.monotonic() + timeout_s
+    with tempfile.TemporaryDirectory(prefix="d2lgpu-run-") as tmp:
+        logs = [open(Path(tmp) / f"{i}.log", "w+", encoding="utf-8") for i in range(len(commands))]
+        processes: list[subprocess.Popen] = []
+        try:
+            for command, log in zip(commands, logs, strict=True):
+                processes.append(subprocess.Popen(
+                    list(command), env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+                ))
+            for process in processes:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    running = [" ".join(p.args) for p in processes if p.poll() is None]
+                    raise TimeoutError(
+                        f"still running after timeout_s={timeout_s} s, and killed: {running}. "
+                        "Give them more time, or look for one waiting for a peer that never came"
+                    ) from None
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            outputs = []
+            for log in logs:
+                log.seek(0)
+                outputs.append(log.read())
+                log.close()
+    return [
+        CommandResult(tuple(command), process.returncode, output)
+        for command, process, output in zip(commands, processes, outputs, strict=True)
+    ]

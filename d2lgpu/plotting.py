@@ -63,7 +63,8 @@ class LivePlot:
             line.append(value)
         self.ax.cla()
         for name, line in zip(self.legend, self.ys, strict=True):
-            self.ax.plot(self.xs, line, marker="o" if len(self.xs) < 20 else None, label=name)
+            self.ax.plot(self.xs, line, marker="o", markersize=_marker_size(len(self.xs)),
+                         label=name)
         _label_axes(self.ax, **self._labels)
         self.ax.legend()
         self._show()
@@ -85,6 +86,12 @@ class LivePlot:
         import matplotlib.pyplot as plt
 
         plt.close(self.fig)
+
+
+def _marker_size(points: int) -> float:
+    """Every line gets markers, so that a one-point line (a one-epoch history) shows up;
+    they shrink on long lines, where they would hide the line itself."""
+    return 5.0 if points < 20 else 2.0
 
 
 def _label_axes(ax, xlabel=None, ylabel=None, xlim=None, ylim=None, title=None,
@@ -132,7 +139,8 @@ def plot_lines(
 
         _, ax = plt.subplots(figsize=(5.0, 3.2))
     for i, y in enumerate(ys_list):
-        ax.plot(list(x), list(y), label=None if legend is None else legend[i])
+        ax.plot(list(x), list(y), marker="o", markersize=_marker_size(len(x)),
+                label=None if legend is None else legend[i])
     _label_axes(ax, xlabel, ylabel, title=title, xscale=xscale, yscale=yscale)
     if legend is not None:
         ax.legend()
@@ -159,38 +167,45 @@ def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
 
     The classic mixed-precision figure, drawn from the rows of
     :func:`d2lgpu.precision_sweep`. Rows that did not run (``"OOM"``, ``"needs
-    CUDA"``) have no point; where no row has a peak memory (the CPU keeps no
-    peak statistic) the memory panel says so rather than staying silently empty.
-    Returns the figure.
+    CUDA"``) have no point. Where no row has a peak memory (the CPU keeps no
+    peak statistic) there is no memory panel at all, and the time panel's title
+    says that memory is measured on CUDA GPUs only. Returns the figure.
     """
     if not rows:
         raise ValueError("no sweep rows to plot: run d2lgpu.precision_sweep first")
     import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
 
-    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(10.0, 3.5))
+    with_memory = any(r.ok and r.peak_memory_bytes is not None for r in rows)
+    if with_memory:
+        fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(10.0, 3.5))
+    else:
+        fig, time_ax = plt.subplots(figsize=(5.5, 3.5))
+        memory_ax = None
     for mode in dict.fromkeys(r.mode for r in rows):  # modes in sweep order
         ran = sorted((r for r in rows if r.mode == mode and r.ok), key=lambda r: r.batch_size)
         if ran:
             sizes = [r.batch_size for r in ran]
             time_ax.plot(sizes, [1000 * r.median_seconds for r in ran], marker="o", label=mode)
         measured = [r for r in ran if r.peak_memory_bytes is not None]
-        if measured:
+        if measured and memory_ax is not None:
             memory_ax.plot(
                 [r.batch_size for r in measured],
                 [r.peak_memory_bytes / 2**20 for r in measured],
                 marker="o",
                 label=mode,
             )
-    _label_axes(time_ax, "batch size", "median step time (ms)", title="time per training step",
-                yscale="log")
-    _label_axes(memory_ax, "batch size", "peak memory (MiB)", title="peak GPU memory")
-    for ax in (time_ax, memory_ax):
+    time_title = "time per training step"
+    if memory_ax is None:
+        time_title += "\n(peak memory is measured on CUDA GPUs only)"
+    _label_axes(time_ax, "batch size", "median step time (ms)", title=time_title, yscale="log")
+    axes = [time_ax]
+    if memory_ax is not None:
+        _label_axes(memory_ax, "batch size", "peak memory (MiB)", title="peak GPU memory")
+        axes.append(memory_ax)
+    for ax in axes:
         ax.set_xscale("log", base=2)  # batch sizes double from point to point
         if ax.lines:
             ax.legend()
-    if not memory_ax.lines:
-        memory_ax.text(0.5, 0.5, "peak memory is measured on CUDA GPUs only",
-                       ha="center", va="center", transform=memory_ax.transAxes)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

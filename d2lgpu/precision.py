@@ -494,3 +494,159 @@ def random_batch_maker(
         return features.to(device), labels.to(device)
 
     return make_batch
+
+
+# ---------------------------------------------------------------------------
+# Reading a sweep: checks that hold on every machine, the headline, the time it takes
+# ---------------------------------------------------------------------------
+
+
+def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
+    """Tensor Core formats narrower than 16 bits on GPUs of this compute capability.
+
+    ``torch.autocast`` uses none of them; they matter for inference and for
+    libraries such as Transformer Engine. INT8 from 7.2 (Xavier) and 7.5 (Turing),
+    FP8 from 8.9 (Ada: L4, RTX 40xx) and 9.0 (Hopper: H100), FP6 and FP4 from
+    10.0 (Blackwell: B200, GB200; 12.0 is GeForce Blackwell, RTX 50xx), following
+    NVIDIA's architecture white papers and the PTX ISA's ``mma`` types.
+    """
+    formats = []
+    if capability >= (8, 9):
+        formats.append("fp8")
+    if capability >= (10, 0):
+        formats += ["fp6", "fp4"]
+    if capability >= (7, 2):
+        formats.append("int8")
+    return formats
+
+
+def sweep_checks(
+    rows: Sequence[SweepRow],
+    modes: Sequence[str],
+    batch_sizes: Sequence[int],
+    device: torch.device | str,
+    loss_tolerance: float = 0.1,
+) -> dict[str, bool]:
+    """What must hold for a sweep on any machine, as named True/False results.
+
+    One row per mode and batch size, in sweep order; every row measured, out of
+    memory, or saying what it needs; reduced precision compared with fp32 at
+    least once and within ``loss_tolerance`` of its loss (same model, data and
+    weights); peak memory recorded exactly on CUDA.
+    """
+    device = torch.device(device)
+    fp32_loss = {r.batch_size: r.loss for r in rows if r.mode == "fp32" and r.ok}
+    tracks_fp32 = [
+        abs(r.loss - fp32_loss[r.batch_size]) < loss_tolerance
+        for r in rows
+        if r.ok and r.mode != "fp32" and r.batch_size in fp32_loss
+    ]
+    expected = [(mode, b) for mode in modes for b in batch_sizes]
+    return {
+        "one row per mode and batch size": [(r.mode, r.batch_size) for r in rows] == expected,
+        "every row measured, OOM, or says what it needs": all(
+            r.ok or r.status == "OOM" or r.status.startswith("needs") for r in rows
+        ),
+        "reduced precision compared with fp32 at least once": len(tracks_fp32) > 0,
+        f"reduced-precision losses within {loss_tolerance:g} of fp32": all(tracks_fp32),
+        "peak memory measured exactly when on CUDA": all(
+            (r.peak_memory_bytes is not None) == (device.type == "cuda") for r in rows if r.ok
+        ),
+    }
+
+
+def explain_comparison(
+    comparison: SweepComparison | None,
+    device: torch.device | str,
+    cpu_native_bf16: bool = False,
+) -> str:
+    """The headline of a sweep: what was measured, and what it means on this device.
+
+    A ratio below 1 is stated as a slow-down, not as a "0.35x speed-up", and on a
+    CPU the text says why: without native bf16 instructions (AMX or AVX512-BF16;
+    pass ``cpu_native_bf16``) autocast converts every operand, and mixed precision
+    costs time there, the opposite of what it does on Tensor Cores. Lines are
+    wrapped at 100 characters.
+    """
+    import textwrap
+
+    device = torch.device(device)
+    if comparison is None:
+        return f"no batch size ran in both modes on {device}: nothing to compare"
+    ratio, b = comparison.speedup, comparison.batch_size
+    cand, base = comparison.candidate, comparison.baseline
+    if ratio >= 1:
+        measured = f"{cand} ran {ratio:.2f}x as fast as {base} at batch {b}"
+    else:
+        measured = f"{cand} ran {1 / ratio:.2f}x slower than {base} at batch {b}"
+    if comparison.memory_ratio is None:
+        measured += "; peak memory is measured on CUDA GPUs only."
+    else:
+        measured += f", with {100 * (1 - comparison.memory_ratio):.0f}% less peak memory."
+    if device.type == "cpu" and not cpu_native_bf16:
+        meaning = (
+            "This CPU has no native bf16 instructions (AMX or AVX512-BF16), so autocast "
+            "converts every operand: here mixed precision costs time. Tensor Core GPUs "
+            "are where it pays."
+        )
+    elif device.type == "cpu":
+        meaning = (
+            "This CPU computes bf16 natively (AMX or AVX512-BF16)."
+            if ratio > 1 else "This CPU computes bf16 natively, but this model gains nothing here."
+        )
+    elif ratio > 1:
+        meaning = ""
+    else:
+        meaning = (
+            "At this size kernel launches, not arithmetic, take the time; "
+            "larger batches show the Tensor Cores' gain."
+        )
+    return "\n".join(textwrap.fill(text, 100) for text in (measured, meaning) if text)
+
+
+def estimate_sweep_seconds(
+    model_fn: Callable[[], nn.Module],
+    make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
+    modes: Sequence[str],
+    batch_sizes: Sequence[int],
+    device: torch.device | str,
+    *,
+    steps: int = 10,
+    warmup: int = 3,
+    lr: float = 0.01,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
+    seed: int = 0,
+) -> float:
+    """How many seconds :func:`precision_sweep` with these arguments will take, measured.
+
+    Every mode that can run on ``device`` trains one warm-up step and one timed step
+    at the largest batch size (the next smaller one when it does not fit); a row
+    at batch ``b`` is then counted as ``warmup + steps`` such steps scaled by
+    ``b / largest``. Small batches use the hardware less well, so their rows take
+    somewhat longer than this, but they are the cheap rows. The probe itself costs
+    two steps per mode.
+    """
+    device = torch.device(device)
+    total = 0.0
+    for mode in modes:
+        if mode_unavailable_reason(mode, device) is not None:
+            continue
+        step_seconds, reference = None, None
+        for batch_size in sorted(batch_sizes, reverse=True):
+            try:
+                row = _measure_one(model_fn, make_batch, mode, batch_size, device, 1, 1, lr,
+                                   loss_fn, seed)
+            except RuntimeError as exc:
+                if not _is_out_of_memory(exc):
+                    raise
+                _release_memory(device)
+                continue
+            _release_memory(device)
+            step_seconds, reference = row.median_seconds, batch_size
+            break
+        if step_seconds is None or reference is None:
+            continue  # nothing fits: every row will be a quick "OOM"
+        for batch_size in batch_sizes:
+            if batch_size <= reference:
+                total += (warmup + steps) * step_seconds * batch_size / reference
+    return total

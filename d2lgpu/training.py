@@ -29,6 +29,7 @@ from torch import nn
 
 from d2lgpu.checks import check_seed
 from d2lgpu.devices import as_device, num_gpus, try_all_gpus, try_gpu
+from d2lgpu.estimate import training_estimate
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
@@ -321,11 +322,12 @@ def run_epochs(
 ) -> None:
     """The epoch loop shared by :func:`train` and :func:`d2lgpu.train_fast`: train one
     epoch, evaluate, append to ``history``, update the progress bar and live plot."""
+    estimate = training_estimate(train_iter, num_epochs, device)  # one line, for long runs
     for epoch in range(num_epochs):
         start = time.perf_counter()
         loss, train_acc, count = train_epoch(
             model, train_iter, loss_fn, optimizer, device, policy, scaler, scheduler,
-            on_batch=None if bar is None else lambda: bar.update(1),
+            on_batch=estimate.step if bar is None else lambda: (bar.update(1), estimate.step()),
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
         check_finite_loss(loss, epoch + 1, optimizer.defaults["lr"], policy)

@@ -63,3 +63,17 @@ def test_live_plot_grows_and_closes():
     assert number not in plt.get_fignums()
     with pytest.raises(ValueError, match="legend"):
         LivePlot(xlabel="x", legend=[])
+
+
+def test_a_one_epoch_history_is_visible_because_every_line_has_markers():
+    # One point per line: without markers matplotlib draws nothing at all.
+    ax = plot_history(History([2.3], [0.1], [0.1], [1.0], [10.0], "cpu"))
+    assert [line.get_marker() for line in ax.get_lines()] == ["o"] * 3
+    live = LivePlot(xlabel="epoch", legend=["loss"])
+    live.add(1, [2.0])
+    assert live.ax.get_lines()[0].get_marker() == "o"
+    for _ in range(30):  # long lines keep their markers, smaller
+        live.add(2, [1.0])
+    assert live.ax.get_lines()[0].get_marker() == "o"
+    assert live.ax.get_lines()[0].get_markersize() < 5
+    live.close()
