@@ -40,9 +40,10 @@ from d2lgpu.distributed import (
 )
 from d2lgpu.fast import (
     DeviceLoader,
+    Techniques,
     fashion_mnist_on_device,
     peak_tflops,
-    train_fast,
+    technique_skip_reason,
     training_flops_per_example,
 )
 from d2lgpu.models import Residual, resnet18, small_cnn
@@ -61,6 +62,7 @@ from d2lgpu.precision import (
     SweepRow,
     amp_sweep_mode,
     compare_sweep_modes,
+    cpu_has_native_bf16,
     format_sweep_table,
     mode_unavailable_reason,
     native_tensor_core_formats,
@@ -83,7 +85,14 @@ from d2lgpu.report import (
     read_nvml,
     setup_summary,
 )
-from d2lgpu.training import History, evaluate_accuracy, init_weights, set_seed, train
+from d2lgpu.training import (
+    History,
+    evaluate_accuracy,
+    init_weights,
+    set_seed,
+    train,
+    train_fast,
+)
 
 __version__ = "0.1.0"
 
@@ -100,6 +109,7 @@ __all__ = [
     "Residual",
     "SweepComparison",
     "SweepRow",
+    "Techniques",
     "Timing",
     "allreduce",
     "amp_sweep_mode",
@@ -107,6 +117,7 @@ __all__ = [
     "choose_backend",
     "compare_sweep_modes",
     "cpu",
+    "cpu_has_native_bf16",
     "data_parallel_step",
     "data_root",
     "describe_mode",
@@ -156,6 +167,7 @@ __all__ = [
     "split_batch",
     "sweep_mlp",
     "synthetic_regression",
+    "technique_skip_reason",
     "tf32_matmuls",
     "tflops",
     "time_fn",

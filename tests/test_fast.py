@@ -1,4 +1,5 @@
-"""Tests of the fast path: the device-resident loader, fused SGD, FLOP counting, train_fast."""
+"""Tests of the fast path: the device-resident loader, the technique switches, fused SGD,
+FLOP counting, train_fast."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from d2lgpu.fast import (
     FASHION_MNIST_STD,
     DeviceLoader,
     fashion_mnist_on_device,
-    fast_precision,
     make_sgd,
     peak_tflops,
-    train_fast,
     training_flops_per_example,
 )
+from d2lgpu.precision import precision_policy
+from d2lgpu.training import train_fast
 
 CPU = torch.device("cpu")
 U8 = torch.uint8
@@ -177,14 +178,17 @@ def test_fashion_mnist_on_device_quick_subset():
 
 
 def test_auto_precision_on_cpu_is_bf16_only_where_native(monkeypatch):
-    import d2lgpu.fast as fast
+    # One rule for "auto" everywhere: precision_policy, which the fast path uses too.
+    import d2lgpu.precision as precision
 
-    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: False)
-    assert fast_precision(CPU, "auto").dtype is None
-    assert fast_precision(CPU, "bf16").dtype == torch.bfloat16  # forcing still works
-    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: True)
-    assert fast_precision(CPU, "auto").dtype == torch.bfloat16
-    assert fast_precision(CPU, False).dtype is None
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert precision_policy(CPU, "auto").dtype is None
+    assert precision_policy(CPU, "bf16").dtype == torch.bfloat16  # forcing still works
+    assert d2lgpu.Techniques.fast(CPU).autocast is False
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert precision_policy(CPU, "auto").dtype == torch.bfloat16
+    assert precision_policy(CPU, False).dtype is None
+    assert d2lgpu.Techniques.fast(CPU).autocast is True
 
 
 def test_make_sgd_is_fused_here_and_matches_plain_sgd():
@@ -334,7 +338,7 @@ def test_gpu_training_steps_never_synchronise_with_the_host():
     device = torch.device("cuda", 0)
     train_loader, _ = fashion_mnist_on_device(64, device, quick=True)
     net = d2lgpu.small_cnn().to(device, memory_format=torch.channels_last)
-    policy = fast_precision(device, "auto")
+    policy = precision_policy(device, "auto")
     scaler = policy.make_scaler()
     optimizer = make_sgd(net.parameters(), 0.1, device)
     assert optimizer.defaults["fused"]
@@ -365,7 +369,7 @@ def test_gpu_train_fast_learns_in_channels_last_and_reduced_precision():
     history = train_fast(net, train_loader, test_loader, 4, 0.1, device, progress=False)
     assert history.device == str(device)
     assert history.test_acc[-1] > 0.4
-    assert fast_precision(device).dtype in (torch.bfloat16, torch.float16)
+    assert precision_policy(device).dtype in (torch.bfloat16, torch.float16)
     # A one-channel weight is contiguous in both layouts: look at a conv with several inputs.
     conv = next(m for m in net.modules() if isinstance(m, nn.Conv2d) and m.in_channels > 1)
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
@@ -384,8 +388,8 @@ def test_train_with_fast_true_is_train_fast():
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
     via_train = d2lgpu.train(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False, fast=True)
-    # amp=False is d2lgpu.train's default, which the dispatch passes on.
-    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, amp=False, progress=False)
+    # fast=True means train_fast's defaults, "auto" precision included.
+    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False)
     assert via_train.train_loss == direct.train_loss
     assert via_train.test_acc == direct.test_acc
     with pytest.raises(ValueError, match="plot_history"):
