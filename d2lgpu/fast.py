@@ -320,7 +320,8 @@ def _has_cxx_compiler() -> bool:
 
 
 def technique_skip_reason(technique: str, device: torch.device | str) -> str | None:
-    """Why the fast path leaves ``technique`` out on ``device``, or None when it uses it.
+    """Why the fast path leaves ``technique`` out on ``device`` (one line of at most 64
+    characters), or None when it uses it.
 
     Either the technique cannot run there (CUDA graphs on a CPU; ``torch.compile``
     without its compiler toolchain), or it buys nothing there: autocast where the
@@ -335,10 +336,10 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
         if precision_policy(device, "auto").dtype is not None:
             return None
         if device.type == "cpu":
-            return "no native bf16 on this CPU: emulated bf16 is slower, so 'auto' is fp32"
+            return "no native bf16 here: emulated bf16 is slower, 'auto' is fp32"
         return f"no fast reduced format on {device}: 'auto' is fp32"
     if technique == "channels_last" and not on_cuda:
-        return "a cuDNN layout win; on a CPU it slowed the small CNN (benchmarks/RESULTS.md)"
+        return "cuDNN's Tensor Core layout; mixed results on CPUs (RESULTS.md)"
     if technique == "fused_optimizer" and not on_cuda:
         return "saves CUDA kernel launches; a CPU launches none"
     if technique == "cuda_graphs" and not on_cuda:

@@ -397,3 +397,178 @@ def test_train_with_fast_true_is_train_fast():
     with pytest.raises(TypeError, match="fashion_mnist_on_device"):
         d2lgpu.train(net(), *d2lgpu.load_data_fashion_mnist(32, quick=True), 1, 0.1, CPU,
                      progress=False, fast=True)
+
+
+# --------------------------------------------------------------------------- #
+# The technique switches: each changes what it claims
+# --------------------------------------------------------------------------- #
+
+Techniques = d2lgpu.Techniques
+
+
+def tiny_data(n: int = 64, batch: int = 16):
+    """uint8 8x8 images with 4 classes: a DeviceLoader pair and a DataLoader pair."""
+    from torch.utils import data
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n, 1, 8, 8), dtype=torch.uint8, generator=generator)
+    labels = torch.arange(n) % 4
+    resident = (DeviceLoader(images, labels, batch, device=CPU, shuffle=True),
+                DeviceLoader(images, labels, batch, device=CPU))
+    dataset = data.TensorDataset(images.float() / 255, labels)
+    return resident, (data.DataLoader(dataset, batch), data.DataLoader(dataset, batch))
+
+
+def conv_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(64, 4))
+
+
+def run(techniques, loaders, net=None, **kwargs):
+    net = conv_net() if net is None else net
+    kwargs = dict(seed=0, progress=False, plot=False) | kwargs
+    return d2lgpu.train(net, *loaders, 1, 0.1, CPU, techniques=techniques, **kwargs)
+
+
+def test_techniques_are_switches_with_named_presets():
+    assert Techniques().enabled == ("no_sync",)  # d2lgpu.train's plain loop
+    assert Techniques.d2l_style().enabled == ()
+    assert str(Techniques.d2l_style()) == "none (d2l-style)"
+    fast = Techniques(device_data=True, compile=True, compile_mode="max-autotune")
+    assert str(fast) == "device_data + no_sync + compile (max-autotune)"
+    assert fast.replace(compile=False).enabled == ("device_data", "no_sync")
+    with pytest.raises(TypeError, match="switch"):
+        Techniques(autocast="yes")
+    with pytest.raises(ValueError, match="cuda_graphs=True"):
+        Techniques(compile=True, compile_mode="reduce-overhead")
+
+
+def test_fast_techniques_follow_the_skip_reasons_of_the_device():
+    fast = Techniques.fast(CPU)
+    assert fast.device_data and fast.no_sync
+    assert not (fast.channels_last or fast.fused_optimizer or fast.compile or fast.cuda_graphs)
+    for name in d2lgpu.fast.TECHNIQUES:
+        reason = d2lgpu.technique_skip_reason(name, CPU)
+        assert reason is None or len(reason) <= 64, (name, reason)
+    assert "CPU" in d2lgpu.technique_skip_reason("cuda_graphs", CPU)
+    assert d2lgpu.technique_skip_reason("device_data", CPU) is None
+    if shutil.which("c++") or shutil.which("g++"):
+        assert d2lgpu.technique_skip_reason("compile", CPU) is None
+    with pytest.raises(ValueError, match="unknown technique"):
+        d2lgpu.technique_skip_reason("turbo", CPU)
+
+
+def test_device_data_switch_reads_device_loaders_and_refuses_the_wrong_kind(monkeypatch):
+    resident, dataloaders = tiny_data()
+    calls = []
+    original = DeviceLoader.__iter__
+
+    def counting_iter(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(DeviceLoader, "__iter__", counting_iter)
+    run(Techniques(device_data=True), resident)
+    assert calls == [resident[0], resident[1]]  # one training epoch, one evaluation
+    with pytest.raises(TypeError, match="fashion_mnist_on_device"):
+        run(Techniques(device_data=True), dataloaders)
+    with pytest.raises(ValueError, match="device_data"):
+        run(Techniques(), resident)  # the switch must say where the data was
+
+
+def test_no_sync_switch_removes_the_item_calls_of_every_step():
+    # Counted by the profiler: aten::item is what .item() runs.
+    from d2lgpu import profiling
+
+    resident, _ = tiny_data()
+    counts = {}
+    for no_sync in (False, True):
+        with torch.profiler.profile(activities=profiling.profiler_activities(CPU)) as prof:
+            run(Techniques(device_data=True, no_sync=no_sync), resident)
+        counts[no_sync] = {e.key: e.count for e in prof.key_averages()}
+    steps = len(resident[0])
+    assert counts[False]["train_step"] == counts[True]["train_step"] == steps
+    # d2l-style: the loss and the correct count after every step; no_sync: the two epoch
+    # sums once. Evaluation reads its correct count once in both.
+    assert counts[False]["aten::item"] == 2 * steps + 1
+    assert counts[True]["aten::item"] == 2 + 1
+
+
+def test_autocast_switch_runs_the_forward_pass_in_the_auto_format(monkeypatch):
+    import d2lgpu.precision as precision
+
+    resident, _ = tiny_data()
+    seen = []
+    net = conv_net()
+    net[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    run(Techniques(device_data=True, autocast=True), resident, net=net)
+    assert set(seen) == {torch.bfloat16}
+    seen.clear()
+    run(Techniques(device_data=True, autocast=True), resident, net=net, amp=False)
+    assert set(seen) == {torch.float32}  # an explicit amp wins over the switch
+    seen.clear()
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    run(Techniques(device_data=True, autocast=True), resident, net=net)
+    assert set(seen) == {torch.float32}  # 'auto' is fp32 where bf16 is emulated
+
+
+def test_channels_last_switch_changes_the_layout():
+    resident, _ = tiny_data()
+    for switch in (False, True):
+        net = conv_net()
+        run(Techniques(device_data=True, channels_last=switch), resident, net=net)
+        conv = net[2]  # four input channels: the two layouts differ
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last) is switch
+
+
+def test_fused_optimizer_switch_picks_fused_sgd():
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    resident, _ = tiny_data()
+    fused = []
+    handle = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: fused.append(bool(optimizer.defaults.get("fused")))
+    )
+    try:
+        run(Techniques(device_data=True), resident)
+        run(Techniques(device_data=True, fused_optimizer=True), resident)
+    finally:
+        handle.remove()
+    steps = len(resident[0])
+    assert fused == [False] * steps + [True] * steps
+
+
+def test_compile_switches_wrap_the_model():
+    net = conv_net()
+    assert d2lgpu.fast.compile_model(net, Techniques(), CPU) is net
+    compiled = d2lgpu.fast.compile_model(net, Techniques(compile=True), CPU)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled._orig_mod is net  # shares the weights: nothing compiled until called
+    with pytest.raises(ValueError, match="cuda_graphs=True cannot run on cpu"):
+        d2lgpu.fast.compile_model(net, Techniques(cuda_graphs=True), CPU)
+
+
+def test_train_argument_checks_for_techniques():
+    resident, _ = tiny_data()
+    with pytest.raises(ValueError, match="not both"):
+        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, fast=True, techniques=Techniques())
+    with pytest.raises(TypeError, match="Techniques"):
+        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, techniques={"compile": True})
+    with pytest.raises(ValueError, match="compile must be"):
+        train_fast(conv_net(), *resident, 1, 0.1, CPU, compile="fastest", progress=False)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_with_cuda_graphs_learns():
+    device = torch.device("cuda", 0)
+    train_loader, test_loader = fashion_mnist_on_device(64, device, quick=True)
+    techniques = Techniques.fast(device, compile=True, cuda_graphs=True)
+    assert techniques.enabled == d2lgpu.fast.TECHNIQUES
+    history = d2lgpu.train(d2lgpu.small_cnn(), train_loader, test_loader, 3, 0.1, device,
+                           seed=0, techniques=techniques, progress=False)
+    assert history.test_acc[-1] > 0.4
+    graphs_only = Techniques.fast(device, cuda_graphs=True)
+    history = d2lgpu.train(d2lgpu.small_cnn(), train_loader, test_loader, 3, 0.1, device,
+                           seed=0, techniques=graphs_only, progress=False)
+    assert history.test_acc[-1] > 0.4
