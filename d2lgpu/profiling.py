@@ -33,7 +33,6 @@ import json
 import logging
 import math
 import pickle
-import statistics
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from torch import nn
 
 from d2lgpu.benchmarking import format_table, gbps, measure_copy_bandwidth, tflops, time_fn
 from d2lgpu.checks import check_positive_int
-from d2lgpu.config import quick_mode
+from d2lgpu.config import quick_mode, workload
 from d2lgpu.fast import TECHNIQUES, DeviceLoader, Techniques, technique_skip_reason
 from d2lgpu.training import History, train
 
@@ -62,8 +61,11 @@ __all__ = [
     "SYNC_OPS",
     "TraceEvent",
     "TraceSummary",
+    "AblationSettings",
+    "QUICK_COMPILE_SKIP",
     "ablation_data",
     "ablation_plan",
+    "ablation_settings",
     "capture_training_step",
     "compare_compile_modes",
     "explain_graph_breaks",
@@ -633,7 +635,8 @@ def measure_roofline(
     """The device's roofline, measured: the compute roof is the best of ``repeats``
     ``matmul_n`` x ``matmul_n`` matmuls in the device's fast format (fp32 on most CPUs),
     the memory roof :func:`d2lgpu.measure_copy_bandwidth`. Also returns the matmul as a
-    point (its median time), to place on the roofline."""
+    point, to place on the roofline. Every time here is the best of its runs: other
+    work on the machine only ever makes a run slower."""
     device = torch.device(device)
     dtype = _matmul_dtype(device)
     a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
@@ -648,7 +651,7 @@ def measure_roofline(
         compute_label=f"best {dtype_name} matmul",
     )
     point = RooflinePoint(f"matmul {matmul_n}x{matmul_n} {dtype_name}", flops, nbytes,
-                          timing.median)
+                          timing.min)
     return roof, point
 
 
@@ -659,7 +662,7 @@ def roofline_points(
     """Two elementwise operations in fp32, timed with :func:`d2lgpu.time_fn`: a
     multiplication of two ``elementwise_numel``-element tensors (1 FLOP per 12 bytes
     moved), and the same on ``tiny_numel`` elements repeated ``tiny_repeats`` times,
-    where each call is too small for its work to matter."""
+    where each call is too small for its work to matter. Best of ``repeats`` runs."""
     device = torch.device(device)
     points = []
     for name, numel, calls in (
@@ -675,7 +678,7 @@ def roofline_points(
                 torch.mul(a, b, out=out)
 
         timing = time_fn(run, device, warmup=1, repeats=repeats)
-        points.append(RooflinePoint(name, numel * calls, 12 * numel * calls, timing.median))
+        points.append(RooflinePoint(name, numel * calls, 12 * numel * calls, timing.min))
     return points
 
 
@@ -775,7 +778,7 @@ class AblationRow:
 
     step: AblationStep
     history: History | None = None
-    images_per_second: float | None = None  # median of the epochs after the first
+    images_per_second: float | None = None  # the fastest epoch after the first
     mfu: float | None = None  # achieved FLOP/s over the device's peak
 
     @property
@@ -800,12 +803,13 @@ class AblationRow:
 
 
 def steady_images_per_second(history: History) -> float:
-    """Training images/s of the epochs after the first (its one-off costs such as
-    compiling left out); of the only epoch when there is one."""
+    """Training images/s of the fastest epoch after the first (whose one-off costs, such
+    as compiling, are left out); of the only epoch when there is one. The fastest,
+    because other work on a shared machine can only slow an epoch down."""
     speeds = history.examples_per_second
     if not speeds:
         raise ValueError("the history has no epochs")
-    return statistics.median(speeds[1:] or speeds)
+    return max(speeds[1:] or speeds)
 
 
 def mfu_note(device: torch.device | str, peak: float | None) -> str:
@@ -816,6 +820,53 @@ def mfu_note(device: torch.device | str, peak: float | None) -> str:
     if device.type == "cpu":
         return "MFU n/a: a CPU has no data-sheet Tensor Core peak to divide by"
     return f"MFU n/a: no data-sheet peak listed for {torch.cuda.get_device_name(device)}"
+
+
+@dataclass(frozen=True)
+class AblationSettings:
+    """How big the ablation of chapter 7 (and ``benchmarks/ablation.py``) is."""
+
+    model: str  # a d2lgpu model function: "resnet18" or "small_cnn"
+    batch_size: int
+    num_epochs: int
+    lr: float
+    train_size: int | None  # None: the whole split (the quick subset in quick mode)
+    test_size: int | None
+    skip: Mapping[str, str] = field(default_factory=dict)  # technique -> reason
+
+    def make_model(self) -> nn.Module:
+        from d2lgpu import models
+
+        return getattr(models, self.model)()
+
+    def describe(self) -> str:
+        examples = "quick subset" if self.train_size is None and quick_mode() else (
+            "all" if self.train_size is None else f"{self.train_size:,}")
+        return (f"{self.model}, {examples} training images, batch {self.batch_size}, "
+                f"{self.num_epochs} epochs, lr {self.lr}")
+
+
+#: Why quick mode leaves torch.compile out of the ablation.
+QUICK_COMPILE_SKIP = "quick mode: compiling takes about a minute on a CPU"
+
+
+def ablation_settings(chosen: str | None = None) -> AblationSettings:
+    """The ablation's size for a workload (:func:`d2lgpu.workload`; None: this process's).
+
+    ``full`` (a GPU): ResNet-18 on all of Fashion-MNIST, the d2l recipe's batch 256.
+    ``cpu``: the small CNN on 6,400 training images, batch 64, minutes in all.
+    ``quick``: the small CNN on the quick subset, batch 32, torch.compile left out.
+    Every workload trains 2 to 4 epochs, so the epochs after the first give a speed.
+    """
+    chosen = workload() if chosen is None else chosen
+    if chosen == "full":
+        return AblationSettings("resnet18", 256, 3, 0.1, None, None)
+    if chosen == "cpu":
+        return AblationSettings("small_cnn", 64, 4, 0.1, 6400, 2000)
+    if chosen == "quick":
+        return AblationSettings("small_cnn", 32, 2, 0.1, None, None,
+                                {"compile": QUICK_COMPILE_SKIP})
+    raise ValueError(f"unknown workload {chosen!r}: choose quick, cpu or full")
 
 
 def ablation_data(
@@ -905,8 +956,9 @@ def run_ablation(
 
 
 def format_ablation_table(rows: Sequence[AblationRow]) -> str:
-    """The ablation as a text table (lines of at most 100 characters): images/s after
-    the first epoch, speed-up over the baseline, MFU, first-epoch seconds (compiling
+    """The ablation as a text table (lines of at most 100 characters): images/s of the
+    fastest epoch after the first (:func:`steady_images_per_second`), speed-up over the
+    baseline, MFU, first-epoch seconds (compiling
     included) and test accuracy; skipped rows give their reason instead."""
     base = next((r.images_per_second for r in rows if r.ran), None)
     width = max(len(r.label) for r in rows)
@@ -947,7 +999,7 @@ def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = N
     ax.set_yticks(range(len(rows)), [r.label for r in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, top * 1.3)
-    ax.set_xlabel("training images per second (epochs after the first)")
+    ax.set_xlabel("training images per second (fastest epoch after the first)")
     if title:
         ax.set_title(title)
     ax.grid(True, axis="x", alpha=0.3)
