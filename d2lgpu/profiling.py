@@ -32,6 +32,7 @@ import gzip
 import json
 import logging
 import math
+import os
 import pickle
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -135,8 +136,17 @@ _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
     """What ``torch.profiler.profile`` should record for work on ``device``: the host's
-    operators always, and on a CUDA device the GPU's kernels and copies too."""
+    operators always, and on a CUDA device the GPU's kernels and copies too.
+
+    For a CPU it also quiets the log lines of Kineto, the profiler's engine, unless
+    ``KINETO_LOG_LEVEL`` is already set: without a GPU its only messages are a start
+    and a stop line per profile and an "ERROR" that it found no GPU to count. (On a GPU
+    its messages stay: they are where a CUPTI permission problem would show up.) It
+    takes effect when the process starts its first profile.
+    """
     device = torch.device(device)
+    if device.type == "cpu":
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above its highest level: silent
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -685,34 +695,37 @@ def roofline_points(
 def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, *,
                   title: str | None = None):
     """Draw the roofline (log-log) with ``points`` placed on it and labelled with their
-    regime. Returns the axes."""
+    regime; FLOP/s in GFLOP/s when the peak is below 1 TFLOP/s (CPUs), else TFLOP/s.
+    Returns the axes."""
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.2))
+        _, ax = plt.subplots(figsize=(7.5, 4.5))
+    scale, unit = (1e3, "GFLOP/s") if roofline.peak_tflops < 1 else (1.0, "TFLOP/s")
     intensities = [p.intensity for p in points] + [roofline.ridge]
     lo, hi = min(intensities) / 8, max(intensities) * 8
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.plot(xs, [roofline.attainable_tflops(x) for x in xs], color="black", linewidth=1.5)
+    ax.plot(xs, [roofline.attainable_tflops(x) * scale for x in xs], color="black",
+            linewidth=1.5)
     ax.axvline(roofline.ridge, color="grey", linestyle=":", linewidth=1)
-    ax.text(roofline.ridge, roofline.peak_tflops * 1.15, f" ridge {roofline.ridge:.3g} FLOP/B",
-            fontsize="small", color="grey")
-    ax.text(lo, roofline.peak_tflops * 1.15,
-            f"{roofline.compute_label}: {roofline.peak_tflops:.3g} TFLOP/s", fontsize="small")
-    ax.text(lo * 1.3, roofline.attainable_tflops(lo * 1.3) * 1.6,
-            f"copy: {roofline.bandwidth_gbps:.3g} GB/s", fontsize="small", rotation=25)
+    peak = roofline.peak_tflops * scale
+    ax.text(hi, peak * 1.25, f"{roofline.compute_label}: {peak:.3g} {unit}",
+            fontsize="small", ha="right")
+    ax.text(lo * 1.5, roofline.attainable_tflops(lo * 1.5) * scale * 1.8,
+            f"copy: {roofline.bandwidth_gbps:.3g} GB/s", fontsize="small", rotation=22)
     markers = {"compute-bound": "o", "memory-bound": "s", "overhead-bound": "v"}
-    for p in points:
+    achieved = [p.achieved_tflops * scale for p in points]
+    for p, y in zip(points, achieved, strict=True):
         regime = roofline.regime(p)
-        ax.scatter([p.intensity], [p.achieved_tflops], marker=markers[regime], s=60, zorder=3)
-        ax.annotate(f"{p.name}\n({regime})", (p.intensity, p.achieved_tflops),
-                    textcoords="offset points", xytext=(6, -4), fontsize="small", va="top")
+        ax.scatter([p.intensity], [y], marker=markers[regime], s=60, zorder=3)
+        ax.annotate(f"{p.name}\n({regime})", (p.intensity, y), textcoords="offset points",
+                    xytext=(7, -4), fontsize="small", va="top")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP per byte)")
-    ax.set_ylabel("TFLOP/s")
-    floor = min([p.achieved_tflops for p in points] + [roofline.attainable_tflops(lo)])
-    ax.set_ylim(floor / 5, roofline.peak_tflops * 3)
+    ax.set_xlabel(f"arithmetic intensity (FLOP per byte); ridge at {roofline.ridge:.3g}")
+    ax.set_ylabel(unit)
+    floor = min(achieved + [roofline.attainable_tflops(lo) * scale])
+    ax.set_ylim(floor / 5, max(achieved + [peak]) * 4)
     if title:
         ax.set_title(title)
     ax.grid(True, which="both", alpha=0.2)
@@ -1034,7 +1047,8 @@ class GraphBreakReport:
         """The report as lines of at most ``width`` characters."""
         lines = [f"{self.graph_count} graph(s), {self.break_count} graph break(s)"]
         for i, b in enumerate(self.breaks, 1):
-            lines.append(f"break {i} at `{b.code}`: {b.reason}")
+            lines.append(f"break {i} at: {b.code}")
+            lines.append(f"    reason: {b.reason}")
             if b.explanation:
                 lines.append(f"    {b.explanation}")
         return "\n".join(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 
 import pytest
@@ -192,8 +193,13 @@ def test_profiled_d2l_loop_syncs_twice_per_step_and_fetches_every_batch(tmp_path
     assert fast.item_calls == 0 and fast.dataloader_fetches == 0
 
 
-def test_profiler_activities():
+def test_profiler_activities(monkeypatch):
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
     assert P.profiler_activities("cpu") == [torch.profiler.ProfilerActivity.CPU]
+    assert os.environ["KINETO_LOG_LEVEL"] == "6"
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "2")  # a level the user chose stays
+    P.profiler_activities("cpu")
+    assert os.environ["KINETO_LOG_LEVEL"] == "2"
     assert torch.profiler.ProfilerActivity.CUDA in P.profiler_activities("cuda:0")
 
 
