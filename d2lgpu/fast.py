@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
@@ -445,6 +446,10 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
             reason = technique_skip_reason(name, device)
             if reason is not None:
                 raise ValueError(f"{name}=True cannot run on {device}: {reason}")
+    if techniques.compile and device.type == "cpu":
+        # Inductor's C++ backend loads torch.utils.cpp_extension, which warns on a machine
+        # without CUDA that it found no CUDA runtime: true, and irrelevant to CPU kernels.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if techniques.compile:
         modes = {
             ("default", False): None,
