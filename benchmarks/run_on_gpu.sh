@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one go: the GPU-only tests, the three benchmarks,
+# Everything that needs a GPU, in one go: the GPU-only tests, every benchmark,
 # and every chapter executed in full mode (their outputs replace the committed
 # quick-mode ones; check them with nbval-lax afterwards). Logs go to $LOGS.
 #
@@ -37,7 +37,8 @@ for step in "${steps[@]}"; do
         run elementwise python benchmarks/elementwise_bandwidth.py
         run amp-sweep python benchmarks/amp_sweep.py
         run train-speed python benchmarks/train_speed.py
-        run step-choices python benchmarks/step_choices.py ;;
+        run step-choices python benchmarks/step_choices.py
+        run ablation python benchmarks/ablation.py --output "$LOGS/ablation-table.txt" ;;
     notebooks)
         for nb in notebooks/[0-9]*.ipynb; do
             run "$(basename "$nb" .ipynb)" jupyter nbconvert --to notebook --execute --inplace \

@@ -5,8 +5,10 @@ devices), ``report`` (what this machine can do, and why CUDA is missing),
 ``benchmarking`` (timing GPU work correctly), ``data`` (Fashion-MNIST),
 ``models`` (ResNet-18 and a small CNN), ``parallel`` (data parallelism by
 hand), ``training`` (the train loop), ``estimate`` (how long a run will take,
-measured), ``plotting``, ``precision`` (mixed precision), ``fast`` (the
-device-resident fast path), ``distributed``, ``ddp_train`` and ``healthcheck``
+measured), ``plotting``, ``precision`` (mixed precision), ``fast`` (the fast
+path's techniques, one switch each), ``profiling`` (profiler traces, the
+roofline, the fast path as an ablation, torch.compile and CUDA graphs, memory
+timelines), ``distributed``, ``ddp_train`` and ``healthcheck``
 (torch.distributed and torchrun), and ``checks`` (argument checks the others
 share).
 """
@@ -41,9 +43,10 @@ from d2lgpu.distributed import (
 )
 from d2lgpu.fast import (
     DeviceLoader,
+    Techniques,
     fashion_mnist_on_device,
     peak_tflops,
-    train_fast,
+    technique_skip_reason,
     training_flops_per_example,
 )
 from d2lgpu.models import Residual, resnet18, small_cnn
@@ -62,6 +65,7 @@ from d2lgpu.precision import (
     SweepRow,
     amp_sweep_mode,
     compare_sweep_modes,
+    cpu_has_native_bf16,
     format_sweep_table,
     mode_unavailable_reason,
     native_tensor_core_formats,
@@ -70,6 +74,26 @@ from d2lgpu.precision import (
     random_batch_maker,
     sweep_mlp,
     tf32_matmuls,
+)
+from d2lgpu.profiling import (
+    Roofline,
+    RooflinePoint,
+    ablation_plan,
+    capture_training_step,
+    explain_graph_breaks,
+    format_ablation_table,
+    measure_roofline,
+    memory_timeline_from_snapshot,
+    memory_timeline_from_trace,
+    op_table,
+    plot_ablation,
+    plot_memory_timeline,
+    plot_roofline,
+    plot_timeline,
+    profiler_activities,
+    read_trace,
+    run_ablation,
+    summarize_trace,
 )
 from d2lgpu.report import (
     EnvironmentReport,
@@ -84,7 +108,14 @@ from d2lgpu.report import (
     read_nvml,
     setup_summary,
 )
-from d2lgpu.training import History, evaluate_accuracy, init_weights, set_seed, train
+from d2lgpu.training import (
+    History,
+    evaluate_accuracy,
+    init_weights,
+    set_seed,
+    train,
+    train_fast,
+)
 
 __version__ = "0.1.0"
 
@@ -99,15 +130,21 @@ __all__ = [
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
     "Residual",
+    "Roofline",
+    "RooflinePoint",
     "SweepComparison",
     "SweepRow",
+    "Techniques",
     "Timing",
+    "ablation_plan",
     "allreduce",
     "amp_sweep_mode",
     "benchmark_autorange",
+    "capture_training_step",
     "choose_backend",
     "compare_sweep_modes",
     "cpu",
+    "cpu_has_native_bf16",
     "data_parallel_step",
     "data_root",
     "describe_mode",
@@ -115,9 +152,11 @@ __all__ = [
     "diagnose_this_machine",
     "environment_report",
     "evaluate_accuracy",
+    "explain_graph_breaks",
     "fashion_mnist_on_device",
     "fashion_mnist_tensors",
     "find_free_port",
+    "format_ablation_table",
     "format_report",
     "format_sweep_table",
     "gbps",
@@ -131,32 +170,44 @@ __all__ = [
     "max_abs_difference",
     "measure_copy_bandwidth",
     "measure_host_to_device",
+    "measure_roofline",
+    "memory_timeline_from_snapshot",
+    "memory_timeline_from_trace",
     "mode_unavailable_reason",
     "native_tensor_core_formats",
     "num_gpus",
+    "op_table",
     "parse_cuda_visible_devices",
     "peak_tflops",
     "pick",
+    "plot_ablation",
     "plot_history",
     "plot_lines",
+    "plot_memory_timeline",
     "plot_precision_sweep",
+    "plot_roofline",
+    "plot_timeline",
     "precision_policy",
     "precision_sweep",
     "print_report",
     "print_setup",
     "process_group",
+    "profiler_activities",
     "quick_mode",
-    "workload",
     "random_batch_maker",
     "read_nvml",
+    "read_trace",
     "replicate_params",
     "resnet18",
+    "run_ablation",
     "set_seed",
     "setup_summary",
     "small_cnn",
     "split_batch",
+    "summarize_trace",
     "sweep_mlp",
     "synthetic_regression",
+    "technique_skip_reason",
     "tf32_matmuls",
     "tflops",
     "time_fn",
@@ -166,4 +217,5 @@ __all__ = [
     "training_flops_per_example",
     "try_all_gpus",
     "try_gpu",
+    "workload",
 ]

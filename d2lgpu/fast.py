@@ -1,35 +1,55 @@
-"""The fast training path: the whole data set on the device, nothing waiting on the host.
+"""The fast path, one technique at a time: what each switch of :class:`Techniques` does.
 
 :func:`d2lgpu.train` is the loop most learners start from: a CPU ``DataLoader``
 decodes and copies every batch, and the GPU waits whenever the host falls behind.
 For a data set as small as Fashion-MNIST (47 MB as uint8) that is pure overhead.
-The fastest small-image training code (e.g. the CIFAR-10 speed runs) does this
-instead, and so does :func:`train_fast`:
+The fastest small-image training code (e.g. the CIFAR-10 speed runs) removes it
+technique by technique, and :class:`Techniques` names each one as a switch of
+:func:`d2lgpu.train` (chapter 7 turns them on one at a time and measures each):
 
-* The images live on the device as uint8, four times smaller than float32, and
-  are converted and normalised there, one batch at a time (:class:`DeviceLoader`).
-* Shuffling is a ``torch.randperm`` on the device from a seeded generator; a batch
-  is an index into the resident tensors. No worker processes, no host copies.
-* On a GPU the model runs in channels-last layout (NHWC, the layout of cuDNN's
-  Tensor Core convolutions) under autocast in the precision the GPU runs fast
-  (bf16 from Ampere on, fp16 with loss scaling before; see
-  :func:`d2lgpu.precision_policy`), with cuDNN's autotuner on. On a CPU it runs in
-  bf16 where the CPU computes bf16 natively, else fp32 (:func:`fast_precision`).
-* One fused SGD kernel updates all parameters (``fused=True``); it also takes
-  GradScaler's inf check on the device, so fp16 needs no host round trip either.
-* Loss and correct counts are summed in device tensors and read once per epoch
-  (:func:`d2lgpu.training.train_epoch`), so the host queues work far ahead of the GPU.
-* ``torch.compile`` is available behind ``compile=...`` (off by default: compiling
-  costs tens of seconds up front and needs a working compiler toolchain).
+``device_data``
+    The images live on the device as uint8, four times smaller than float32, and
+    are converted and normalised there, one batch at a time (:class:`DeviceLoader`).
+    Shuffling is a ``torch.randperm`` on the device from a seeded generator; a batch
+    is an index into the resident tensors. No worker processes, no host copies.
+``no_sync``
+    Loss and correct counts are summed in device tensors and read once per epoch,
+    so the host queues work far ahead of the GPU (d2l's loop reads them with
+    ``.item()`` after every step, which waits for the GPU each time).
+``autocast``
+    The forward pass runs under autocast in the format the device runs fast
+    (:func:`d2lgpu.precision_policy` with ``"auto"``: bf16 from Ampere on, fp16 with
+    loss scaling before; on a CPU bf16 where it is native, else fp32).
+``channels_last``
+    Model and batches in NHWC, the layout of cuDNN's Tensor Core convolutions.
+``fused_optimizer``
+    One fused SGD kernel updates all parameters (:func:`make_sgd`); it also takes
+    GradScaler's inf check on the device, so fp16 needs no host round trip either.
+``compile``
+    ``torch.compile`` fuses the model's operations into fewer, generated kernels
+    (costs tens of seconds up front and needs a compiler toolchain).
+``cuda_graphs``
+    The model's kernels are recorded once as a CUDA graph and replayed, one launch
+    per graph instead of one per kernel (:func:`compile_model`).
 
-Everything else is the plain recipe: same model, SGD, cross-entropy, batch size,
-learning rate and initialisation under ``seed``, so accuracy is comparable.
+:meth:`Techniques.fast` is the fast path: every technique that pays off on the
+device (:func:`technique_skip_reason` says why one does not), with ``compile`` and
+``cuda_graphs`` to be asked for. Everything else is the plain recipe: same model, SGD,
+cross-entropy, batch size, learning rate and initialisation, so accuracy is comparable.
+
+This module holds the building blocks; :mod:`d2lgpu.training` imports them (never the
+other way round) and runs the loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
+import shutil
+import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,28 +58,22 @@ from torch import nn
 from d2lgpu.checks import check_positive_int, check_seed
 from d2lgpu.data import fashion_mnist_tensors
 from d2lgpu.devices import try_gpu
-from d2lgpu.precision import PrecisionPolicy, precision_policy
+from d2lgpu.precision import precision_policy
 from d2lgpu.report import require_cuda_device
-from d2lgpu.training import (
-    History,
-    check_hyperparameters,
-    init_weights,
-    resolve_devices,
-    run_epochs,
-    set_seed,
-    warmup_scheduler,
-)
 
 __all__ = [
+    "COMPILE_MODES",
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
+    "TECHNIQUES",
     "DeviceLoader",
-    "cpu_has_native_bf16",
+    "Techniques",
+    "as_device_loader",
+    "compile_model",
     "fashion_mnist_on_device",
-    "fast_precision",
     "make_sgd",
     "peak_tflops",
-    "train_fast",
+    "technique_skip_reason",
     "training_flops_per_example",
 ]
 
@@ -226,29 +240,134 @@ def fashion_mnist_on_device(
     return train_loader, test_loader
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX instructions)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: no fast bf16 path
-        return False
+
+# --------------------------------------------------------------------------- #
+# The switches
+# --------------------------------------------------------------------------- #
+
+#: The techniques of the fast path, in the order chapter 7's ablation adds them.
+TECHNIQUES = (
+    "device_data", "no_sync", "autocast", "channels_last", "fused_optimizer", "compile",
+    "cuda_graphs",
+)
+
+#: ``Techniques.compile_mode`` values; CUDA graphs are a switch of their own.
+COMPILE_MODES = ("default", "max-autotune")
 
 
-def fast_precision(
-    device: torch.device | str, amp: bool | str | torch.dtype = "auto"
-) -> PrecisionPolicy:
-    """The precision :func:`train_fast` uses: like :func:`d2lgpu.precision_policy`, except
-    that ``"auto"`` on a CPU means bf16 only where the CPU computes bf16 natively.
+@dataclass(frozen=True)
+class Techniques:
+    """Which speed techniques :func:`d2lgpu.train` uses: one switch per technique.
 
-    Without native bf16 instructions, bf16 autocast on a CPU converts every operand
-    back and forth and is slower than fp32. With AVX512-BF16, a ResNet-18 step ran
-    about 2.5x faster in bf16 than in fp32 (``benchmarks/RESULTS.md``). On GPUs
-    ``"auto"`` is the GPU's fast Tensor Core format. ``amp=False`` forces fp32.
+    ``Techniques()`` is the plain loop of :func:`d2lgpu.train` (``no_sync`` only);
+    :meth:`d2l_style` switches that off too, :meth:`fast` is the fast path. The
+    module docstring says what each switch does. ``compile_mode`` is the
+    ``torch.compile`` mode when ``compile`` is on: ``"default"``, or
+    ``"max-autotune"`` (tries several kernels per operation: far longer compiles).
     """
+
+    device_data: bool = False
+    no_sync: bool = True
+    autocast: bool = False
+    channels_last: bool = False
+    fused_optimizer: bool = False
+    compile: bool = False
+    cuda_graphs: bool = False
+    compile_mode: str = "default"
+
+    def __post_init__(self) -> None:
+        for name in TECHNIQUES:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"Techniques.{name} is a switch: True or False, got {value!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            hint = (
+                " (that is compile=True with cuda_graphs=True)"
+                if self.compile_mode == "reduce-overhead" else ""
+            )
+            raise ValueError(
+                f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}{hint}"
+            )
+
+    @classmethod
+    def d2l_style(cls) -> Techniques:
+        """None of them: d2l's loop, which reads loss and accuracy after every step."""
+        return cls(no_sync=False)
+
+    @classmethod
+    def fast(
+        cls, device: torch.device | str, *, compile: bool = False, cuda_graphs: bool = False
+    ) -> Techniques:
+        """The fast path on ``device``: every technique up to the optimizer that pays off
+        there (see :func:`technique_skip_reason`), plus ``compile``/``cuda_graphs`` when
+        asked for (they cost compile time up front)."""
+        device = torch.device(device)
+        basic = TECHNIQUES[: TECHNIQUES.index("fused_optimizer") + 1]
+        switches = {name: technique_skip_reason(name, device) is None for name in basic}
+        return cls(**switches, compile=compile, cuda_graphs=cuda_graphs)
+
+    def replace(self, **changes: bool | str) -> Techniques:
+        """A copy with some switches changed, e.g. ``techniques.replace(compile=True)``."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """The names of the switches that are on, in :data:`TECHNIQUES` order."""
+        return tuple(name for name in TECHNIQUES if getattr(self, name))
+
+    def __str__(self) -> str:
+        names = list(self.enabled)
+        if self.compile and self.compile_mode != "default":
+            names[names.index("compile")] = f"compile ({self.compile_mode})"
+        return " + ".join(names) if names else "none (d2l-style)"
+
+
+def _has_cxx_compiler() -> bool:
+    names = ("cl",) if sys.platform == "win32" else ("c++", "g++", "clang++")
+    return any(shutil.which(name) for name in names)
+
+
+def technique_skip_reason(technique: str, device: torch.device | str) -> str | None:
+    """Why the fast path leaves ``technique`` out on ``device`` (one line of at most 64
+    characters), or None when it uses it.
+
+    Either the technique cannot run there (CUDA graphs on a CPU; ``torch.compile``
+    without its compiler toolchain), or it buys nothing there: autocast where the
+    device's fast format is fp32, and channels-last and the fused optimizer on a CPU
+    (both are CUDA-side wins: cuDNN's Tensor Core layout, fewer kernel launches).
+    """
+    if technique not in TECHNIQUES:
+        raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
     device = torch.device(device)
-    if isinstance(amp, str) and amp.lower() == "auto" and device.type == "cpu":
-        return precision_policy(device, "bf16" if cpu_has_native_bf16() else False)
-    return precision_policy(device, amp)
+    on_cuda = device.type == "cuda"
+    if technique == "autocast":
+        if precision_policy(device, "auto").dtype is not None:
+            return None
+        if device.type == "cpu":
+            return "no native bf16 here: emulated bf16 is slower, 'auto' is fp32"
+        return f"no fast reduced format on {device}: 'auto' is fp32"
+    if technique == "channels_last" and not on_cuda:
+        return "cuDNN's Tensor Core layout; mixed results on CPUs (RESULTS.md)"
+    if technique == "fused_optimizer" and not on_cuda:
+        return "saves CUDA kernel launches; a CPU launches none"
+    if technique == "cuda_graphs" and not on_cuda:
+        return "CUDA graphs replay CUDA kernels; a CPU runs none"
+    if technique == "compile":
+        if not torch._dynamo.is_dynamo_supported():
+            return "torch.compile does not support this Python and torch"
+        if on_cuda:
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                return "torch.compile on a GPU needs Triton (pip install triton)"
+        elif not _has_cxx_compiler():
+            return "torch.compile on a CPU needs a C++ compiler (g++ or clang++)"
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# What the switches use
+# --------------------------------------------------------------------------- #
 
 
 def make_sgd(
@@ -278,10 +397,19 @@ def make_sgd(
     return torch.optim.SGD(params, foreach=True, **kwargs)
 
 
-def _as_device_loader(
-    data: object, name: str, device: torch.device, batch_size: int, shuffle: bool, seed: int,
-    channels_last: bool,
+def as_device_loader(
+    data: object,
+    name: str,
+    device: torch.device,
+    *,
+    batch_size: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    channels_last: bool = False,
 ) -> DeviceLoader:
+    """``data`` as a :class:`DeviceLoader` on ``device``: a DeviceLoader already there, or,
+    when ``batch_size`` is given, a pair (uint8 images, labels) put there now with the
+    other arguments. Anything else is an error that names the fix."""
     if isinstance(data, DeviceLoader):
         if data.device != device:
             raise ValueError(
@@ -289,138 +417,57 @@ def _as_device_loader(
                 f"loader on {device} (e.g. d2lgpu.fashion_mnist_on_device(..., device))"
             )
         return data
-    if isinstance(data, (tuple, list)) and len(data) == 2 and all(
+    is_pair = isinstance(data, (tuple, list)) and len(data) == 2 and all(
         isinstance(t, torch.Tensor) for t in data
-    ):
+    )
+    if is_pair and batch_size is not None:
         return DeviceLoader(
             data[0], data[1], batch_size, device=device, shuffle=shuffle, seed=seed,
             channels_last=channels_last,
         )
+    accepted = "a d2lgpu.DeviceLoader" + (
+        " or a pair (uint8 images, labels)" if batch_size is not None else ""
+    )
     raise TypeError(
-        f"{name} must be a d2lgpu.DeviceLoader or a pair (uint8 images, labels), got "
-        f"{type(data).__name__}. The fast path keeps the data set on the device instead of "
-        "reading a DataLoader: use d2lgpu.fashion_mnist_on_device(batch_size, device), or "
-        "d2lgpu.train(...) without fast=True for a DataLoader."
+        f"{name} must be {accepted}, got {type(data).__name__}. The fast path keeps the "
+        "data set on the device instead of reading a DataLoader: use "
+        "d2lgpu.fashion_mnist_on_device(batch_size, device) (or d2lgpu.train_fast with "
+        "tensor pairs), or switch device_data off (no fast=True) to read a DataLoader."
     )
 
 
-def _maybe_compile(net: nn.Module, compile: bool | str) -> nn.Module:
-    """``torch.compile(net)`` when asked (a string picks the mode), with a clear error
-    where this Python/torch has no compiler stack."""
-    if compile is False:
-        return net
-    if not torch._dynamo.is_dynamo_supported():
-        raise RuntimeError(
-            "torch.compile is not supported with this Python and torch; pass compile=False"
-        )
-    if compile is True:
-        return torch.compile(net)
-    if isinstance(compile, str):
-        return torch.compile(net, mode=compile)
-    raise ValueError(
-        f"compile must be False, True or a torch.compile mode such as 'max-autotune', "
-        f"got {compile!r}"
-    )
+def compile_model(net: nn.Module, techniques: Techniques, device: torch.device | str) -> nn.Module:
+    """``net`` as ``techniques`` asks: itself, or a ``torch.compile`` wrapper sharing its weights.
 
-
-def train_fast(
-    net: nn.Module,
-    train_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
-    test_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
-    num_epochs: int,
-    lr: float,
-    device: torch.device | str | None = None,
-    *,
-    batch_size: int = 256,
-    seed: int | None = 0,
-    amp: bool | str | torch.dtype = "auto",
-    compile: bool | str = False,
-    channels_last: bool | None = None,
-    progress: bool = True,
-    weight_decay: float = 0.0,
-    momentum: float = 0.0,
-    warmup_epochs: float = 0.0,
-    init: bool = True,
-) -> History:
-    """Train like :func:`d2lgpu.train` on one device, with the data on the device and no
-    per-step host synchronisation. Returns the same :class:`d2lgpu.History`.
-
-    ``train_data``/``test_data``: :class:`DeviceLoader` s (e.g. from
-    :func:`fashion_mnist_on_device`), or pairs ``(uint8 images, labels)`` that are
-    put on the device here and batched with ``batch_size`` (train shuffled). ``seed``
-    seeds initialisation and restarts the training loader's shuffling, so a seed
-    gives the same run on the CPU (GPU kernels may differ in the last bits).
-    ``amp="auto"``: the GPU's fast format; on a CPU bf16 where native, else fp32
-    (:func:`fast_precision`).
-    ``compile``: False, True, or a ``torch.compile`` mode; the first epoch then
-    includes compilation time. ``channels_last`` stores activations as NHWC, the layout
-    of cuDNN's Tensor Core convolutions; ``None`` means on CUDA only (on the CPU it did
-    not help ResNet-18 in bf16 and slowed the small CNN down: ``benchmarks/RESULTS.md``).
-    ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
+    ``compile`` uses the inductor compiler (mode ``"default"`` or
+    ``"max-autotune-no-cudagraphs"``). ``cuda_graphs`` with ``compile`` is mode
+    ``"reduce-overhead"`` (or ``"max-autotune"``), inductor's kernels replayed as CUDA
+    graphs; ``cuda_graphs`` alone is the ``"cudagraphs"`` backend, which records the
+    eager kernels of the forward and backward passes as graphs. Either way torch
+    re-records a graph for each new input shape (e.g. a smaller last batch). A
+    technique that cannot run on ``device`` is an error that says why.
     """
-    check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
-    check_positive_int("batch_size", batch_size)
-    if not isinstance(compile, (bool, str)):
-        raise ValueError(
-            f"compile must be False, True or a torch.compile mode such as 'max-autotune', "
-            f"got {compile!r}"
-        )
-    # One device only; resolve_devices names the GPU ("cuda" -> "cuda:0") and gives a
-    # clear error for one that is not there.
-    devices = [try_gpu()] if device is None else resolve_devices(device)
-    if len(devices) != 1:
-        raise ValueError(f"train_fast trains on one device, got {[str(d) for d in devices]}")
-    device = devices[0]
-    if channels_last is None:
-        channels_last = device.type == "cuda"
-    train_loader = _as_device_loader(
-        train_data, "train_data", device, batch_size, True, seed or 0, channels_last
-    )
-    test_loader = _as_device_loader(
-        test_data, "test_data", device, batch_size, False, 0, channels_last
-    )
-    if seed is not None:
-        set_seed(seed)
-        train_loader.manual_seed(seed)
-    if init:
-        init_weights(net)
-    net.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    model = _maybe_compile(net, compile)
-
-    policy = fast_precision(device, amp)
-    scaler = policy.make_scaler()
-    loss_fn = nn.CrossEntropyLoss()
-    optimizer = make_sgd(
-        net.parameters(), lr, device, momentum=momentum, weight_decay=weight_decay
-    )
-    scheduler = warmup_scheduler(optimizer, warmup_epochs, len(train_loader))
-
-    history = History(device=str(device))
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=len(train_loader) * num_epochs, unit="batch",
-            desc=f"fast path on {device} ({policy.name}, "
-            f"{'channels_last' if channels_last else 'NCHW'}, {type(optimizer).__name__} "
-            f"{'fused' if optimizer.defaults.get('fused') else 'foreach'}"
-            f"{', compiled' if compile is not False else ''})",
-        )
-    # cuDNN tries its algorithms once per input shape and keeps the fastest; with a
-    # fixed batch size (plus one smaller last batch) that pays off from the first epoch.
-    benchmark_before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = device.type == "cuda" or benchmark_before
-    try:
-        run_epochs(
-            model, train_loader, test_loader, num_epochs, loss_fn, optimizer, device, policy,
-            scaler, scheduler, history, bar,
-        )
-    finally:
-        torch.backends.cudnn.benchmark = benchmark_before
-        if bar is not None:
-            bar.close()
-    return history
+    device = torch.device(device)
+    for name in ("compile", "cuda_graphs"):
+        if getattr(techniques, name):
+            reason = technique_skip_reason(name, device)
+            if reason is not None:
+                raise ValueError(f"{name}=True cannot run on {device}: {reason}")
+    if techniques.compile and device.type == "cpu":
+        # Inductor's C++ backend loads torch.utils.cpp_extension, which warns on a machine
+        # without CUDA that it found no CUDA runtime: true, and irrelevant to CPU kernels.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    if techniques.compile:
+        modes = {
+            ("default", False): None,
+            ("default", True): "reduce-overhead",
+            ("max-autotune", False): "max-autotune-no-cudagraphs",
+            ("max-autotune", True): "max-autotune",
+        }
+        return torch.compile(net, mode=modes[techniques.compile_mode, techniques.cuda_graphs])
+    if techniques.cuda_graphs:
+        return torch.compile(net, backend="cudagraphs")
+    return net
 
 
 def training_flops_per_example(

@@ -34,6 +34,7 @@ __all__ = [
     "SweepRow",
     "amp_sweep_mode",
     "compare_sweep_modes",
+    "cpu_has_native_bf16",
     "format_sweep_table",
     "mode_unavailable_reason",
     "native_tensor_core_formats",
@@ -98,6 +99,19 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX instructions).
+
+    Without them bf16 autocast on a CPU converts operands back and forth and runs
+    slower than fp32 (chapter 6's sweep measures it); with AVX512-BF16 a ResNet-18
+    step ran about 2.5x faster in bf16 than in fp32 (``benchmarks/RESULTS.md``).
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: no fast bf16 path
+        return False
+
+
 def precision_policy(
     device: torch.device | str,
     amp: bool | str | torch.dtype | None = "auto",
@@ -110,9 +124,13 @@ def precision_policy(
     decide: bf16 from compute capability 8.0, fp16 with a GradScaler on 7.x,
     and plain fp32 below 7.0, where there are no Tensor Cores to gain from
     (a GTX 10xx runs fp16 arithmetic far slower than fp32). On the CPU "auto"
-    means bf16 autocast; on other device types it means fp32, because there is
-    no rule here for what they run fast. ``capability`` overrides the one read
-    from the device (for tests and for tables of GPUs you do not have).
+    means bf16 autocast where the CPU computes bf16 natively
+    (:func:`cpu_has_native_bf16`: AVX512-BF16 or AMX) and fp32 elsewhere, where
+    bf16 is emulated and slower than fp32. On other device types it means fp32,
+    because there is no rule here for what they run fast. This is the one rule
+    for "auto" in the course: :func:`d2lgpu.train` and the fast path use it too.
+    ``capability`` overrides the one read from the device (for tests and for
+    tables of GPUs you do not have).
     """
     device = as_device(device)
     fp32 = PrecisionPolicy(device.type, None, False)
@@ -132,6 +150,8 @@ def precision_policy(
             else:
                 return fp32
         elif device.type == "cpu":
+            if not cpu_has_native_bf16():
+                return fp32
             dtype = torch.bfloat16
         else:
             return fp32
@@ -247,9 +267,13 @@ def mode_unavailable_reason(
 def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | None = None) -> str:
     """The sweep mode to set against fp32: the one ``precision_policy(device, "auto")`` picks.
 
-    That is "bf16" on the CPU and from compute capability 8.0, "fp16" on 7.x, and
-    also "fp16" below 7.0, where "auto" stays in fp32 but fp16 is still worth measuring.
+    That is "bf16" from compute capability 8.0, "fp16" on 7.x, and also "fp16" below
+    7.0, where "auto" stays in fp32 but fp16 is still worth measuring. On a CPU it is
+    "bf16", the only reduced format a CPU runs, also where "auto" stays in fp32
+    because bf16 is emulated: the sweep then measures how much slower it is.
     """
+    if torch.device(device).type == "cpu":
+        return "bf16"
     dtype = precision_policy(device, "auto", capability=capability).dtype
     return "bf16" if dtype == torch.bfloat16 else "fp16"
 

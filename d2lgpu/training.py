@@ -11,9 +11,14 @@
   instead of forcing a host-device synchronisation on every batch.
 * ``warmup_epochs`` ramps the learning rate up linearly, which large batches with a
   linearly scaled learning rate need (Goyal et al., 2017).
+* ``techniques`` switches on the fast path's techniques one by one
+  (:class:`d2lgpu.Techniques`: data on the device, autocast, channels-last, a fused
+  optimizer, ``torch.compile``, CUDA graphs); ``fast=True`` switches on all that pay
+  off on the device. :func:`train_fast` is that, with the data given as tensors.
 
 The body of one epoch is :func:`train_epoch`, so that other training paths can reuse
-it or replace it without copying the set-up in :func:`train`.
+it or replace it without copying the set-up in :func:`train`. The building blocks of
+the techniques live in :mod:`d2lgpu.fast`, which does not import this module.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from d2lgpu.checks import check_seed
+from d2lgpu.checks import check_positive_int, check_seed
 from d2lgpu.devices import as_device, num_gpus, try_all_gpus, try_gpu
 from d2lgpu.estimate import training_estimate
+from d2lgpu.fast import DeviceLoader, Techniques, as_device_loader, compile_model, make_sgd
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
@@ -41,7 +47,11 @@ __all__ = [
     "set_seed",
     "train",
     "train_epoch",
+    "train_fast",
 ]
+
+#: What :func:`d2lgpu.train` does without being told: loss and accuracy read once per epoch.
+PLAIN = Techniques()
 
 
 def set_seed(seed: int) -> None:
@@ -217,36 +227,55 @@ def train_epoch(
     scaler: torch.amp.GradScaler,
     scheduler: LinearWarmup | None = None,
     on_batch=None,
+    *,
+    techniques: Techniques = PLAIN,
 ) -> tuple[float, float, int]:
     """One pass over ``train_iter``; returns (mean loss, accuracy, number of examples).
 
-    The sums stay on ``device`` during the epoch and are read once at the end, so the
-    GPU is never stalled waiting for the host to see a loss value. ``scheduler`` is
-    stepped after every batch; ``on_batch()`` is called after every batch (progress bars).
+    With ``techniques.no_sync`` (the default) the sums stay on ``device`` during the
+    epoch and are read once at the end, so the GPU is never stalled waiting for the
+    host to see a loss value. Without it they are read with ``.item()`` after every
+    step, as d2l's loop does: each read waits until the device has finished the step.
+    ``scheduler`` is stepped after every batch; ``on_batch()`` is called after every
+    batch (progress bars). Each step is a ``train_step`` range in profiler traces.
     """
     net.train()
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss_read, correct_read = 0.0, 0  # the per-step host copies when not no_sync
     count = 0
     for X, y in train_iter:
-        X = X.to(device, non_blocking=True)
-        y = y.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        with policy.autocast():
-            y_hat = net(X)
-            loss = loss_fn(y_hat, y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        if scheduler is not None:
-            scheduler.step()
-        loss_sum += loss.detach().float() * y.numel()
-        correct += (y_hat.detach().argmax(dim=1) == y).sum()
-        count += y.numel()
+        with torch.profiler.record_function("train_step"):
+            X = X.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            if techniques.channels_last and X.dim() == 4:
+                X = X.contiguous(memory_format=torch.channels_last)  # a no-op when it is
+            if techniques.cuda_graphs:
+                # Tells the graph replays that the previous step's outputs are done with.
+                torch.compiler.cudagraph_mark_step_begin()
+            optimizer.zero_grad(set_to_none=True)
+            with policy.autocast():
+                y_hat = net(X)
+                loss = loss_fn(y_hat, y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if scheduler is not None:
+                scheduler.step()
+            if techniques.no_sync:
+                loss_sum += loss.detach().float() * y.numel()
+                correct += (y_hat.detach().argmax(dim=1) == y).sum()
+            else:
+                # Each .item() makes the host wait until the device has finished the step.
+                loss_read += loss.item() * y.numel()
+                correct_read += (y_hat.argmax(dim=1) == y).sum().item()
+            count += y.numel()
         if on_batch is not None:
             on_batch()
     if count == 0:
         raise ValueError("train_iter yielded no examples: check the data loader")
+    if not techniques.no_sync:
+        return loss_read / count, correct_read / count, count
     return loss_sum.item() / count, correct.item() / count, count
 
 
@@ -319,19 +348,26 @@ def run_epochs(
     history: History,
     bar=None,
     live: LivePlot | None = None,
+    *,
+    techniques: Techniques = PLAIN,
+    eval_model: nn.Module | None = None,
 ) -> None:
-    """The epoch loop shared by :func:`train` and :func:`d2lgpu.train_fast`: train one
-    epoch, evaluate, append to ``history``, update the progress bar and live plot."""
+    """The epoch loop of :func:`train`: train one epoch, evaluate, append to ``history``,
+    update the progress bar and live plot. ``eval_model`` (default: ``model``) is what
+    evaluation runs, e.g. the eager module behind a compiled one."""
+    eval_model = model if eval_model is None else eval_model
     estimate = training_estimate(train_iter, num_epochs, device)  # one line, for long runs
     for epoch in range(num_epochs):
         start = time.perf_counter()
         loss, train_acc, count = train_epoch(
             model, train_iter, loss_fn, optimizer, device, policy, scaler, scheduler,
             on_batch=estimate.step if bar is None else lambda: (bar.update(1), estimate.step()),
+            techniques=techniques,
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
         check_finite_loss(loss, epoch + 1, optimizer.defaults["lr"], policy)
-        test_acc = evaluate_accuracy(model, test_iter, device, policy=policy)
+        with torch.profiler.record_function("evaluate"):
+            test_acc = evaluate_accuracy(eval_model, test_iter, device, policy=policy)
         history.train_loss.append(loss)
         history.train_acc.append(train_acc)
         history.test_acc.append(test_acc)
@@ -378,6 +414,11 @@ def check_hyperparameters(
         raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
 
 
+def _one_device_techniques(techniques: Techniques) -> list[str]:
+    """The switched-on techniques that train on one device only (not with DataParallel)."""
+    return [name for name in techniques.enabled if name not in ("no_sync", "autocast")]
+
+
 def train(
     net: nn.Module,
     train_iter: Iterable,
@@ -387,14 +428,15 @@ def train(
     devices: torch.device | str | Sequence[torch.device | str] | None = None,
     *,
     seed: int | None = None,
-    amp: bool | str | torch.dtype = False,
+    amp: bool | str | torch.dtype | None = None,
+    techniques: Techniques | None = None,
+    fast: bool = False,
     progress: bool = True,
     plot: bool | None = None,
     weight_decay: float = 0.0,
     momentum: float = 0.0,
     warmup_epochs: float = 0.0,
     init: bool = True,
-    fast: bool = False,
 ) -> History:
     """Train a classifier with SGD and cross-entropy; evaluate on ``test_iter`` every epoch.
 
@@ -403,44 +445,75 @@ def train(
     batch across them. ``seed`` seeds everything first (initialisation, shuffling),
     so the same seed gives the same history on the CPU. ``init=False`` keeps the
     model's current weights (fine-tuning; otherwise every parameter is reset).
-    ``amp`` picks mixed precision through :func:`d2lgpu.precision_policy`.
     ``warmup_epochs`` ramps the learning rate linearly from ``lr / steps`` to ``lr``
     over that many epochs. ``progress`` shows a tqdm bar; ``plot`` a live plot (None:
     only inside a notebook). The model is trained in place and stays on ``devices[0]``.
-    ``fast=True`` hands over to :func:`d2lgpu.train_fast` (one device, data on it:
-    ``train_iter``/``test_iter`` from :func:`d2lgpu.fashion_mnist_on_device`; pass
-    ``amp="auto"`` for the GPU's fast precision).
-    """
-    if fast:
-        from d2lgpu.fast import train_fast  # imported here: d2lgpu.fast builds on this module
 
+    ``techniques`` (a :class:`d2lgpu.Techniques`; default ``Techniques()``, loss and
+    accuracy read once per epoch) switches on the fast path's techniques one by one.
+    With ``device_data`` the data must be :class:`d2lgpu.DeviceLoader` s on the
+    device (e.g. from :func:`d2lgpu.fashion_mnist_on_device`); without it, a
+    DeviceLoader is refused, so the switch always says where the data was. Every
+    technique but ``no_sync`` and ``autocast`` needs one device; ``devices=None``
+    then means :func:`d2lgpu.try_gpu`. ``fast=True`` is
+    ``techniques=Techniques.fast(device)`` (no live plot: plot the returned History).
+    ``amp`` picks the precision through :func:`d2lgpu.precision_policy`; None means
+    ``"auto"`` (the device's fast format) with the ``autocast`` switch, fp32 without.
+    When ``compile`` or ``cuda_graphs`` is on, evaluation runs the eager module (a
+    second, inference graph would cost another compilation for one pass per epoch),
+    and the first epoch's time includes compiling.
+    """
+    check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
+    if fast:
+        if techniques is not None:
+            raise ValueError("pass fast=True or techniques=..., not both")
         if plot:
             raise ValueError(
                 "plot=True is not available with fast=True: plot the returned History "
                 "with d2lgpu.plot_history"
             )
-        fast_devices = [try_gpu()] if devices is None else resolve_devices(devices)
-        if len(fast_devices) > 1:
-            raise ValueError(
-                f"fast=True trains on one device, got {[str(d) for d in fast_devices]}: "
-                "pass one, e.g. devices=d2lgpu.try_gpu()"
-            )
-        return train_fast(
-            net, train_iter, test_iter, num_epochs, lr, fast_devices[0], seed=seed, amp=amp,
-            progress=progress, weight_decay=weight_decay, momentum=momentum,
-            warmup_epochs=warmup_epochs, init=init,
+        plot = False
+    if techniques is not None and not isinstance(techniques, Techniques):
+        raise TypeError(
+            f"techniques must be a d2lgpu.Techniques, got {type(techniques).__name__}"
         )
-    check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
-    devices = resolve_devices(devices)
+    one_device = fast or bool(techniques is not None and _one_device_techniques(techniques))
+    devices = [try_gpu()] if devices is None and one_device else resolve_devices(devices)
     device = devices[0]
+    if fast:
+        techniques = Techniques.fast(device)
+    techniques = PLAIN if techniques is None else techniques
+    if len(devices) > 1 and _one_device_techniques(techniques):
+        raise ValueError(
+            f"{', '.join(_one_device_techniques(techniques))} train on one device, got "
+            f"{[str(d) for d in devices]}: pass one, e.g. devices=d2lgpu.try_gpu()"
+        )
+    if techniques.device_data:
+        train_iter = as_device_loader(train_iter, "train_iter", device)
+        test_iter = as_device_loader(test_iter, "test_iter", device)
+    else:
+        for name, data in (("train_iter", train_iter), ("test_iter", test_iter)):
+            if isinstance(data, DeviceLoader):
+                raise ValueError(
+                    f"{name} is a DeviceLoader, whose data already lives on {data.device}, "
+                    "but the device_data switch is off: pass fast=True or "
+                    "techniques=d2lgpu.Techniques(device_data=True, ...)"
+                )
 
     if seed is not None:
         set_seed(seed)
+        if isinstance(train_iter, DeviceLoader):
+            train_iter.manual_seed(seed)  # its own generator: restart its shuffling too
     if init:
         init_weights(net)
-    net.to(device)
+    if techniques.channels_last:
+        net.to(device, memory_format=torch.channels_last)
+    else:
+        net.to(device)
+    if amp is None:
+        amp = "auto" if techniques.autocast else False
     policy = precision_policy(device, amp)
-    model = net
+    model = compile_model(net, techniques, device)
     if len(devices) > 1:
         # DataParallel's replica threads re-enter autocast with the default dtype
         # (fp16 on CUDA), not ours: entering the policy inside forward keeps bf16 bf16.
@@ -449,9 +522,14 @@ def train(
 
     scaler = policy.make_scaler()
     loss_fn = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(
-        net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-    )
+    if techniques.fused_optimizer:
+        optimizer = make_sgd(
+            net.parameters(), lr, device, momentum=momentum, weight_decay=weight_decay
+        )
+    else:
+        optimizer = torch.optim.SGD(
+            net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+        )
     steps_per_epoch = len(train_iter) if hasattr(train_iter, "__len__") else None
     scheduler = warmup_scheduler(optimizer, warmup_epochs, steps_per_epoch)
 
@@ -467,15 +545,112 @@ def train(
         from tqdm.auto import tqdm
 
         total = steps_per_epoch * num_epochs if steps_per_epoch is not None else None
-        bar = tqdm(total=total, desc=f"training on {history.device}", unit="batch")
+        extras = "" if techniques == PLAIN else f" ({techniques}; {policy.name})"
+        bar = tqdm(total=total, desc=f"training on {history.device}{extras}", unit="batch")
+    # With channels-last, cuDNN's autotuner picks the fastest convolution (the NHWC
+    # Tensor Core kernels) once per input shape; a fixed batch size pays that off at once.
+    benchmark_before = torch.backends.cudnn.benchmark
+    if techniques.channels_last and device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    compiled = techniques.compile or techniques.cuda_graphs
     try:
         run_epochs(
             model, train_iter, test_iter, num_epochs, loss_fn, optimizer, device, policy,
-            scaler, scheduler, history, bar, live,
+            scaler, scheduler, history, bar, live, techniques=techniques,
+            eval_model=net if compiled else model,
         )
     finally:
+        torch.backends.cudnn.benchmark = benchmark_before
         if bar is not None:
             bar.close()
         if live is not None:
             live.close()
     return history
+
+
+#: ``train_fast(compile=...)`` spellings: torch.compile modes as switches of Techniques.
+_COMPILE_SPELLINGS = {
+    "default": dict(compile=True),
+    "reduce-overhead": dict(compile=True, cuda_graphs=True),
+    "max-autotune-no-cudagraphs": dict(compile=True, compile_mode="max-autotune"),
+}
+
+
+def _compile_switches(compile: bool | str, device: torch.device) -> dict:
+    if compile is False:
+        return {}
+    if compile is True:
+        return dict(compile=True)
+    if compile == "max-autotune":  # torch's max-autotune includes CUDA graphs on a GPU
+        return dict(compile=True, compile_mode="max-autotune", cuda_graphs=device.type == "cuda")
+    if isinstance(compile, str) and compile in _COMPILE_SPELLINGS:
+        return dict(_COMPILE_SPELLINGS[compile])
+    raise ValueError(
+        "compile must be False, True or a torch.compile mode (default, reduce-overhead, "
+        f"max-autotune, max-autotune-no-cudagraphs), got {compile!r}"
+    )
+
+
+def train_fast(
+    net: nn.Module,
+    train_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
+    test_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
+    num_epochs: int,
+    lr: float,
+    device: torch.device | str | None = None,
+    *,
+    batch_size: int = 256,
+    seed: int | None = 0,
+    amp: bool | str | torch.dtype = "auto",
+    compile: bool | str = False,
+    channels_last: bool | None = None,
+    progress: bool = True,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    warmup_epochs: float = 0.0,
+    init: bool = True,
+) -> History:
+    """:func:`train` on one device with the fast path's techniques
+    (:meth:`d2lgpu.Techniques.fast`). Returns the same :class:`History`.
+
+    ``train_data``/``test_data``: :class:`d2lgpu.DeviceLoader` s (e.g. from
+    :func:`d2lgpu.fashion_mnist_on_device`), or pairs ``(uint8 images, labels)`` that
+    are put on the device here and batched with ``batch_size`` (train shuffled).
+    ``seed`` seeds initialisation and restarts the training loader's shuffling, so a
+    seed gives the same run on the CPU (GPU kernels may differ in the last bits).
+    ``amp="auto"``: the device's fast format (:func:`d2lgpu.precision_policy`).
+    ``compile``: False, True, or a ``torch.compile`` mode ("reduce-overhead" is
+    compile with the ``cuda_graphs`` switch); the first epoch then includes
+    compilation time. ``channels_last`` stores activations as NHWC; ``None`` means
+    what :meth:`Techniques.fast` picks (on CUDA only: on the CPU it did not help
+    ResNet-18 in bf16 and slowed the small CNN down, ``benchmarks/RESULTS.md``).
+    ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
+    """
+    check_positive_int("batch_size", batch_size)
+    if not isinstance(compile, (bool, str)):
+        raise ValueError(
+            f"compile must be False, True or a torch.compile mode such as 'max-autotune', "
+            f"got {compile!r}"
+        )
+    # One device only; resolve_devices names the GPU ("cuda" -> "cuda:0") and gives a
+    # clear error for one that is not there.
+    devices = [try_gpu()] if device is None else resolve_devices(device)
+    if len(devices) != 1:
+        raise ValueError(f"train_fast trains on one device, got {[str(d) for d in devices]}")
+    device = devices[0]
+    techniques = Techniques.fast(device).replace(**_compile_switches(compile, device))
+    if channels_last is not None:
+        techniques = techniques.replace(channels_last=channels_last)
+    train_loader = as_device_loader(
+        train_data, "train_data", device, batch_size=batch_size, shuffle=True, seed=seed or 0,
+        channels_last=techniques.channels_last,
+    )
+    test_loader = as_device_loader(
+        test_data, "test_data", device, batch_size=batch_size,
+        channels_last=techniques.channels_last,
+    )
+    return train(
+        net, train_loader, test_loader, num_epochs, lr, device, seed=seed, amp=amp,
+        techniques=techniques, progress=progress, plot=False, weight_decay=weight_decay,
+        momentum=momentum, warmup_epochs=warmup_epochs, init=init,
+    )

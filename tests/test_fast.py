@@ -1,4 +1,5 @@
-"""Tests of the fast path: the device-resident loader, fused SGD, FLOP counting, train_fast."""
+"""Tests of the fast path: the device-resident loader, the technique switches, fused SGD,
+FLOP counting, train_fast."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from d2lgpu.fast import (
     FASHION_MNIST_STD,
     DeviceLoader,
     fashion_mnist_on_device,
-    fast_precision,
     make_sgd,
     peak_tflops,
-    train_fast,
     training_flops_per_example,
 )
+from d2lgpu.precision import precision_policy
+from d2lgpu.training import train_fast
 
 CPU = torch.device("cpu")
 U8 = torch.uint8
@@ -221,14 +222,17 @@ def test_fashion_mnist_on_device_quick_subset():
 
 
 def test_auto_precision_on_cpu_is_bf16_only_where_native(monkeypatch):
-    import d2lgpu.fast as fast
+    # One rule for "auto" everywhere: precision_policy, which the fast path uses too.
+    import d2lgpu.precision as precision
 
-    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: False)
-    assert fast_precision(CPU, "auto").dtype is None
-    assert fast_precision(CPU, "bf16").dtype == torch.bfloat16  # forcing still works
-    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: True)
-    assert fast_precision(CPU, "auto").dtype == torch.bfloat16
-    assert fast_precision(CPU, False).dtype is None
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert precision_policy(CPU, "auto").dtype is None
+    assert precision_policy(CPU, "bf16").dtype == torch.bfloat16  # forcing still works
+    assert d2lgpu.Techniques.fast(CPU).autocast is False
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert precision_policy(CPU, "auto").dtype == torch.bfloat16
+    assert precision_policy(CPU, False).dtype is None
+    assert d2lgpu.Techniques.fast(CPU).autocast is True
 
 
 def test_make_sgd_is_fused_here_and_matches_plain_sgd():
@@ -426,7 +430,7 @@ def test_gpu_training_steps_never_synchronise_with_the_host():
     device = torch.device("cuda", 0)
     train_loader, _ = fashion_mnist_on_device(64, device, quick=True)
     net = d2lgpu.small_cnn().to(device, memory_format=torch.channels_last)
-    policy = fast_precision(device, "auto")
+    policy = precision_policy(device, "auto")
     scaler = policy.make_scaler()
     optimizer = make_sgd(net.parameters(), 0.1, device)
     assert optimizer.defaults["fused"]
@@ -457,7 +461,7 @@ def test_gpu_train_fast_learns_in_channels_last_and_reduced_precision():
     history = train_fast(net, train_loader, test_loader, 4, 0.1, device, progress=False)
     assert history.device == str(device)
     assert history.test_acc[-1] > 0.4
-    assert fast_precision(device).dtype in (torch.bfloat16, torch.float16)
+    assert precision_policy(device).dtype in (torch.bfloat16, torch.float16)
     # A one-channel weight is contiguous in both layouts: look at a conv with several inputs.
     conv = next(m for m in net.modules() if isinstance(m, nn.Conv2d) and m.in_channels > 1)
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
@@ -476,8 +480,8 @@ def test_train_with_fast_true_is_train_fast():
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
     via_train = d2lgpu.train(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False, fast=True)
-    # amp=False is d2lgpu.train's default, which the dispatch passes on.
-    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, amp=False, progress=False)
+    # fast=True means train_fast's defaults, "auto" precision included.
+    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False)
     assert via_train.train_loss == direct.train_loss
     assert via_train.test_acc == direct.test_acc
     with pytest.raises(ValueError, match="plot_history"):
@@ -485,3 +489,178 @@ def test_train_with_fast_true_is_train_fast():
     with pytest.raises(TypeError, match="fashion_mnist_on_device"):
         d2lgpu.train(net(), *d2lgpu.load_data_fashion_mnist(32, quick=True), 1, 0.1, CPU,
                      progress=False, fast=True)
+
+
+# --------------------------------------------------------------------------- #
+# The technique switches: each changes what it claims
+# --------------------------------------------------------------------------- #
+
+Techniques = d2lgpu.Techniques
+
+
+def tiny_data(n: int = 64, batch: int = 16):
+    """uint8 8x8 images with 4 classes: a DeviceLoader pair and a DataLoader pair."""
+    from torch.utils import data
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n, 1, 8, 8), dtype=torch.uint8, generator=generator)
+    labels = torch.arange(n) % 4
+    resident = (DeviceLoader(images, labels, batch, device=CPU, shuffle=True),
+                DeviceLoader(images, labels, batch, device=CPU))
+    dataset = data.TensorDataset(images.float() / 255, labels)
+    return resident, (data.DataLoader(dataset, batch), data.DataLoader(dataset, batch))
+
+
+def conv_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(64, 4))
+
+
+def run(techniques, loaders, net=None, **kwargs):
+    net = conv_net() if net is None else net
+    kwargs = dict(seed=0, progress=False, plot=False) | kwargs
+    return d2lgpu.train(net, *loaders, 1, 0.1, CPU, techniques=techniques, **kwargs)
+
+
+def test_techniques_are_switches_with_named_presets():
+    assert Techniques().enabled == ("no_sync",)  # d2lgpu.train's plain loop
+    assert Techniques.d2l_style().enabled == ()
+    assert str(Techniques.d2l_style()) == "none (d2l-style)"
+    fast = Techniques(device_data=True, compile=True, compile_mode="max-autotune")
+    assert str(fast) == "device_data + no_sync + compile (max-autotune)"
+    assert fast.replace(compile=False).enabled == ("device_data", "no_sync")
+    with pytest.raises(TypeError, match="switch"):
+        Techniques(autocast="yes")
+    with pytest.raises(ValueError, match="cuda_graphs=True"):
+        Techniques(compile=True, compile_mode="reduce-overhead")
+
+
+def test_fast_techniques_follow_the_skip_reasons_of_the_device():
+    fast = Techniques.fast(CPU)
+    assert fast.device_data and fast.no_sync
+    assert not (fast.channels_last or fast.fused_optimizer or fast.compile or fast.cuda_graphs)
+    for name in d2lgpu.fast.TECHNIQUES:
+        reason = d2lgpu.technique_skip_reason(name, CPU)
+        assert reason is None or len(reason) <= 64, (name, reason)
+    assert "CPU" in d2lgpu.technique_skip_reason("cuda_graphs", CPU)
+    assert d2lgpu.technique_skip_reason("device_data", CPU) is None
+    if shutil.which("c++") or shutil.which("g++"):
+        assert d2lgpu.technique_skip_reason("compile", CPU) is None
+    with pytest.raises(ValueError, match="unknown technique"):
+        d2lgpu.technique_skip_reason("turbo", CPU)
+
+
+def test_device_data_switch_reads_device_loaders_and_refuses_the_wrong_kind(monkeypatch):
+    resident, dataloaders = tiny_data()
+    calls = []
+    original = DeviceLoader.__iter__
+
+    def counting_iter(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(DeviceLoader, "__iter__", counting_iter)
+    run(Techniques(device_data=True), resident)
+    assert calls == [resident[0], resident[1]]  # one training epoch, one evaluation
+    with pytest.raises(TypeError, match="fashion_mnist_on_device"):
+        run(Techniques(device_data=True), dataloaders)
+    with pytest.raises(ValueError, match="device_data"):
+        run(Techniques(), resident)  # the switch must say where the data was
+
+
+def test_no_sync_switch_removes_the_item_calls_of_every_step():
+    # Counted by the profiler: aten::item is what .item() runs.
+    from d2lgpu import profiling
+
+    resident, _ = tiny_data()
+    counts = {}
+    for no_sync in (False, True):
+        with torch.profiler.profile(activities=profiling.profiler_activities(CPU)) as prof:
+            run(Techniques(device_data=True, no_sync=no_sync), resident)
+        counts[no_sync] = {e.key: e.count for e in prof.key_averages()}
+    steps = len(resident[0])
+    assert counts[False]["train_step"] == counts[True]["train_step"] == steps
+    # d2l-style: the loss and the correct count after every step; no_sync: the two epoch
+    # sums once. Evaluation reads its correct count once in both.
+    assert counts[False]["aten::item"] == 2 * steps + 1
+    assert counts[True]["aten::item"] == 2 + 1
+
+
+def test_autocast_switch_runs_the_forward_pass_in_the_auto_format(monkeypatch):
+    import d2lgpu.precision as precision
+
+    resident, _ = tiny_data()
+    seen = []
+    net = conv_net()
+    net[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    run(Techniques(device_data=True, autocast=True), resident, net=net)
+    assert set(seen) == {torch.bfloat16}
+    seen.clear()
+    run(Techniques(device_data=True, autocast=True), resident, net=net, amp=False)
+    assert set(seen) == {torch.float32}  # an explicit amp wins over the switch
+    seen.clear()
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    run(Techniques(device_data=True, autocast=True), resident, net=net)
+    assert set(seen) == {torch.float32}  # 'auto' is fp32 where bf16 is emulated
+
+
+def test_channels_last_switch_changes_the_layout():
+    resident, _ = tiny_data()
+    for switch in (False, True):
+        net = conv_net()
+        run(Techniques(device_data=True, channels_last=switch), resident, net=net)
+        conv = net[2]  # four input channels: the two layouts differ
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last) is switch
+
+
+def test_fused_optimizer_switch_picks_fused_sgd():
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    resident, _ = tiny_data()
+    fused = []
+    handle = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: fused.append(bool(optimizer.defaults.get("fused")))
+    )
+    try:
+        run(Techniques(device_data=True), resident)
+        run(Techniques(device_data=True, fused_optimizer=True), resident)
+    finally:
+        handle.remove()
+    steps = len(resident[0])
+    assert fused == [False] * steps + [True] * steps
+
+
+def test_compile_switches_wrap_the_model():
+    net = conv_net()
+    assert d2lgpu.fast.compile_model(net, Techniques(), CPU) is net
+    compiled = d2lgpu.fast.compile_model(net, Techniques(compile=True), CPU)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled._orig_mod is net  # shares the weights: nothing compiled until called
+    with pytest.raises(ValueError, match="cuda_graphs=True cannot run on cpu"):
+        d2lgpu.fast.compile_model(net, Techniques(cuda_graphs=True), CPU)
+
+
+def test_train_argument_checks_for_techniques():
+    resident, _ = tiny_data()
+    with pytest.raises(ValueError, match="not both"):
+        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, fast=True, techniques=Techniques())
+    with pytest.raises(TypeError, match="Techniques"):
+        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, techniques={"compile": True})
+    with pytest.raises(ValueError, match="compile must be"):
+        train_fast(conv_net(), *resident, 1, 0.1, CPU, compile="fastest", progress=False)
+
+
+@pytest.mark.gpu
+def test_gpu_fast_path_with_cuda_graphs_learns():
+    device = torch.device("cuda", 0)
+    train_loader, test_loader = fashion_mnist_on_device(64, device, quick=True)
+    techniques = Techniques.fast(device, compile=True, cuda_graphs=True)
+    assert techniques.enabled == d2lgpu.fast.TECHNIQUES
+    history = d2lgpu.train(d2lgpu.small_cnn(), train_loader, test_loader, 3, 0.1, device,
+                           seed=0, techniques=techniques, progress=False)
+    assert history.test_acc[-1] > 0.4
+    graphs_only = Techniques.fast(device, cuda_graphs=True)
+    history = d2lgpu.train(d2lgpu.small_cnn(), train_loader, test_loader, 3, 0.1, device,
+                           seed=0, techniques=graphs_only, progress=False)
+    assert history.test_acc[-1] > 0.4

@@ -44,10 +44,21 @@ def test_auto_policy_follows_compute_capability(capability, dtype, use_scaler, a
     assert (policy.device_type, policy.dtype, policy.use_scaler) == ("cuda", dtype, use_scaler)
 
 
-def test_auto_policy_on_cpu_is_bf16_without_scaler():
+def test_auto_policy_on_cpu_is_bf16_without_scaler_where_native(monkeypatch):
+    monkeypatch.setattr(P, "cpu_has_native_bf16", lambda: True)
     policy = P.precision_policy("cpu")
     assert (policy.device_type, policy.dtype, policy.use_scaler) == ("cpu", torch.bfloat16, False)
     assert policy.name == "bf16"
+
+
+def test_auto_policy_on_cpu_without_native_bf16_is_fp32(monkeypatch):
+    # Emulated bf16 is slower than fp32: "auto" means what the device runs fast.
+    monkeypatch.setattr(P, "cpu_has_native_bf16", lambda: False)
+    assert P.precision_policy("cpu", "auto").dtype is None
+    assert P.precision_policy("cpu", True).name == "fp32"
+    assert P.precision_policy("cpu", "bf16").dtype == torch.bfloat16  # forcing still works
+    # The sweep still sets bf16 against fp32 on such a CPU, to show what it costs.
+    assert P.amp_sweep_mode("cpu") == "bf16"
 
 
 @pytest.mark.parametrize("capability", [(6, 1), (7, 5), (9, 0)])

@@ -1,0 +1,104 @@
+"""The fast path as an ablation: the same training, one technique added per row.
+
+Starting from a d2l-style loop (DataLoader, ``.item()`` after every step, fp32), each
+row switches on one more technique of ``d2lgpu.Techniques`` and trains a fresh model
+from the same seed with ``d2lgpu.train``: data on the device, no per-step sync,
+autocast in the device's fast format, channels-last, a fused optimizer,
+``torch.compile``, CUDA graphs. A technique that does not apply on the device is a
+row that says why (``d2lgpu.technique_skip_reason``) and stays off below it.
+
+Printed per row: images per second of the fastest epoch after the first (the first pays
+one-off costs such as compiling), speed-up over the baseline, MFU (the counted matmul
+and convolution FLOPs per second over the device's data-sheet peak; n/a on a CPU),
+first-epoch seconds and final test accuracy. Chapter 7 runs the same ablation.
+
+    python benchmarks/ablation.py                 # this machine's workload: full on a GPU
+    python benchmarks/ablation.py --workload cpu  # the CPU size: small CNN, 6,400 images
+    python benchmarks/ablation.py --quick         # seconds: quick subset, no compile
+    python benchmarks/ablation.py --output runs/ablation.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import d2lgpu
+from d2lgpu import profiling
+from d2lgpu.fast import peak_tflops, training_flops_per_example
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return (f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} torch threads")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("quick", "cpu", "full"), default=None,
+                        help="the sizes of d2lgpu.profiling.ablation_settings (default: "
+                             "d2lgpu.workload(): full with a GPU, cpu without)")
+    parser.add_argument("--quick", action="store_true", help="same as --workload quick")
+    parser.add_argument("--epochs", type=int, default=None, help="override the workload's")
+    parser.add_argument("--device", default=None, help="default: d2lgpu.try_gpu()")
+    parser.add_argument("--skip-compile", action="store_true",
+                        help="leave torch.compile (and so compile + CUDA graphs) out")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="also write the printed report to this file")
+    args = parser.parse_args()
+
+    chosen = "quick" if args.quick else args.workload
+    if chosen == "quick":
+        os.environ["D2LGPU_QUICK"] = "1"  # the data helpers read it
+    settings = profiling.ablation_settings(chosen)
+    if args.epochs is not None:
+        settings = dataclasses.replace(settings, num_epochs=args.epochs)
+    device = d2lgpu.try_gpu() if args.device is None else torch.device(args.device)
+    skip = dict(settings.skip)
+    if args.skip_compile:
+        skip["compile"] = "left out (--skip-compile)"
+    peak = peak_tflops(device)
+    flops = training_flops_per_example(settings.make_model())
+
+    lines = [
+        f"{datetime.date.today()} | {machine_name(device)} | torch {torch.__version__}",
+        f"{settings.describe()}, seed {args.seed}; {flops / 1e9:.4g} GFLOP per training image",
+        profiling.mfu_note(device, peak),
+    ]
+    print("\n".join(lines), flush=True)
+    data, resident = profiling.ablation_data(
+        settings.batch_size, device, train_size=settings.train_size,
+        test_size=settings.test_size, quick=chosen == "quick",
+    )
+    plan = profiling.ablation_plan(device, skip=skip)
+    start = time.perf_counter()
+
+    def report(row: profiling.AblationRow) -> None:
+        done = f"{row.images_per_second:,.0f} img/s" if row.ran else row.status
+        print(f"  {row.label}: {done} ({time.perf_counter() - start:.0f} s so far)", flush=True)
+
+    rows = profiling.run_ablation(
+        settings.make_model, plan, data, resident, settings.num_epochs, settings.lr, device,
+        seed=args.seed, flops_per_example=flops, peak=peak, on_row=report,
+    )
+    table = profiling.format_ablation_table(rows)
+    print(table)
+    print(f"total {time.perf_counter() - start:.0f} s")
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text("\n".join(lines + [table]) + "\n", encoding="utf-8")
+        print(f"written to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1202 @@
+"""Where the time goes: profiler traces read and drawn, the roofline, the fast path as an
+ablation, torch.compile's graph breaks, CUDA graphs by hand, and memory timelines.
+
+Chapter 7 uses these helpers. A stopwatch says how long a step took; a profiler says
+what the step was made of:
+
+* ``torch.profiler`` records every operator the host ran (and, on a GPU, every kernel
+  and every CUDA runtime call) with its start and duration. :func:`read_trace` reads
+  the Chrome trace it writes into :class:`TraceEvent` rows, :func:`summarize_trace`
+  counts what a training loop did per step (``.item()`` synchronisations, DataLoader
+  fetches), and :func:`plot_timeline` draws the rows as lanes with the idle gaps
+  shaded, for readers without a trace viewer.
+* :class:`Roofline` places operations by arithmetic intensity (FLOPs per byte moved)
+  under the two ceilings of a device, measured here: matmul throughput and copy
+  bandwidth. Each lands in one of three regimes: compute-bound, memory-bound, or
+  overhead-bound (far below both roofs: the time goes to launching, not to work).
+* :func:`run_ablation` trains the same model once per row of :func:`ablation_plan`,
+  adding one technique of :class:`d2lgpu.Techniques` at a time, and reports images/s
+  and the model FLOPs utilisation (MFU: achieved FLOP/s over the device's peak).
+* :func:`explain_graph_breaks` asks ``torch._dynamo.explain`` where ``torch.compile``
+  had to split a function, :func:`compare_compile_modes` times the compile modes, and
+  :func:`capture_training_step` records a whole training step as one CUDA graph.
+* :func:`memory_timeline_from_snapshot` and :func:`memory_timeline_from_trace` turn
+  PyTorch's allocator history (GPU) or the profiler's memory events (CPU) into a
+  timeline of allocated bytes that :func:`plot_memory_timeline` draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import logging
+import math
+import os
+import pickle
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from d2lgpu.benchmarking import format_table, gbps, measure_copy_bandwidth, tflops, time_fn
+from d2lgpu.checks import check_positive_int
+from d2lgpu.config import quick_mode, workload
+from d2lgpu.fast import TECHNIQUES, DeviceLoader, Techniques, technique_skip_reason
+from d2lgpu.training import History, train
+
+__all__ = [
+    "ABLATION_LABELS",
+    "AblationRow",
+    "AblationStep",
+    "CompileModeRow",
+    "DATALOADER_PREFIX",
+    "GraphBreak",
+    "GraphBreakReport",
+    "Roofline",
+    "RooflinePoint",
+    "SYNC_OPS",
+    "TraceEvent",
+    "TraceSummary",
+    "AblationSettings",
+    "QUICK_COMPILE_SKIP",
+    "ablation_data",
+    "ablation_plan",
+    "ablation_settings",
+    "capture_training_step",
+    "compare_compile_modes",
+    "explain_graph_breaks",
+    "format_ablation_table",
+    "idle_gaps",
+    "measure_roofline",
+    "memory_timeline_from_snapshot",
+    "memory_timeline_from_trace",
+    "merge_intervals",
+    "mfu_note",
+    "op_table",
+    "plot_ablation",
+    "plot_memory_timeline",
+    "plot_roofline",
+    "plot_timeline",
+    "profiler_activities",
+    "read_trace",
+    "roofline_points",
+    "run_ablation",
+    "runs_dir",
+    "steady_images_per_second",
+    "summarize_trace",
+    "timeline_lanes",
+    "training_window",
+]
+
+# --------------------------------------------------------------------------- #
+# Where traces and snapshots go
+# --------------------------------------------------------------------------- #
+
+
+def runs_dir(name: str) -> Path:
+    """A directory for traces and snapshots, created if needed.
+
+    ``runs/<name>`` at the root of the course's source checkout, which git ignores
+    (``/runs/`` in ``.gitignore``); elsewhere (the package installed with pip, e.g. on
+    Colab) ``d2lgpu-runs/<name>`` under the system's temporary directory.
+    """
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise ValueError(f"name must be one plain directory name such as 'ch7', got {name!r}")
+    root = Path(__file__).resolve().parent.parent
+    gitignore = root / ".gitignore"
+    if gitignore.is_file() and "/runs/" in gitignore.read_text(encoding="utf-8").split():
+        base = root / "runs"
+    else:
+        base = Path(tempfile.gettempdir()) / "d2lgpu-runs"
+    path = base / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------- #
+# Profiling and reading traces
+# --------------------------------------------------------------------------- #
+
+#: Host operators that wait for the device: ``.item()`` (and ``float(t)``, ``if t:``)
+#: run ``aten::item``, which copies one value back and must wait for it.
+SYNC_OPS = ("aten::item",)
+
+#: The name every DataLoader fetch has in a trace: torch wraps ``__next__`` in a
+#: ``record_function`` called ``enumerate(DataLoader)#<iterator class>.__next__``.
+DATALOADER_PREFIX = "enumerate(DataLoader)"
+
+#: Trace categories of work that runs on the GPU itself.
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
+    """What ``torch.profiler.profile`` should record for work on ``device``: the host's
+    operators always, and on a CUDA device the GPU's kernels and copies too.
+
+    For a CPU it also quiets the log lines of Kineto, the profiler's engine, unless
+    ``KINETO_LOG_LEVEL`` is already set: without a GPU its only messages are a start
+    and a stop line per profile and an "ERROR" that it found no GPU to count. (On a GPU
+    its messages stay: they are where a CUPTI permission problem would show up.) It
+    takes effect when the process starts its first profile.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above its highest level: silent
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
+def op_table(prof: torch.profiler.profile, top: int = 10, *, name_width: int = 44) -> str:
+    """The ``top`` operators of a finished profile by self time, as a table of at most
+    100 characters per line (``prof.key_averages().table()`` is about 200 wide).
+
+    "Self" time is time spent in the operator itself, not in the operators it called;
+    sorted by self device time when the profile has device activity, else self CPU time.
+    """
+    if top < 1:
+        raise ValueError(f"top must be at least 1, got {top}")
+    averages = list(prof.key_averages())
+    if not averages:
+        raise ValueError("the profile recorded no operators: was anything run inside it?")
+
+    def self_device(avg) -> float:
+        return float(getattr(avg, "self_device_time_total", 0.0) or 0.0)
+
+    has_device = any(self_device(avg) > 0 for avg in averages)
+    key = self_device if has_device else (lambda avg: float(avg.self_cpu_time_total))
+    rows = []
+    for avg in sorted(averages, key=key, reverse=True)[:top]:
+        name = avg.key if len(avg.key) <= name_width else avg.key[: name_width - 3] + "..."
+        row = [name, str(avg.count), f"{avg.self_cpu_time_total / 1e3:.2f}",
+               f"{avg.cpu_time_total / 1e3:.2f}"]
+        if has_device:
+            row.append(f"{self_device(avg) / 1e3:.2f}")
+        rows.append(row)
+    headers = ["operator", "calls", "self CPU ms", "CPU total ms"]
+    if has_device:
+        headers.append("self GPU ms")
+    return format_table(headers, rows)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One event of a Chrome trace written by ``torch.profiler``.
+
+    ``category`` is the trace's ``cat``: ``cpu_op`` (an operator on the host),
+    ``user_annotation`` (a ``record_function`` range such as ``train_step`` or a
+    DataLoader fetch), ``cuda_runtime`` (a CUDA API call such as a kernel launch),
+    ``kernel``, ``gpu_memcpy``, ``gpu_memset`` (work on the GPU), or
+    ``cpu_instant_event`` (the ``[memory]`` allocation events of ``profile_memory``).
+    Times are microseconds; ``thread`` is the host thread, or the CUDA stream.
+    """
+
+    name: str
+    category: str
+    start_us: float
+    duration_us: float
+    thread: int
+    args: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.duration_us
+
+    @property
+    def on_device(self) -> bool:
+        return self.category in _DEVICE_CATEGORIES
+
+
+def read_trace(path: str | Path) -> list[TraceEvent]:
+    """The duration (``"X"``) and instant (``"i"``) events of a Chrome trace file
+    (``prof.export_chrome_trace(path)``; ``.json`` or ``.json.gz``), sorted by start."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no trace at {path}: write one with prof.export_chrome_trace(path) first"
+        ) from None
+    raw = data.get("traceEvents") if isinstance(data, dict) else None
+    if raw is None:
+        raise ValueError(f"{path} is not a Chrome trace: it has no 'traceEvents' list")
+    events = []
+    for e in raw:
+        phase = e.get("ph")
+        if phase not in ("X", "i") or "ts" not in e:
+            continue  # metadata, flow arrows, counters
+        events.append(TraceEvent(
+            name=str(e.get("name", "")),
+            category=str(e.get("cat", "")),
+            start_us=float(e["ts"]),
+            duration_us=float(e.get("dur", 0.0)) if phase == "X" else 0.0,
+            thread=int(e.get("tid", 0)) if str(e.get("tid", 0)).lstrip("-").isdigit() else 0,
+            args=e.get("args", {}) or {},
+        ))
+    events.sort(key=lambda ev: (ev.start_us, -ev.duration_us))
+    return events
+
+
+def _named(events: Iterable[TraceEvent], name: str) -> list[TraceEvent]:
+    return [e for e in events if e.name == name and e.duration_us > 0]
+
+
+def _inside(event: TraceEvent, ranges: Sequence[TraceEvent]) -> bool:
+    return any(
+        r.thread == event.thread and r.start_us <= event.start_us and event.end_us <= r.end_us
+        for r in ranges
+    )
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """What a profiled training loop did, counted from its trace.
+
+    ``item_calls`` counts :data:`SYNC_OPS` inside ``train_step`` ranges (each one a
+    wait for the device); ``dataloader_fetches`` counts DataLoader fetches that
+    delivered a training batch (they end before the last step does).
+    """
+
+    train_steps: int
+    item_calls: int
+    dataloader_fetches: int
+    step_ms: float  # total time inside train_step ranges
+    dataloader_ms: float  # total time of those fetches
+    sync_ms: float  # total time of those .item() calls
+
+    @property
+    def item_calls_per_step(self) -> float:
+        return self.item_calls / self.train_steps if self.train_steps else 0.0
+
+    @property
+    def dataloader_share(self) -> float:
+        """Fetch time over fetch plus step time: the share of the loop spent waiting
+        for batches."""
+        total = self.step_ms + self.dataloader_ms
+        return self.dataloader_ms / total if total > 0 else 0.0
+
+
+def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
+    """Count a training loop's steps, syncs and DataLoader fetches in its trace.
+
+    Needs the ``train_step`` ranges that :func:`d2lgpu.train` marks every step with.
+    """
+    steps = _named(events, "train_step")
+    if not steps:
+        raise ValueError(
+            "the trace has no 'train_step' ranges: profile a d2lgpu.train call (it marks "
+            "each step), or wrap your own steps in torch.profiler.record_function('train_step')"
+        )
+    syncs = [e for e in events if e.name in SYNC_OPS and _inside(e, steps)]
+    last_end = max(s.end_us for s in steps)
+    fetches = [
+        e for e in events
+        if e.name.startswith(DATALOADER_PREFIX) and e.duration_us > 0 and e.end_us <= last_end
+    ]
+    return TraceSummary(
+        train_steps=len(steps),
+        item_calls=len(syncs),
+        dataloader_fetches=len(fetches),
+        step_ms=sum(s.duration_us for s in steps) / 1e3,
+        dataloader_ms=sum(f.duration_us for f in fetches) / 1e3,
+        sync_ms=sum(s.duration_us for s in syncs) / 1e3,
+    )
+
+
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping or touching ``(start, end)`` intervals merged, sorted by start."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end < start:
+            raise ValueError(f"an interval ends before it starts: ({start}, {end})")
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def idle_gaps(
+    busy: Iterable[tuple[float, float]], start: float, end: float, min_gap: float = 0.0
+) -> list[tuple[float, float]]:
+    """The parts of ``[start, end]`` not covered by ``busy`` intervals that last longer
+    than ``min_gap``."""
+    if end < start:
+        raise ValueError(f"end ({end}) is before start ({start})")
+    gaps = []
+    cursor = start
+    for a, b in merge_intervals(busy):
+        if b <= cursor:
+            continue
+        if a > cursor and min(a, end) - cursor > min_gap:
+            gaps.append((cursor, min(a, end)))
+        cursor = max(cursor, b)
+        if cursor >= end:
+            break
+    if end - cursor > min_gap:
+        gaps.append((cursor, end))
+    return gaps
+
+
+def timeline_lanes(
+    events: Sequence[TraceEvent], min_gap_us: float | None = None
+) -> dict[str, list[tuple[float, float]]]:
+    """The events of a trace as lanes of merged ``(start_us, end_us)`` intervals.
+
+    Lanes: ``train steps``, ``DataLoader`` (fetches), ``.item() in steps`` (the syncs
+    inside steps); on a GPU also ``host ops`` (operators on the thread that ran the
+    steps) and ``GPU kernels``. ``idle``: gaps longer than ``min_gap_us`` in the lane
+    that does the model's work (GPU kernels on a GPU; on a CPU the steps themselves)
+    between the first and the last step. ``min_gap_us=None`` means 1% of that span.
+    """
+    steps = _named(events, "train_step")
+    if not steps:
+        raise ValueError(
+            "the trace has no 'train_step' ranges: profile a d2lgpu.train call (it marks "
+            "each step), or wrap your own steps in torch.profiler.record_function('train_step')"
+        )
+    lanes: dict[str, list[tuple[float, float]]] = {
+        "train steps": [(s.start_us, s.end_us) for s in steps],
+        "DataLoader": merge_intervals(
+            (e.start_us, e.end_us) for e in events
+            if e.name.startswith(DATALOADER_PREFIX) and e.duration_us > 0
+        ),
+        ".item() in steps": merge_intervals(
+            (e.start_us, e.end_us) for e in events
+            if e.name in SYNC_OPS and e.duration_us > 0 and _inside(e, steps)
+        ),
+    }
+    kernels = merge_intervals((e.start_us, e.end_us) for e in events if e.on_device)
+    if kernels:
+        lanes["host ops"] = merge_intervals(
+            (e.start_us, e.end_us) for e in events
+            if e.category == "cpu_op" and e.duration_us > 0 and e.thread == steps[0].thread
+        )
+        lanes["GPU kernels"] = kernels
+    worker = lanes["GPU kernels"] if kernels else lanes["train steps"]
+    start, end = steps[0].start_us, max(s.end_us for s in steps)
+    gap = 0.01 * (end - start) if min_gap_us is None else min_gap_us
+    lanes["idle"] = idle_gaps(worker, start, end, gap)
+    return lanes
+
+
+def training_window(events: Sequence[TraceEvent]) -> tuple[float, float]:
+    """The span of a trace's training steps, from the batch fetch before the first
+    step (if any) to the end of the last step, in the trace's microseconds."""
+    steps = _named(events, "train_step")
+    if not steps:
+        raise ValueError("the trace has no 'train_step' ranges")
+    first = steps[0].start_us
+    before = [e.start_us for e in events if e.name.startswith(DATALOADER_PREFIX)
+              and e.duration_us > 0 and e.end_us <= first]
+    return (max(before) if before else first), max(s.end_us for s in steps)
+
+
+_LANE_COLOURS = {
+    "train steps": "tab:blue", "DataLoader": "tab:orange", "host ops": "tab:green",
+    ".item() in steps": "tab:red", "GPU kernels": "tab:purple",
+}
+
+
+def plot_timeline(
+    events: Sequence[TraceEvent],
+    ax=None,
+    *,
+    title: str | None = None,
+    window_us: tuple[float, float] | None = None,
+    min_gap_us: float | None = None,
+):
+    """Draw a trace as horizontal lanes (:func:`timeline_lanes`), idle gaps hatched,
+    time in ms from the first training step. ``window_us`` is the span to draw on the
+    trace's own clock (default: :func:`training_window`). Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    lanes = timeline_lanes(events, min_gap_us)
+    window = training_window(events) if window_us is None else window_us
+    origin = lanes["train steps"][0][0]
+    names = [name for name in lanes if name != "idle"]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.5 * len(names) + 1.3))
+
+    def clipped(spans):
+        return [((max(a, window[0]) - origin) / 1e3, (min(b, window[1]) - max(a, window[0])) / 1e3)
+                for a, b in spans if b > window[0] and a < window[1]]
+
+    for row, name in enumerate(names):
+        ax.broken_barh(clipped(lanes[name]), (row - 0.35, 0.7),
+                       color=_LANE_COLOURS.get(name, "tab:gray"))
+    worker_row = names.index("GPU kernels" if "GPU kernels" in names else "train steps")
+    idle = clipped(lanes["idle"])
+    if idle:
+        ax.broken_barh(idle, (worker_row - 0.45, 0.9), facecolor="none", edgecolor="red",
+                       hatch="///", linewidth=0.5, label="idle gaps")
+        ax.legend(loc="upper right", fontsize="small")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlim((window[0] - origin) / 1e3, (window[1] - origin) / 1e3)
+    ax.set_xlabel("time (ms) from the first training step")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+    return ax
+
+
+# --------------------------------------------------------------------------- #
+# Memory timelines
+# --------------------------------------------------------------------------- #
+
+
+def memory_timeline_from_trace(
+    events: Sequence[TraceEvent], device: torch.device | str = "cpu"
+) -> list[tuple[float, int]]:
+    """``(time_us, bytes allocated)`` after every allocation and free on ``device``, from
+    the ``[memory]`` events of a trace profiled with ``profile_memory=True``."""
+    device = torch.device(device)
+    code = {"cpu": 0, "cuda": 1}.get(device.type)
+    if code is None:
+        raise ValueError(f"memory events are recorded for cpu and cuda devices, not {device}")
+    timeline = []
+    for e in events:
+        if e.name != "[memory]" or "Total Allocated" not in e.args:
+            continue
+        if int(e.args.get("Device Type", 0)) != code:
+            continue
+        if device.index is not None and int(e.args.get("Device Id", -1)) not in (device.index, -1):
+            continue
+        timeline.append((e.start_us, int(e.args["Total Allocated"])))
+    if not timeline:
+        raise ValueError(
+            f"the trace has no memory events for {device}: profile with profile_memory=True"
+        )
+    return timeline
+
+
+def memory_timeline_from_snapshot(
+    snapshot: Mapping[str, Any] | str | Path, device_index: int = 0
+) -> list[tuple[float, int]]:
+    """``(time, bytes allocated)`` after every allocation and free in a CUDA memory
+    snapshot (``torch.cuda.memory._snapshot()`` or the pickle ``_dump_snapshot`` writes).
+
+    The history only starts when ``_record_memory_history`` was switched on, so the
+    bytes allocated before it (e.g. the weights) are worked out from the snapshot's
+    segments: what is allocated at the end, minus what the history added. Time is the
+    entry's ``time_us`` where torch records it, else its position in the history.
+    """
+    if not isinstance(snapshot, Mapping):
+        with open(snapshot, "rb") as f:
+            snapshot = pickle.load(f)
+    traces = snapshot.get("device_traces")
+    if traces is None:
+        raise ValueError("not a CUDA memory snapshot: it has no 'device_traces'")
+    if not 0 <= device_index < len(traces):
+        raise ValueError(f"the snapshot has {len(traces)} device(s), no index {device_index}")
+    entries = traces[device_index]
+    if not entries:
+        raise ValueError(
+            "the snapshot has no allocation history: call "
+            "torch.cuda.memory._record_memory_history() before the work you want to see"
+        )
+    changes = []
+    for i, entry in enumerate(entries):
+        action = entry.get("action")
+        sign = {"alloc": 1, "free_completed": -1}.get(action)
+        if sign is None:
+            continue
+        changes.append((float(entry.get("time_us", i)), sign * int(entry["size"])))
+    allocated_at_end = sum(
+        block["size"]
+        for segment in snapshot.get("segments", [])
+        if segment.get("device", device_index) == device_index
+        for block in segment.get("blocks", [])
+        if block.get("state") == "active_allocated"
+    )
+    level = allocated_at_end - sum(change for _, change in changes)
+    timeline = []
+    for t, change in changes:
+        level += change
+        timeline.append((t, level))
+    return timeline
+
+
+def plot_memory_timeline(
+    timeline: Sequence[tuple[float, int]],
+    ax=None,
+    *,
+    spans: Sequence[tuple[float, float, str]] = (),
+    title: str | None = None,
+    time_unit: str = "ms",
+):
+    """Draw allocated memory (MiB) over time as a step line; ``spans`` are
+    ``(start, end, label)`` ranges on the same clock to shade (e.g. training steps).
+    ``time_unit`` "ms" divides microseconds by 1000; "entry" plots positions as they are."""
+    import matplotlib.pyplot as plt
+
+    if not timeline:
+        raise ValueError("the timeline is empty")
+    if time_unit not in ("ms", "entry"):
+        raise ValueError(f"time_unit must be 'ms' or 'entry', got {time_unit!r}")
+    scale = 1e3 if time_unit == "ms" else 1.0
+    origin = timeline[0][0]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.2))
+    xs = [(t - origin) / scale for t, _ in timeline]
+    ys = [b / 2**20 for _, b in timeline]
+    ax.step(xs, ys, where="post", color="tab:blue", linewidth=1)
+    for i, (a, b, label) in enumerate(spans):
+        ax.axvspan((a - origin) / scale, (b - origin) / scale, alpha=0.12,
+                   color="tab:orange" if i % 2 else "tab:green")
+        ax.text((a - origin) / scale, max(ys) * 1.02, label, fontsize="x-small")
+    ax.set_xlabel("time (ms)" if time_unit == "ms" else "allocator event")
+    ax.set_ylabel("allocated (MiB)")
+    ax.set_ylim(0, max(ys) * 1.12 + 1e-9)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    return ax
+
+
+# --------------------------------------------------------------------------- #
+# The roofline
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """One operation placed on a roofline: its FLOPs, the bytes it moves, its time."""
+
+    name: str
+    flops: float
+    nbytes: float
+    seconds: float
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity: FLOPs per byte moved to or from memory."""
+        return self.flops / self.nbytes
+
+    @property
+    def achieved_tflops(self) -> float:
+        return tflops(self.flops, self.seconds)
+
+    @property
+    def achieved_gbps(self) -> float:
+        return gbps(self.nbytes, self.seconds)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The two ceilings of a device: compute (TFLOP/s) and memory bandwidth (GB/s).
+
+    An operation of intensity ``I`` FLOP/byte can at best reach
+    ``min(peak, I * bandwidth)``. The *ridge* is the intensity where the two meet:
+    below it an operation is limited by memory, above it by arithmetic.
+    """
+
+    peak_tflops: float
+    bandwidth_gbps: float
+    compute_label: str = "matmul"
+
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "bandwidth_gbps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+    @property
+    def ridge(self) -> float:
+        """FLOPs per byte where the memory roof meets the compute roof."""
+        return self.peak_tflops * 1e12 / (self.bandwidth_gbps * 1e9)
+
+    def attainable_tflops(self, intensity: float) -> float:
+        """The best TFLOP/s an operation of this intensity can reach on the device."""
+        if not intensity > 0:
+            raise ValueError(f"intensity must be positive, got {intensity!r}")
+        return min(self.peak_tflops, intensity * self.bandwidth_gbps / 1e3)
+
+    def regime(self, point: RooflinePoint, overhead_share: float = 0.1) -> str:
+        """``"overhead-bound"`` when the point reaches less than ``overhead_share`` of
+        its roof (neither memory nor arithmetic is what it waits for), else
+        ``"memory-bound"`` left of the ridge and ``"compute-bound"`` right of it."""
+        if not 0 < overhead_share < 1:
+            raise ValueError(f"overhead_share must be between 0 and 1, got {overhead_share}")
+        if point.achieved_tflops < overhead_share * self.attainable_tflops(point.intensity):
+            return "overhead-bound"
+        return "memory-bound" if point.intensity < self.ridge else "compute-bound"
+
+
+def _matmul_dtype(device: torch.device) -> torch.dtype:
+    """The format matmuls run fast in on ``device``: its autocast format, else fp32."""
+    from d2lgpu.precision import precision_policy
+
+    return precision_policy(device, "auto").dtype or torch.float32
+
+
+def measure_roofline(
+    device: torch.device | str, matmul_n: int, *, repeats: int = 5
+) -> tuple[Roofline, RooflinePoint]:
+    """The device's roofline, measured: the compute roof is the best of ``repeats``
+    ``matmul_n`` x ``matmul_n`` matmuls in the device's fast format (fp32 on most CPUs),
+    the memory roof :func:`d2lgpu.measure_copy_bandwidth`. Also returns the matmul as a
+    point, to place on the roofline. Every time here is the best of its runs: other
+    work on the machine only ever makes a run slower."""
+    device = torch.device(device)
+    dtype = _matmul_dtype(device)
+    a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
+    b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
+    timing = time_fn(lambda: a @ b, device, warmup=1, repeats=repeats)
+    flops = 2 * matmul_n**3
+    nbytes = 3 * matmul_n * matmul_n * a.element_size()
+    dtype_name = str(dtype).replace("torch.", "")
+    roof = Roofline(
+        peak_tflops=tflops(flops, timing.min),
+        bandwidth_gbps=measure_copy_bandwidth(device),
+        compute_label=f"best {dtype_name} matmul",
+    )
+    point = RooflinePoint(f"matmul {matmul_n}x{matmul_n} {dtype_name}", flops, nbytes,
+                          timing.min)
+    return roof, point
+
+
+def roofline_points(
+    device: torch.device | str, *, elementwise_numel: int, tiny_numel: int = 8,
+    tiny_repeats: int = 1000, repeats: int = 5,
+) -> list[RooflinePoint]:
+    """Two elementwise operations in fp32, timed with :func:`d2lgpu.time_fn`: a
+    multiplication of two ``elementwise_numel``-element tensors (1 FLOP per 12 bytes
+    moved), and the same on ``tiny_numel`` elements repeated ``tiny_repeats`` times,
+    where each call is too small for its work to matter. Best of ``repeats`` runs."""
+    device = torch.device(device)
+    points = []
+    for name, numel, calls in (
+        (f"multiply {elementwise_numel:,} floats", elementwise_numel, 1),
+        (f"multiply {tiny_numel} floats x {tiny_repeats}", tiny_numel, tiny_repeats),
+    ):
+        a = torch.randn(numel, device=device)
+        b = torch.randn(numel, device=device)
+        out = torch.empty_like(a)
+
+        def run(a=a, b=b, out=out, calls=calls):
+            for _ in range(calls):
+                torch.mul(a, b, out=out)
+
+        timing = time_fn(run, device, warmup=1, repeats=repeats)
+        points.append(RooflinePoint(name, numel * calls, 12 * numel * calls, timing.min))
+    return points
+
+
+def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, *,
+                  title: str | None = None):
+    """Draw the roofline (log-log) with ``points`` placed on it and labelled with their
+    regime; FLOP/s in GFLOP/s when the peak is below 1 TFLOP/s (CPUs), else TFLOP/s.
+    Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 4.5))
+    scale, unit = (1e3, "GFLOP/s") if roofline.peak_tflops < 1 else (1.0, "TFLOP/s")
+    intensities = [p.intensity for p in points] + [roofline.ridge]
+    lo, hi = min(intensities) / 8, max(intensities) * 8
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(xs, [roofline.attainable_tflops(x) * scale for x in xs], color="black",
+            linewidth=1.5)
+    ax.axvline(roofline.ridge, color="grey", linestyle=":", linewidth=1)
+    peak = roofline.peak_tflops * scale
+    ax.text(hi, peak * 1.25, f"{roofline.compute_label}: {peak:.3g} {unit}",
+            fontsize="small", ha="right")
+    ax.text(lo * 1.5, roofline.attainable_tflops(lo * 1.5) * scale * 1.8,
+            f"copy: {roofline.bandwidth_gbps:.3g} GB/s", fontsize="small", rotation=22)
+    markers = {"compute-bound": "o", "memory-bound": "s", "overhead-bound": "v"}
+    achieved = [p.achieved_tflops * scale for p in points]
+    for p, y in zip(points, achieved, strict=True):
+        regime = roofline.regime(p)
+        ax.scatter([p.intensity], [y], marker=markers[regime], s=60, zorder=3)
+        ax.annotate(f"{p.name}\n({regime})", (p.intensity, y), textcoords="offset points",
+                    xytext=(7, -4), fontsize="small", va="top")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"arithmetic intensity (FLOP per byte); ridge at {roofline.ridge:.3g}")
+    ax.set_ylabel(unit)
+    floor = min(achieved + [roofline.attainable_tflops(lo) * scale])
+    ax.set_ylim(floor / 5, max(achieved + [peak]) * 4)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.2)
+    return ax
+
+
+# --------------------------------------------------------------------------- #
+# The fast path as an ablation
+# --------------------------------------------------------------------------- #
+
+#: The row labels of the ablation, in order: the baseline, then one per technique.
+ABLATION_LABELS: dict[str | None, str] = {
+    None: "d2l-style baseline",
+    "device_data": "+ data on the device",
+    "no_sync": "+ no per-step sync",
+    "autocast": "+ autocast",
+    "channels_last": "+ channels-last",
+    "fused_optimizer": "+ fused optimizer",
+    "compile": "+ torch.compile",
+    "cuda_graphs": "+ CUDA graphs",
+}
+
+
+@dataclass(frozen=True)
+class AblationStep:
+    """One row of the ablation: the techniques switched on so far, or why this row's
+    technique is skipped (then ``techniques`` equals the previous row's)."""
+
+    technique: str | None  # None for the baseline
+    techniques: Techniques
+    skip_reason: str | None = None
+
+    @property
+    def label(self) -> str:
+        return ABLATION_LABELS[self.technique]
+
+
+def ablation_plan(
+    device: torch.device | str, skip: Mapping[str, str] | None = None
+) -> list[AblationStep]:
+    """The rows of the ablation on ``device``: the d2l-style baseline, then one technique
+    of :data:`d2lgpu.fast.TECHNIQUES` added per row. A technique that does not apply on
+    ``device`` (:func:`d2lgpu.technique_skip_reason`), or that ``skip`` names with a
+    reason, gets a skipped row and stays off in the rows after it."""
+    device = torch.device(device)
+    skip = dict(skip or {})
+    unknown = set(skip) - set(TECHNIQUES)
+    if unknown:
+        raise ValueError(f"skip names unknown techniques {sorted(unknown)}; see {TECHNIQUES}")
+    current = Techniques.d2l_style()
+    plan = [AblationStep(None, current)]
+    for name in TECHNIQUES:
+        reason = skip.get(name) or technique_skip_reason(name, device)
+        if reason is None:
+            current = current.replace(**{name: True})
+        plan.append(AblationStep(name, current, reason))
+    return plan
+
+
+@dataclass(frozen=True)
+class AblationRow:
+    """A measured (or skipped) row of the ablation."""
+
+    step: AblationStep
+    history: History | None = None
+    images_per_second: float | None = None  # the fastest epoch after the first
+    mfu: float | None = None  # achieved FLOP/s over the device's peak
+
+    @property
+    def label(self) -> str:
+        return self.step.label
+
+    @property
+    def ran(self) -> bool:
+        return self.history is not None
+
+    @property
+    def status(self) -> str:
+        return "ran" if self.ran else f"skipped: {self.step.skip_reason}"
+
+    @property
+    def test_acc(self) -> float | None:
+        return self.history.test_acc[-1] if self.history is not None else None
+
+    @property
+    def first_epoch_seconds(self) -> float | None:
+        return self.history.epoch_seconds[0] if self.history is not None else None
+
+
+def steady_images_per_second(history: History) -> float:
+    """Training images/s of the fastest epoch after the first (whose one-off costs, such
+    as compiling, are left out); of the only epoch when there is one. The fastest,
+    because other work on a shared machine can only slow an epoch down."""
+    speeds = history.examples_per_second
+    if not speeds:
+        raise ValueError("the history has no epochs")
+    return max(speeds[1:] or speeds)
+
+
+def mfu_note(device: torch.device | str, peak: float | None) -> str:
+    """Why MFU is or is not reported on ``device``, in one line."""
+    device = torch.device(device)
+    if peak is not None:
+        return f"MFU: counted matmul/conv FLOPs over the {peak:g} TFLOP/s data-sheet peak"
+    if device.type == "cpu":
+        return "MFU n/a: a CPU has no data-sheet Tensor Core peak to divide by"
+    return f"MFU n/a: no data-sheet peak listed for {torch.cuda.get_device_name(device)}"
+
+
+@dataclass(frozen=True)
+class AblationSettings:
+    """How big the ablation of chapter 7 (and ``benchmarks/ablation.py``) is."""
+
+    model: str  # a d2lgpu model function: "resnet18" or "small_cnn"
+    batch_size: int
+    num_epochs: int
+    lr: float
+    train_size: int | None  # None: the whole split (the quick subset in quick mode)
+    test_size: int | None
+    skip: Mapping[str, str] = field(default_factory=dict)  # technique -> reason
+
+    def make_model(self) -> nn.Module:
+        from d2lgpu import models
+
+        return getattr(models, self.model)()
+
+    def describe(self) -> str:
+        examples = "quick subset" if self.train_size is None and quick_mode() else (
+            "all" if self.train_size is None else f"{self.train_size:,}")
+        return (f"{self.model}, {examples} training images, batch {self.batch_size}, "
+                f"{self.num_epochs} epochs, lr {self.lr}")
+
+
+#: Why quick mode leaves torch.compile out of the ablation.
+QUICK_COMPILE_SKIP = "quick mode: compiling takes about a minute on a CPU"
+
+
+def ablation_settings(chosen: str | None = None) -> AblationSettings:
+    """The ablation's size for a workload (:func:`d2lgpu.workload`; None: this process's).
+
+    ``full`` (a GPU): ResNet-18 on all of Fashion-MNIST, the d2l recipe's batch 256.
+    ``cpu``: the small CNN on 6,400 training images, batch 64, minutes in all.
+    ``quick``: the small CNN on the quick subset, batch 32, torch.compile left out.
+    Every workload trains 2 to 4 epochs, so the epochs after the first give a speed.
+    """
+    chosen = workload() if chosen is None else chosen
+    if chosen == "full":
+        return AblationSettings("resnet18", 256, 3, 0.1, None, None)
+    if chosen == "cpu":
+        return AblationSettings("small_cnn", 64, 4, 0.1, 6400, 2000)
+    if chosen == "quick":
+        return AblationSettings("small_cnn", 32, 2, 0.1, None, None,
+                                {"compile": QUICK_COMPILE_SKIP})
+    raise ValueError(f"unknown workload {chosen!r}: choose quick, cpu or full")
+
+
+def ablation_data(
+    batch_size: int,
+    device: torch.device | str,
+    *,
+    train_size: int | None = None,
+    test_size: int | None = None,
+    quick: bool | None = None,
+) -> tuple[tuple[Iterable, Iterable], tuple[DeviceLoader, DeviceLoader]]:
+    """The same Fashion-MNIST examples twice: as DataLoaders (the d2l-style pipeline,
+    :func:`d2lgpu.load_data_fashion_mnist`) and as :class:`d2lgpu.DeviceLoader` s on
+    ``device`` (:func:`d2lgpu.fashion_mnist_on_device`), for :func:`run_ablation`.
+
+    ``train_size``/``test_size`` keep the first that many examples of each split
+    (None: all of it); ``quick`` (None: quick mode) uses the quick subsets instead.
+    """
+    from torch.utils import data as tud
+
+    from d2lgpu.data import fashion_mnist_tensors, load_data_fashion_mnist
+
+    device = torch.device(device)
+    quick = quick_mode() if quick is None else quick
+    train_iter, test_iter = load_data_fashion_mnist(batch_size, quick=quick)
+    loaders = []
+    for loader, size, shuffle in ((train_iter, train_size, True), (test_iter, test_size, False)):
+        if size is not None and not quick:
+            check_positive_int("train_size/test_size", size)
+            loader = tud.DataLoader(
+                tud.Subset(loader.dataset, range(min(size, len(loader.dataset)))), batch_size,
+                shuffle=shuffle, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                persistent_workers=loader.num_workers > 0,
+            )
+        loaders.append(loader)
+    resident = []
+    for train_split, size, shuffle in ((True, train_size, True), (False, test_size, False)):
+        images, labels = fashion_mnist_tensors(train=train_split, quick=quick)
+        if size is not None and not quick:
+            images, labels = images[:size], labels[:size]
+        resident.append(DeviceLoader(images, labels, batch_size if train_split else
+                                     max(batch_size, 1024), device=device, shuffle=shuffle))
+    return (loaders[0], loaders[1]), (resident[0], resident[1])
+
+
+def run_ablation(
+    make_model: Callable[[], nn.Module],
+    plan: Sequence[AblationStep],
+    dataloaders: tuple[Iterable, Iterable],
+    device_loaders: tuple[Iterable, Iterable],
+    num_epochs: int,
+    lr: float,
+    device: torch.device | str,
+    *,
+    seed: int = 0,
+    flops_per_example: float | None = None,
+    peak: float | None = None,
+    on_row: Callable[[AblationRow], None] | None = None,
+) -> list[AblationRow]:
+    """Train a fresh ``make_model()`` for every row of ``plan`` that is not skipped, with
+    :func:`d2lgpu.train` and the row's techniques, from the same seed.
+
+    Rows without ``device_data`` read ``dataloaders`` (train, test DataLoaders), rows
+    with it ``device_loaders`` (:class:`d2lgpu.DeviceLoader` s of the same examples).
+    ``flops_per_example`` (:func:`d2lgpu.training_flops_per_example`) and ``peak``
+    (:func:`d2lgpu.peak_tflops`) give the MFU; without a peak it is None. ``on_row`` is
+    called after each row (e.g. to print progress).
+    """
+    rows = []
+    for step in plan:
+        if step.skip_reason is not None:
+            row = AblationRow(step)
+        else:
+            train_iter, test_iter = device_loaders if step.techniques.device_data else dataloaders
+            history = train(
+                make_model(), train_iter, test_iter, num_epochs, lr, device, seed=seed,
+                techniques=step.techniques, progress=False, plot=False,
+            )
+            speed = steady_images_per_second(history)
+            mfu = None
+            if peak is not None and flops_per_example is not None:
+                mfu = speed * flops_per_example / (peak * 1e12)
+            row = AblationRow(step, history, speed, mfu)
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows
+
+
+def format_ablation_table(rows: Sequence[AblationRow]) -> str:
+    """The ablation as a text table (lines of at most 100 characters): images/s of the
+    fastest epoch after the first (:func:`steady_images_per_second`), speed-up over the
+    baseline, MFU, first-epoch seconds (compiling
+    included) and test accuracy; skipped rows give their reason instead."""
+    base = next((r.images_per_second for r in rows if r.ran), None)
+    width = max(len(r.label) for r in rows)
+    header = (f"{'step':<{width}}  {'img/s':>8}  {'vs base':>7}  {'MFU':>6}  "
+              f"{'epoch 1 s':>9}  {'test acc':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if not r.ran:
+            lines.append(f"{r.label:<{width}}  skipped: {r.step.skip_reason}")
+            continue
+        mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
+        lines.append(
+            f"{r.label:<{width}}  {r.images_per_second:>8,.0f}  "
+            f"{r.images_per_second / base:>6.2f}x  {mfu:>6}  {r.first_epoch_seconds:>9.2f}  "
+            f"{r.test_acc:>8.3f}"
+        )
+    return "\n".join(lines)
+
+
+def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = None):
+    """Images/s per row as horizontal bars, baseline on top; skipped rows are marked as
+    such, and each bar carries its speed-up and MFU. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    base = next((r.images_per_second for r in rows if r.ran), None)
+    top = max((r.images_per_second for r in rows if r.ran), default=1.0)
+    for i, r in enumerate(rows):
+        if not r.ran:
+            ax.text(0, i, "  skipped (see the table)", va="center", fontsize="small",
+                    color="grey")
+            continue
+        ax.barh(i, r.images_per_second, color="tab:blue" if i == 0 else "tab:green")
+        mfu = "" if r.mfu is None else f", MFU {100 * r.mfu:.1f}%"
+        ax.text(r.images_per_second + 0.01 * top, i, f"{r.images_per_second / base:.2f}x{mfu}",
+                va="center", fontsize="small")
+    ax.set_yticks(range(len(rows)), [r.label for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, top * 1.3)
+    ax.set_xlabel("training images per second (fastest epoch after the first)")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, axis="x", alpha=0.3)
+    return ax
+
+
+# --------------------------------------------------------------------------- #
+# torch.compile: graph breaks and modes
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """One place where ``torch.compile`` had to end a graph: the line of code, dynamo's
+    reason (its first line) and its explanation."""
+
+    code: str
+    reason: str
+    explanation: str
+
+
+@dataclass(frozen=True)
+class GraphBreakReport:
+    """What ``torch._dynamo.explain`` found: how many graphs the function became, how
+    many breaks split it, and each break."""
+
+    graph_count: int
+    break_count: int
+    breaks: tuple[GraphBreak, ...]
+
+    def describe(self, width: int = 100) -> str:
+        """The report as lines of at most ``width`` characters."""
+        lines = [f"{self.graph_count} graph(s), {self.break_count} graph break(s)"]
+        for i, b in enumerate(self.breaks, 1):
+            lines.append(f"break {i} at: {b.code}")
+            lines.append(f"    reason: {b.reason}")
+            if b.explanation:
+                lines.append(f"    {b.explanation}")
+        return "\n".join(
+            line if len(line) <= width else line[: width - 3] + "..." for line in lines
+        )
+
+
+@contextlib.contextmanager
+def _quiet_dynamo() -> Iterator[None]:
+    """Dynamo logs each graph break as a warning with a stack; the report says it once."""
+    logger = logging.getLogger("torch._dynamo")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def explain_graph_breaks(fn: Callable, *args, **kwargs) -> GraphBreakReport:
+    """Trace ``fn(*args, **kwargs)`` with ``torch._dynamo.explain`` (no code generation:
+    it takes a second, not a compile) and report its graphs and graph breaks."""
+    with _quiet_dynamo():
+        explanation = torch._dynamo.explain(fn)(*args, **kwargs)
+    breaks = []
+    for item in explanation.break_reasons:
+        text = str(getattr(item, "reason", item)).strip()
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        why = next((line for line in lines if line.startswith("Explanation:")), "")
+        stack = getattr(item, "user_stack", None) or []
+        code = (getattr(stack[-1], "line", "") or "").strip() if stack else ""
+        breaks.append(GraphBreak(
+            code=code or "?",
+            reason=lines[0] if lines else "(no reason given)",
+            explanation=why.removeprefix("Explanation:").strip(),
+        ))
+    return GraphBreakReport(explanation.graph_count, explanation.graph_break_count,
+                            tuple(breaks))
+
+
+@dataclass(frozen=True)
+class CompileModeRow:
+    """One ``torch.compile`` mode on one training step: the first call (compiling
+    included), the median step after it, and the loss after all those steps (every
+    mode starts from the same weights and runs as many steps, so losses must agree)."""
+
+    mode: str
+    first_call_seconds: float
+    step_seconds: float
+    loss: float
+
+
+def compare_compile_modes(
+    make_model: Callable[[], nn.Module],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device | str,
+    modes: Sequence[str] = ("eager", "default", "reduce-overhead", "max-autotune"),
+    *,
+    repeats: int = 20,
+    seed: int = 0,
+) -> list[CompileModeRow]:
+    """Time one SGD training step of a fresh ``make_model()`` (seeded with ``seed``) per
+    ``torch.compile`` mode ("eager": not compiled) on ``batch``; the first call
+    includes the compilation. Modes with CUDA graphs mark each step's start."""
+    device = torch.device(device)
+    X, y = (t.to(device) for t in batch)
+    rows = []
+    for mode in modes:
+        torch.manual_seed(seed)
+        net = make_model().to(device)
+        model = net if mode == "eager" else torch.compile(
+            net, mode=None if mode == "default" else mode)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+        graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+
+        def step(model=model, optimizer=optimizer, graphs=graphs) -> torch.Tensor:
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            optimizer.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(X), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        first = time_fn(step, device, warmup=0, repeats=1).median
+        timing = time_fn(step, device, warmup=2, repeats=repeats)
+        rows.append(CompileModeRow(mode, first, timing.median, step().item()))
+    return rows
+
+
+# --------------------------------------------------------------------------- #
+# CUDA graphs by hand
+# --------------------------------------------------------------------------- #
+
+
+def capture_training_step(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    example: tuple[torch.Tensor, torch.Tensor],
+    *,
+    warmup_steps: int = 3,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Record one whole training step (forward, backward, optimizer step) as a CUDA
+    graph; return ``step(X, y)``, which copies the batch into the graph's input tensors,
+    replays the graph and returns the loss tensor (overwritten by the next replay).
+
+    The rules a graph imposes: every batch has ``example``'s shapes and dtypes (static
+    shapes); the inputs live at fixed addresses, so batches are copied in, and the
+    outputs are the same tensors every replay (static memory); nothing in the step may
+    synchronise with the host or branch on a tensor's value; the learning rate is the
+    number the optimizer had when recording. ``warmup_steps`` real steps on ``example``
+    run first on a side stream (torch's recipe: lazy state such as momentum buffers
+    and cuBLAS workspaces must exist before recording). Needs a CUDA device.
+    """
+    X0, y0 = example
+    if X0.device.type != "cuda":
+        raise ValueError(
+            f"CUDA graphs record CUDA kernels; the example batch is on {X0.device}. "
+            "Move the model and the batch to a GPU first"
+        )
+    static_X, static_y = X0.clone(), y0.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(static_X), static_y).backward()
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = loss_fn(model(static_X), static_y)
+        static_loss.backward()
+        optimizer.step()
+
+    def step(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if X.shape != static_X.shape or y.shape != static_y.shape:
+            raise ValueError(
+                f"a CUDA graph replays fixed shapes: recorded {tuple(static_X.shape)} and "
+                f"{tuple(static_y.shape)}, got {tuple(X.shape)} and {tuple(y.shape)} "
+                "(drop the last partial batch, or run it eagerly)"
+            )
+        static_X.copy_(X)
+        static_y.copy_(y)
+        graph.replay()
+        return static_loss
+
+    return step

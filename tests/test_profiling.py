@@ -1,0 +1,502 @@
+"""Tests of d2lgpu.profiling: reading and drawing traces, memory timelines, the roofline,
+the ablation, graph breaks, and CUDA graphs by hand."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import data
+
+import d2lgpu
+from d2lgpu import profiling as P
+from d2lgpu.fast import DeviceLoader, Techniques
+
+CPU = torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- #
+# Synthetic traces: events whose counts we know
+# --------------------------------------------------------------------------- #
+
+
+def _x(name, cat, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur,
+            "args": args}
+
+
+def synthetic_trace(gpu: bool = False) -> dict:
+    """Two steps with a DataLoader fetch before each and two .item() calls inside each,
+    one .item() outside the steps (a dataset's label lookup), a fetch after the last
+    step (the one that ends the epoch), and on a GPU two kernels with a gap between."""
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "python"}},
+        _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation",
+           0, 10),
+        _x("aten::item", "cpu_op", 2, 1),  # inside a fetch, not a step
+        _x("train_step", "user_annotation", 10, 40),
+        _x("aten::addmm", "cpu_op", 12, 20),
+        _x("aten::item", "cpu_op", 35, 2),
+        _x("aten::item", "cpu_op", 40, 2),
+        _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation",
+           50, 30),
+        _x("train_step", "user_annotation", 80, 40),
+        _x("aten::item", "cpu_op", 100, 2),
+        _x("aten::item", "cpu_op", 110, 2),
+        _x("aten::item", "cpu_op", 110, 2, tid=2),  # another thread: not this loop's
+        _x("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "user_annotation",
+           120, 5),
+        {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1,
+         "ts": 13, "args": {"Total Allocated": 4096, "Bytes": 4096, "Device Type": 0,
+                            "Device Id": -1}},
+        {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1,
+         "ts": 30, "args": {"Total Allocated": 1024, "Bytes": -3072, "Device Type": 0,
+                            "Device Id": -1}},
+        {"ph": "s", "cat": "fwdbwd", "name": "fwdbwd", "pid": 1, "tid": 1, "ts": 12, "id": 1},
+    ]
+    if gpu:
+        events += [_x("void gemm_kernel", "kernel", 20, 10, tid=7),
+                   _x("void relu_kernel", "kernel", 90, 10, tid=7)]
+    return {"traceEvents": events, "schemaVersion": 1}
+
+
+@pytest.fixture
+def trace_path(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(synthetic_trace()))
+    return path
+
+
+def test_read_trace_keeps_durations_and_instants_sorted(trace_path, tmp_path):
+    events = P.read_trace(trace_path)
+    assert len(events) == 14  # 12 "X" + 2 "i"; metadata and flow events dropped
+    assert [e.start_us for e in events] == sorted(e.start_us for e in events)
+    step = next(e for e in events if e.name == "train_step")
+    assert (step.start_us, step.end_us, step.category) == (10, 50, "user_annotation")
+    gz = tmp_path / "trace.json.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        json.dump(synthetic_trace(), f)
+    assert P.read_trace(gz) == events
+
+
+def test_read_trace_errors_name_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="export_chrome_trace"):
+        P.read_trace(tmp_path / "missing.json")
+    (tmp_path / "other.json").write_text(json.dumps({"foo": 1}))
+    with pytest.raises(ValueError, match="traceEvents"):
+        P.read_trace(tmp_path / "other.json")
+
+
+def test_summary_counts_syncs_inside_steps_and_fetches_that_fed_them(trace_path):
+    summary = P.summarize_trace(P.read_trace(trace_path))
+    assert summary.train_steps == 2
+    assert summary.item_calls == 4 and summary.item_calls_per_step == 2
+    assert summary.dataloader_fetches == 2  # the fetch after the last step fed nothing
+    assert summary.step_ms == pytest.approx(0.080)
+    assert summary.dataloader_ms == pytest.approx(0.040)
+    assert summary.sync_ms == pytest.approx(0.008)
+    assert summary.dataloader_share == pytest.approx(40 / 120)
+
+
+def test_summary_needs_train_steps():
+    events = [P.TraceEvent("aten::mm", "cpu_op", 0, 5, 1)]
+    with pytest.raises(ValueError, match="record_function"):
+        P.summarize_trace(events)
+
+
+def test_merge_intervals_and_idle_gaps():
+    assert P.merge_intervals([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
+    with pytest.raises(ValueError):
+        P.merge_intervals([(3, 1)])
+    busy = [(2, 4), (3, 5), (8, 9)]
+    assert P.idle_gaps(busy, 0, 10) == [(0, 2), (5, 8), (9, 10)]
+    assert P.idle_gaps(busy, 0, 10, min_gap=1.5) == [(0, 2), (5, 8)]
+    assert P.idle_gaps([], 0, 3) == [(0, 3)]
+    assert P.idle_gaps([(0, 10)], 2, 5) == []
+
+
+def test_timeline_lanes_on_a_cpu_and_a_gpu_trace(tmp_path, trace_path):
+    lanes = P.timeline_lanes(P.read_trace(trace_path), min_gap_us=0)
+    assert lanes["train steps"] == [(10, 50), (80, 120)]
+    assert lanes[".item() in steps"] == [(35, 37), (40, 42), (100, 102), (110, 112)]
+    assert "GPU kernels" not in lanes and "host ops" not in lanes
+    assert lanes["idle"] == [(50, 80)]  # on a CPU the model idles between steps
+    assert P.training_window(P.read_trace(trace_path)) == (0, 120)
+
+    gpu_path = tmp_path / "gpu.json"
+    gpu_path.write_text(json.dumps(synthetic_trace(gpu=True)))
+    gpu_lanes = P.timeline_lanes(P.read_trace(gpu_path), min_gap_us=0)
+    assert gpu_lanes["GPU kernels"] == [(20, 30), (90, 100)]
+    assert gpu_lanes["idle"] == [(10, 20), (30, 90), (100, 120)]  # gaps between kernels
+    assert (12, 32) in gpu_lanes["host ops"]
+
+
+def test_plot_timeline_draws_one_labelled_lane_each(trace_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = P.plot_timeline(P.read_trace(trace_path), title="two steps", min_gap_us=0)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["train steps", "DataLoader", ".item() in steps"]
+    assert ax.get_xlim() == pytest.approx((-0.010, 0.110))  # ms from the first step
+    assert ax.get_legend() is not None  # the idle gap is marked
+
+
+# --------------------------------------------------------------------------- #
+# Profiling real training: the no_sync switch, seen in the trace
+# --------------------------------------------------------------------------- #
+
+
+def tiny_loaders(n: int = 64, batch: int = 16):
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n, 1, 8, 8), dtype=torch.uint8, generator=generator)
+    labels = torch.arange(n) % 4
+    dataloaders = (data.DataLoader(data.TensorDataset(images.float() / 255, labels), batch),
+                   data.DataLoader(data.TensorDataset(images.float() / 255, labels), batch))
+    resident = (DeviceLoader(images, labels, batch, device=CPU, shuffle=True),
+                DeviceLoader(images, labels, batch, device=CPU))
+    return dataloaders, resident
+
+
+def tiny_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 4))
+
+
+def profiled_training(techniques: Techniques, loaders, tmp_path):
+    with torch.profiler.profile(activities=P.profiler_activities(CPU)) as prof:
+        d2lgpu.train(tiny_net(), *loaders, 1, 0.1, CPU, seed=0, techniques=techniques,
+                     progress=False, plot=False)
+    path = tmp_path / "run.json"
+    prof.export_chrome_trace(str(path))
+    return prof, P.read_trace(path)
+
+
+def test_profiled_d2l_loop_syncs_twice_per_step_and_fetches_every_batch(tmp_path):
+    dataloaders, resident = tiny_loaders()
+    prof, events = profiled_training(Techniques.d2l_style(), dataloaders, tmp_path)
+    summary = P.summarize_trace(events)
+    assert summary.train_steps == 4
+    assert summary.item_calls == 8  # loss.item() and the correct count, every step
+    assert summary.dataloader_fetches == 4
+    table = P.op_table(prof, top=5)
+    assert all(len(line) <= 100 for line in table.splitlines())
+    assert "self CPU ms" in table.splitlines()[0]
+
+    _, fast_events = profiled_training(Techniques(device_data=True), resident, tmp_path)
+    fast = P.summarize_trace(fast_events)
+    assert fast.train_steps == 4
+    assert fast.item_calls == 0 and fast.dataloader_fetches == 0
+
+
+def test_profiler_activities(monkeypatch):
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    assert P.profiler_activities("cpu") == [torch.profiler.ProfilerActivity.CPU]
+    assert os.environ["KINETO_LOG_LEVEL"] == "6"
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "2")  # a level the user chose stays
+    P.profiler_activities("cpu")
+    assert os.environ["KINETO_LOG_LEVEL"] == "2"
+    assert torch.profiler.ProfilerActivity.CUDA in P.profiler_activities("cuda:0")
+
+
+def test_op_table_refuses_an_empty_profile():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pass
+    with pytest.raises(ValueError, match="no operators"):
+        P.op_table(prof)
+
+
+# --------------------------------------------------------------------------- #
+# Memory timelines
+# --------------------------------------------------------------------------- #
+
+
+def test_memory_timeline_from_a_trace(trace_path):
+    timeline = P.memory_timeline_from_trace(P.read_trace(trace_path))
+    assert timeline == [(13, 4096), (30, 1024)]
+    with pytest.raises(ValueError, match="profile_memory"):
+        P.memory_timeline_from_trace(P.read_trace(trace_path), "cuda:0")
+
+
+def test_memory_timeline_of_a_real_cpu_profile_rises_and_falls(tmp_path):
+    net = tiny_net()
+    X = torch.randn(32, 1, 8, 8)
+    with torch.profiler.profile(activities=P.profiler_activities(CPU),
+                                profile_memory=True) as prof:
+        activations = net(X)  # kept alive until backward: memory rises
+        activations.sum().backward()
+        del activations
+    path = tmp_path / "memory.json"
+    prof.export_chrome_trace(str(path))
+    timeline = P.memory_timeline_from_trace(P.read_trace(path))
+    levels = [b for _, b in timeline]
+    assert len(levels) > 4 and max(levels) > levels[-1] >= 0
+
+
+def test_memory_timeline_from_a_snapshot_counts_what_was_there_before(tmp_path):
+    snapshot = {
+        "segments": [{"device": 0, "blocks": [
+            {"size": 1000, "state": "active_allocated"},  # weights, allocated before recording
+            {"size": 300, "state": "active_allocated"},
+            {"size": 700, "state": "inactive"},
+        ]}],
+        "device_traces": [[
+            {"action": "segment_alloc", "addr": 0, "size": 2000, "time_us": 1},
+            {"action": "alloc", "addr": 1, "size": 500, "time_us": 5},
+            {"action": "alloc", "addr": 2, "size": 300, "time_us": 6},
+            {"action": "free_requested", "addr": 1, "size": 500, "time_us": 7},
+            {"action": "free_completed", "addr": 1, "size": 500, "time_us": 8},
+        ]],
+    }
+    # 1300 allocated at the end, +300 net over the history: 1000 before it began.
+    expected = [(5.0, 1500), (6.0, 1800), (8.0, 1300)]
+    assert P.memory_timeline_from_snapshot(snapshot) == expected
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(snapshot))
+    assert P.memory_timeline_from_snapshot(path) == expected
+    with pytest.raises(ValueError, match="_record_memory_history"):
+        P.memory_timeline_from_snapshot({"segments": [], "device_traces": [[]]})
+    with pytest.raises(ValueError, match="no index 1"):
+        P.memory_timeline_from_snapshot(snapshot, device_index=1)
+
+
+def test_plot_memory_timeline_in_mib():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = P.plot_memory_timeline([(0.0, 0), (1000.0, 2**21), (3000.0, 2**20)],
+                                spans=[(0.0, 2000.0, "step 1")])
+    x, y = ax.lines[0].get_data()
+    assert list(x) == [0.0, 1.0, 3.0] and list(y) == [0.0, 2.0, 1.0]
+    with pytest.raises(ValueError):
+        P.plot_memory_timeline([])
+
+
+# --------------------------------------------------------------------------- #
+# The roofline
+# --------------------------------------------------------------------------- #
+
+
+def test_roofline_ridge_attainable_and_regimes():
+    roof = P.Roofline(peak_tflops=10.0, bandwidth_gbps=1000.0)
+    assert roof.ridge == pytest.approx(10.0)  # 10e12 FLOP/s over 1e12 B/s
+    assert roof.attainable_tflops(1.0) == pytest.approx(1.0)
+    assert roof.attainable_tflops(100.0) == pytest.approx(10.0)
+    # 8 TFLOP/s at intensity 100: near the compute roof.
+    big = P.RooflinePoint("matmul", flops=8e12, nbytes=8e10, seconds=1.0)
+    # 0.05 TFLOP/s at intensity 0.1 (roof 0.1): memory-bound.
+    stream = P.RooflinePoint("add", flops=5e10, nbytes=5e11, seconds=1.0)
+    # 0.001 TFLOP/s at the same intensity: 1% of its roof.
+    tiny = P.RooflinePoint("tiny add", flops=1e9, nbytes=1e10, seconds=1.0)
+    assert [roof.regime(p) for p in (big, stream, tiny)] == [
+        "compute-bound", "memory-bound", "overhead-bound"]
+    assert stream.achieved_gbps == pytest.approx(500.0)
+    with pytest.raises(ValueError):
+        P.Roofline(peak_tflops=0.0, bandwidth_gbps=1.0)
+
+
+def test_measured_roofline_and_points_on_the_cpu():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2)
+    assert roof.peak_tflops > 0 and roof.bandwidth_gbps > 0
+    assert matmul.flops == 2 * 64**3 and matmul.intensity == pytest.approx(64 / 6)
+    assert roof.peak_tflops >= matmul.achieved_tflops  # the roof is the best run
+    stream, tiny = P.roofline_points(CPU, elementwise_numel=1000, tiny_numel=8,
+                                     tiny_repeats=10, repeats=2)
+    assert (stream.flops, stream.nbytes) == (1000, 12000)
+    assert (tiny.flops, tiny.nbytes) == (80, 960)
+    ax = P.plot_roofline(roof, [matmul, stream, tiny])
+    assert len(ax.collections) == 3
+
+
+# --------------------------------------------------------------------------- #
+# The ablation
+# --------------------------------------------------------------------------- #
+
+
+def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
+    import d2lgpu.precision as precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    plan = P.ablation_plan(CPU, skip={"compile": "not today"})
+    assert [step.label for step in plan] == list(P.ABLATION_LABELS.values())
+    assert plan[0].techniques == Techniques.d2l_style()
+    skipped = {step.technique: step.skip_reason for step in plan if step.skip_reason}
+    assert set(skipped) == {"autocast", "channels_last", "fused_optimizer", "compile",
+                            "cuda_graphs"}
+    assert skipped["compile"] == "not today"
+    assert all(len(reason) <= 64 for reason in skipped.values())
+    # Each row that runs adds its technique to the previous row's; skipped ones add none.
+    for before, step in zip(plan, plan[1:], strict=False):
+        added = set(step.techniques.enabled) - set(before.techniques.enabled)
+        assert added == (set() if step.skip_reason else {step.technique})
+    assert plan[-1].techniques == Techniques(device_data=True, no_sync=True)
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    with_bf16 = P.ablation_plan(CPU)
+    assert with_bf16[3].technique == "autocast" and with_bf16[3].skip_reason is None
+    assert with_bf16[-1].techniques.autocast
+    with pytest.raises(ValueError, match="unknown techniques"):
+        P.ablation_plan(CPU, skip={"warp_speed": "no"})
+
+
+def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    dataloaders, resident = tiny_loaders(n=64, batch=16)
+    plan = P.ablation_plan(CPU, skip={"compile": "slow in tests"})[:4]
+    seen = []
+    rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU,
+                          flops_per_example=1e6, peak=None, on_row=seen.append)
+    assert seen == rows and [r.label for r in rows] == [s.label for s in plan]
+    ran = [r for r in rows if r.ran]
+    assert all(r.images_per_second > 0 and r.mfu is None for r in ran)
+    assert all(r.history.num_epochs == 2 for r in ran)
+    # Rows 2 and 3 differ only in when the loss is read: on the CPU, the same run
+    # (its mean is summed in float64 on the host in one, in float32 on the device in the other).
+    assert rows[1].history.train_loss == pytest.approx(rows[2].history.train_loss, rel=1e-6)
+    assert rows[1].history.test_acc == rows[2].history.test_acc
+    table = P.format_ablation_table(rows)
+    assert all(len(line) <= 100 for line in table.splitlines())
+    assert [line.split("  ")[0].strip() for line in table.splitlines()[2:]] == [
+        r.label for r in rows]
+    ax = P.plot_ablation(rows)
+    assert [t.get_text() for t in ax.get_yticklabels()] == [r.label for r in rows]
+
+    with_peak = P.run_ablation(tiny_net, plan[:1], dataloaders, resident, 1, 0.1, CPU,
+                               flops_per_example=1e6, peak=1.0)
+    row = with_peak[0]
+    assert row.mfu == pytest.approx(row.images_per_second * 1e6 / 1e12)
+
+
+def test_steady_speed_is_the_fastest_epoch_after_the_first():
+    history = d2lgpu.History(examples_per_second=[10.0, 100.0, 120.0, 110.0])
+    assert P.steady_images_per_second(history) == 120.0
+    history = d2lgpu.History(examples_per_second=[500.0, 100.0, 120.0])
+    assert P.steady_images_per_second(history) == 120.0  # the first epoch never counts
+    assert P.steady_images_per_second(d2lgpu.History(examples_per_second=[5.0])) == 5.0
+
+
+def test_mfu_note_on_a_cpu():
+    assert "n/a" in P.mfu_note(CPU, None)
+    assert "989" in P.mfu_note(CPU, 989.0)
+
+
+def test_ablation_data_holds_the_same_examples_both_ways():
+    (train_iter, test_iter), (train_res, test_res) = P.ablation_data(
+        32, CPU, train_size=100, test_size=50, quick=False)
+    assert len(train_iter.dataset) == train_res.num_examples == 100
+    assert len(test_iter.dataset) == test_res.num_examples == 50
+    labels = torch.cat([y for _, y in data.DataLoader(train_iter.dataset, 100)])
+    assert torch.equal(labels, train_res.labels)
+
+
+# --------------------------------------------------------------------------- #
+# torch.compile and CUDA graphs
+# --------------------------------------------------------------------------- #
+
+
+def test_graph_breaks_are_found_and_explained():
+    def with_breaks(x):
+        y = torch.sin(x)
+        print("a print is a side effect dynamo cannot put in a graph")
+        return torch.cos(y) + y.sum().item()
+
+    def without_breaks(x):
+        return torch.cos(torch.sin(x)) + x.sum()
+
+    report = P.explain_graph_breaks(with_breaks, torch.randn(4))
+    assert report.break_count == 2 and report.graph_count == 3
+    first, second = report.breaks
+    assert first.code.startswith("print(") and "print" in first.explanation
+    assert second.code == "return torch.cos(y) + y.sum().item()"
+    assert "item()" in second.reason
+    text = report.describe(width=100)
+    assert text.splitlines()[0] == "3 graph(s), 2 graph break(s)"
+    assert all(len(line) <= 100 for line in text.splitlines())
+    clean = P.explain_graph_breaks(without_breaks, torch.randn(4))
+    assert (clean.graph_count, clean.break_count, clean.breaks) == (1, 0, ())
+
+
+def test_capture_training_step_needs_a_gpu():
+    net = tiny_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="GPU"):
+        P.capture_training_step(net, nn.functional.cross_entropy, optimizer,
+                                (torch.randn(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)))
+
+
+def test_runs_dir_is_git_ignored_here():
+    path = P.runs_dir("test-profiling")
+    assert path.is_dir() and path.parent.name == "runs"
+    for bad in ("", "a/b", "..", 7):
+        with pytest.raises(ValueError):
+            P.runs_dir(bad)
+
+
+@pytest.mark.gpu
+def test_gpu_captured_step_trains_like_the_eager_step():
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    eager_net = tiny_net().to(device)
+    graphed_net = tiny_net().to(device)
+    graphed_net.load_state_dict(eager_net.state_dict())
+    eager_opt = torch.optim.SGD(eager_net.parameters(), lr=0.1)
+    graphed_opt = torch.optim.SGD(graphed_net.parameters(), lr=0.1)
+    X = torch.randn(16, 1, 8, 8, device=device)
+    y = torch.randint(0, 4, (16,), device=device)
+    loss_fn = nn.functional.cross_entropy
+    step = P.capture_training_step(graphed_net, loss_fn, graphed_opt, (X, y), warmup_steps=3)
+    for _ in range(3):  # the eager twin catches up with the capture's warm-up steps
+        eager_opt.zero_grad(set_to_none=True)
+        loss_fn(eager_net(X), y).backward()
+        eager_opt.step()
+    for _ in range(5):
+        eager_opt.zero_grad(set_to_none=True)
+        eager_loss = loss_fn(eager_net(X), y)
+        eager_loss.backward()
+        eager_opt.step()
+        graphed_loss = step(X, y)
+        torch.testing.assert_close(graphed_loss, eager_loss, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="fixed shapes"):
+        step(X[:8], y[:8])
+
+
+@pytest.mark.gpu
+def test_gpu_trace_shows_kernels_and_the_d2l_loop_syncs(tmp_path):
+    device = torch.device("cuda", 0)
+    images = torch.randint(0, 256, (64, 1, 8, 8), dtype=torch.uint8)
+    labels = torch.arange(64) % 4
+    resident = (DeviceLoader(images, labels, 16, device=device, shuffle=True),
+                DeviceLoader(images, labels, 16, device=device))
+    for techniques, syncs in ((Techniques(device_data=True, no_sync=False), 8),
+                              (Techniques.fast(device), 0)):
+        with torch.profiler.profile(activities=P.profiler_activities(device)) as prof:
+            d2lgpu.train(tiny_net(), *resident, 1, 0.1, device, seed=0, techniques=techniques,
+                         progress=False)
+        path = tmp_path / "gpu.json"
+        prof.export_chrome_trace(str(path))
+        events = P.read_trace(path)
+        assert P.summarize_trace(events).item_calls == syncs
+        assert "GPU kernels" in P.timeline_lanes(events)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_modes_compute_the_same_step():
+    device = torch.device("cuda", 0)
+    X = torch.randn(16, 1, 8, 8)
+    y = torch.randint(0, 4, (16,))
+    rows = P.compare_compile_modes(tiny_net, (X, y), device,
+                                   modes=("eager", "default", "reduce-overhead"), repeats=3)
+    assert [r.mode for r in rows] == ["eager", "default", "reduce-overhead"]
+    assert all(r.first_call_seconds > 0 and r.step_seconds > 0 for r in rows)
+    # Same seed, same number of steps: the compiled modes compute the eager step.
+    for row in rows[1:]:
+        assert row.loss == pytest.approx(rows[0].loss, rel=1e-3)
