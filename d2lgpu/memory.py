@@ -368,15 +368,16 @@ def measure_training_memory(
     opt = make_optimizer(optimizer, model.parameters(), lr=lr)
     opt.zero_grad(set_to_none=True)
     exclude = [*model.parameters(), *model.buffers()]
-    with SavedActivations(exclude) as saved:
-        loss = _loss(model, X, y)
+    with SavedActivations(exclude) as saved:  # the model's activations; not the loss's
+        out = model(X)
+    loss = nn.functional.cross_entropy(out, y)
     loss.backward()
     grads = gradient_bytes(model)
     opt.step()
     state = optimizer_state_bytes(opt)
 
     opt.zero_grad(set_to_none=True)
-    del loss
+    del loss, out
     on_cuda = X.device.type == "cuda"
     if on_cuda:
         torch.cuda.synchronize(X.device)

@@ -15,8 +15,9 @@ run, the same computation as :func:`train_single` in one process), counting of
 collectives (:class:`CollectiveCounter` for FSDP's, :func:`counting_allreduce_hook`
 for DDP's), and distributed checkpoints (:func:`save_checkpoint`,
 :func:`load_checkpoint`) that a different number of ranks, or one process, can
-load. :func:`fsdp_worker` and :func:`ddp_accumulation_worker` are the entry
-points for :func:`d2lgpu.distributed.launch`.
+load. :func:`sharding_worker` is the entry point for
+:func:`d2lgpu.distributed.launch`; it runs a list of jobs (:class:`FSDPRun`,
+:class:`AccumulationRun`) in one launch.
 
 FSDP2 is ``torch.distributed.fsdp.fully_shard`` from torch 2.6 on and
 ``torch.distributed._composable.fsdp.fully_shard`` in 2.4 and 2.5; those two
@@ -32,9 +33,10 @@ import json
 import math
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,7 @@ except ImportError:
     from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 __all__ = [
+    "ACCUMULATION_VARIANTS",
     "FSDP2_CPU_MIN_TORCH",
     "AccumulationResult",
     "CollectiveCounter",
@@ -77,10 +80,10 @@ __all__ = [
     "TrainPlan",
     "collective_formula",
     "counting_allreduce_hook",
-    "ddp_accumulation_worker",
+    "AccumulationRun",
     "describe_shards",
     "fsdp2_unavailable_reason",
-    "fsdp_worker",
+    "sharding_worker",
     "latest_checkpoint",
     "load_checkpoint",
     "local_bytes",
@@ -141,11 +144,12 @@ class MLPShape:
 class TrainPlan:
     """A training run defined down to the last example, so runs can be compared number for number.
 
-    Step ``s`` uses the global batch of examples ``s*B .. s*B+B-1`` (wrapping
-    around the data); with ``W`` ranks, rank ``r`` takes the ``r``-th of ``W``
-    equal consecutive slices of it. Every rank's loss is the mean over its
-    slice, and data-parallel training averages the ranks' gradients, so the
-    update is the one of the mean over the whole batch, whatever ``W`` is.
+    Step ``s`` uses the global batch of examples ``s*B .. s*B+B-1`` of its
+    epoch's order (in order, or a seeded shuffle per epoch); with ``W`` ranks,
+    rank ``r`` takes the ``r``-th of ``W`` equal consecutive slices of it.
+    Every rank's loss is the mean over its slice, and data-parallel training
+    averages the ranks' gradients, so the update is the one of the mean over
+    the whole batch, whatever ``W`` is.
     """
 
     shape: MLPShape
@@ -156,6 +160,8 @@ class TrainPlan:
     lr: float = 1e-3
     optimizer: str = "adam"
     seed: int = 0
+    #: Shuffle the data anew every epoch (seeded); otherwise take them in order.
+    shuffle: bool = False
     #: Optional held-out data, for the accuracy that :func:`train_fsdp` logs.
     test_images: torch.Tensor | None = None
     test_labels: torch.Tensor | None = None
@@ -168,8 +174,20 @@ class TrainPlan:
         if (self.test_images is None) != (self.test_labels is None):
             raise ValueError("pass both test_images and test_labels, or neither")
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full batches in one pass over the data (a last, partial batch is left out)."""
+        return max(len(self.labels) // self.batch_size, 1)
+
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = (step * self.batch_size + torch.arange(self.batch_size)) % len(self.labels)
+        """The examples of step ``step``: the same whatever the number of ranks."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if self.shuffle:  # a new order every epoch, from the seed and the epoch number
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.labels), generator=gen)
+        else:
+            order = torch.arange(len(self.labels))
+        idx = order[(position * self.batch_size + torch.arange(self.batch_size)) % len(order)]
         X = self.images[idx]
         X = X.float() / 255 if X.dtype == torch.uint8 else X.float()
         return X, self.labels[idx]
@@ -562,6 +580,9 @@ class FSDPRun:
     fail_rank: int | None = None
     fail_at_step: int = 0
 
+    def run(self, ctx: DistContext) -> FSDPResult:
+        return train_fsdp(self, ctx)
+
     def __post_init__(self) -> None:
         if self.save_every is not None and self.checkpoint_root is None:
             raise ValueError("save_every needs checkpoint_root, the directory to write to")
@@ -716,6 +737,7 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     test_acc: list[tuple[int, float]] = []
     saved: list[str] = []
     watch = StepWatch()
+    since = time.perf_counter()
     for step in range(start, plan.steps):
         X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
         fail = None
@@ -744,12 +766,16 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
             if plan.test_images is not None:
                 test_acc.append((done, _test_accuracy(model, plan, ctx)))
                 line += f", test acc {test_acc[-1][1]:.3f}"
+            line += f", {time.perf_counter() - since:.1f} s"
+            since = time.perf_counter()
             if ctx.is_main:
                 print(line, flush=True)
         if save_now:
             extra = {"losses": losses, "world_size": ctx.world_size}
             path = save_checkpoint(run.checkpoint_root or "", done, model, optimizer, extra)
             saved.append(str(path))
+            if ctx.is_main and run.log_every:
+                print(f"saved checkpoint {path}", flush=True)
     losses += _mean_over_ranks(pending, ctx)
 
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -790,19 +816,21 @@ def _device_mesh(ctx: DistContext) -> Any:
     return init_device_mesh(ctx.device.type, (ctx.world_size,))
 
 
-def fsdp_worker(
+def sharding_worker(
     rank: int,
     world_size: int,
     master_port: int,
-    runs: Sequence[FSDPRun],
+    jobs: Sequence[FSDPRun | AccumulationRun],
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> list[FSDPResult]:
-    """Entry point for :func:`d2lgpu.distributed.launch`: join the group, do ``runs``, leave.
+) -> list[Any]:
+    """Entry point for :func:`d2lgpu.distributed.launch`: join the group, run ``jobs``, leave.
 
-    Several runs share one launch, so that starting processes is paid once.
+    Returns each job's result (an :class:`FSDPResult` or an
+    :class:`AccumulationResult`). Several jobs share one launch, so that
+    starting the processes, the slow part on a small machine, is paid once.
     """
     with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
-        return [train_fsdp(run, ctx) for run in runs]
+        return [job.run(ctx) for job in jobs]
 
 
 # ---------------------------------------------------------------------------
@@ -853,30 +881,26 @@ def _train_ddp_accumulating(
     return stats, _cpu_state(model), _mean_over_ranks(losses, ctx)
 
 
-def ddp_accumulation_worker(
-    rank: int,
-    world_size: int,
-    master_port: int,
-    plan: TrainPlan,
-    micro_batches: int,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> AccumulationResult:
-    """Train ``plan`` with DDP and ``micro_batches`` per step, both ways, counting all-reduces.
+@dataclass(frozen=True)
+class AccumulationRun:
+    """DDP training of ``plan`` with ``micro_batches`` per step, both ways, all-reduces counted.
 
-    Entry point for :func:`d2lgpu.distributed.launch`. Each rank splits its
-    share of every global batch into ``micro_batches`` pieces.
+    Each rank splits its share of every global batch into ``micro_batches``
+    pieces. A job for :func:`sharding_worker`.
     """
-    check_positive_int("micro_batches", micro_batches)
-    with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
+
+    plan: TrainPlan
+    micro_batches: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("micro_batches", self.micro_batches)
+
+    def run(self, ctx: DistContext) -> AccumulationResult:
         comm, states, losses = {}, {}, {}
         for variant in ACCUMULATION_VARIANTS:
+            use_no_sync = variant == ACCUMULATION_VARIANTS[1]
             stats, state, loss = _train_ddp_accumulating(
-                plan, micro_batches, variant == ACCUMULATION_VARIANTS[1], ctx
+                self.plan, self.micro_batches, use_no_sync, ctx
             )
             comm[variant], states[variant], losses[variant] = stats, state, loss
-        return AccumulationResult(micro_batches, plan.steps, comm, states, losses)
-
-
-def with_steps(plan: TrainPlan, steps: int) -> TrainPlan:
-    """The same plan, stopped (or continued) at ``steps``."""
-    return replace(plan, steps=steps)
+        return AccumulationResult(self.micro_batches, self.plan.steps, comm, states, losses)
