@@ -149,10 +149,13 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
         if ctx.is_main:
             params = plan.shape.num_parameters()
             print(
-                f"{ctx.world_size} ranks, backend {ctx.backend}; residual MLP with "
-                f"{params:,} parameters, each rank holds 1/{ctx.world_size} of them; "
+                f"{ctx.world_size} ranks, backend {ctx.backend}; residual MLP with {params:,} "
+                f"parameters, 1/{ctx.world_size} of them on each rank",
+                flush=True,
+            )
+            print(
                 f"global batch {plan.batch_size} ({plan.batch_size // ctx.world_size} per rank), "
-                f"{plan.steps_per_epoch} steps per epoch",
+                f"{plan.steps_per_epoch} steps per epoch, {plan.steps} in all",
                 flush=True,
             )
         result = train_fsdp(run, ctx)

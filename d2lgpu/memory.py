@@ -28,6 +28,8 @@ keep a stage's input only, and recompute the rest during backward).
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -496,34 +498,53 @@ def checkpointing_tradeoff(
     stages: Sequence[str],
     *,
     repeats: int = 3,
+    progress: bool = False,
 ) -> tuple[list[CheckpointRow], float]:
     """Memory and time of forward + backward, without and with checkpointing of ``stages``.
 
     ``make_model()`` must build the same model every time (seed inside it); it
-    is built on ``X``'s device. Returns the two rows and the largest difference
-    between the two variants' gradients (checkpointing recomputes the same
-    numbers, so it should be zero or rounding).
+    is built on ``X``'s device. One counted step per variant (which also warms
+    it up), then ``repeats`` timed steps of each, taken in turns so that a
+    change in the machine's load hits both alike. ``progress`` prints an
+    estimate of the time left after the first step. Returns the two rows and
+    the largest difference between the two variants' gradients (checkpointing
+    recomputes the same numbers, so it should be zero or rounding).
     """
     check_positive_int("repeats", repeats)
-    rows, grads = [], []
+    on_cuda = X.device.type == "cuda"
+    models, counted, grads = {}, {}, []
     for variant in ("plain", "checkpointed"):
         model = make_model().to(X.device)
         if variant == "checkpointed":
             checkpoint_stages(model, stages)
         model.train()
-        on_cuda = X.device.type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(X.device)
             torch.cuda.reset_peak_memory_stats(X.device)
+        started = time.perf_counter()
         held, peak = _counted_step(model, X, y)
+        if progress and not models:
+            # Still to come: the checkpointed variant's counted step and all timed steps,
+            # each at most about 4/3 of this one (one extra forward pass).
+            left = (time.perf_counter() - started) * (1 + 4 / 3) * (1 + repeats)
+            print(f"one step took {time.perf_counter() - started:.1f} s; about {left:.0f} s to go")
         cuda_peak = torch.cuda.max_memory_allocated(X.device) if on_cuda else None
+        counted[variant] = (held, peak, cuda_peak)
         grads.append([p.grad.detach().clone() for p in model.parameters()])
+        models[variant] = model
 
-        def step(model: nn.Module = model) -> None:
-            model.zero_grad(set_to_none=True)
-            _loss(model, X, y).backward()
+    times: dict[str, list[float]] = {variant: [] for variant in models}
+    for _ in range(repeats):
+        for variant, model in models.items():
 
-        timing = time_fn(step, X.device, warmup=1, repeats=repeats)
-        rows.append(CheckpointRow(variant, held, peak, cuda_peak, timing.median))
+            def step(model: nn.Module = model) -> None:
+                model.zero_grad(set_to_none=True)
+                _loss(model, X, y).backward()
+
+            times[variant].append(time_fn(step, X.device, warmup=0, repeats=1).median)
+    rows = [
+        CheckpointRow(variant, *counted[variant], statistics.median(times[variant]))
+        for variant in models
+    ]
     diff = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
     return rows, diff

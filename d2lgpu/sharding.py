@@ -742,10 +742,7 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
         X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
         fail = None
         if run.fail_rank == ctx.rank and step == run.fail_at_step:
-            fail = (
-                f"rank {ctx.rank} failed on purpose in step {step}, between forward and "
-                "backward, while the other ranks wait in a collective"
-            )
+            fail = f"rank {ctx.rank} failed on purpose in step {step} (the others wait in backward)"
         if step == plan.steps - 1 or fail:
             loss, watch = _watched_step(model, X, y, fail)
         else:

@@ -182,7 +182,7 @@ def test_ddp_no_sync_all_reduces_once_per_step(two_ranks):
     assert every.calls == 4 * last.calls
     states = [result.state_dicts[v] for v in ACCUMULATION_VARIANTS]
     assert _max_abs_diff(*states) < 1e-6
-    assert _max_abs_diff(states[1], train_single(plan).state_dict) < 1e-5
+    assert _max_abs_diff(states[1], train_single(plan).state_dict) < 1e-4
 
 
 @needs_fsdp2_on_cpu
@@ -201,7 +201,7 @@ def test_fsdp_on_two_ranks_shards_and_matches_one_process(two_ranks):
     assert full.optimizer_bytes[0] >= 2 * padded // 2  # Adam: two buffers per shard
     assert [w.gradient_bytes for w in full.watch] == [padded // 2] * 2
     # The same training as one process on the whole batch, and training did move the weights.
-    assert _max_abs_diff(full.state_dict, one.state_dict) < 1e-5
+    assert _max_abs_diff(full.state_dict, one.state_dict) < 1e-4
     assert _max_abs_diff(full.state_dict, SHAPE.build().state_dict()) > 1e-3
     assert full.losses == pytest.approx(one.losses, rel=1e-5)
     # Collectives of one step, counted on rank 0, equal the formula.
@@ -230,7 +230,7 @@ def test_three_ranks_and_one_process_resume_the_two_rank_checkpoint(two_ranks):
         (three,) = launch(sharding_worker, 3, (3, find_free_port(), [resume], 60.0), timeout_s=240)
     assert three.world_size == 3 and three.start_step == 2
     assert three.losses[:2] == full.losses[:2]  # the history came from the checkpoint
-    assert _max_abs_diff(three.state_dict, one.state_dict) < 1e-5
+    assert _max_abs_diff(three.state_dict, one.state_dict) < 1e-4
     rows = {s.name: s for s in three.shards}
     assert rows["1.weight"].global_shape == (32, 20)
     assert rows["1.weight"].local_shape == (11, 20)  # chunks of ceil(32 / 3) rows on rank 0
@@ -241,7 +241,7 @@ def test_three_ranks_and_one_process_resume_the_two_rank_checkpoint(two_ranks):
     optimizer = make_optimizer("adam", single.parameters(), lr=plan.lr)
     load_checkpoint(checkpoints / "step-000002", single, optimizer)
     at_two = train_single(replace(plan, steps=2))
-    assert _max_abs_diff(single.state_dict(), at_two.state_dict) < 1e-5
+    assert _max_abs_diff(single.state_dict(), at_two.state_dict) < 1e-4
     assert all(state["step"].item() == 2 for state in optimizer.state.values())
 
 
