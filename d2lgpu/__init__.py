@@ -3,11 +3,15 @@
 Modules by concern: ``config`` (environment variables), ``devices`` (naming
 devices), ``report`` (what this machine can do, and why CUDA is missing),
 ``benchmarking`` (timing GPU work correctly), ``data`` (Fashion-MNIST),
-``models`` (ResNet-18 and a small CNN), ``parallel`` (data parallelism by
-hand), ``training`` (the train loop), ``plotting``, ``precision`` (mixed
-precision), ``fast`` (the device-resident fast path), ``distributed``,
-``ddp_train`` and ``healthcheck`` (torch.distributed and torchrun), and
-``checks`` (argument checks the others share).
+``models`` (ResNet-18, a small CNN and a residual MLP), ``parallel`` (data
+parallelism by hand), ``training`` (the train loop), ``plotting``,
+``precision`` (mixed precision), ``fast`` (the device-resident fast path),
+``distributed``, ``ddp_train`` and ``healthcheck`` (torch.distributed and
+torchrun), ``memory`` (where training memory goes, counted; gradient
+accumulation; activation checkpointing), ``sharding`` and ``fsdp_train``
+(FSDP2, collectives counted, distributed checkpoints; imported by name, not
+re-exported here, to keep ``import d2lgpu`` light), and ``checks`` (argument
+checks the others share).
 """
 
 from d2lgpu.benchmarking import (
@@ -45,7 +49,17 @@ from d2lgpu.fast import (
     train_fast,
     training_flops_per_example,
 )
-from d2lgpu.models import Residual, resnet18, small_cnn
+from d2lgpu.memory import (
+    Checkpointed,
+    LiveTensorBytes,
+    MemoryAnatomy,
+    SavedActivations,
+    accumulated_gradients,
+    checkpoint_stages,
+    measure_activations,
+    measure_training_memory,
+)
+from d2lgpu.models import MLPBlock, Residual, residual_mlp, resnet18, small_cnn
 from d2lgpu.parallel import (
     allreduce,
     data_parallel_step,
@@ -88,22 +102,29 @@ from d2lgpu.training import History, evaluate_accuracy, init_weights, set_seed, 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointed",
     "DeviceLoader",
     "EnvironmentReport",
     "FASHION_MNIST_LABELS",
     "History",
     "LivePlot",
+    "LiveTensorBytes",
+    "MLPBlock",
+    "MemoryAnatomy",
     "PRECISION_MODES",
     "PrecisionPolicy",
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
     "Residual",
+    "SavedActivations",
     "SweepComparison",
     "SweepRow",
     "Timing",
+    "accumulated_gradients",
     "allreduce",
     "amp_sweep_mode",
     "benchmark_autorange",
+    "checkpoint_stages",
     "choose_backend",
     "compare_sweep_modes",
     "cpu",
@@ -128,8 +149,10 @@ __all__ = [
     "launch",
     "load_data_fashion_mnist",
     "max_abs_difference",
+    "measure_activations",
     "measure_copy_bandwidth",
     "measure_host_to_device",
+    "measure_training_memory",
     "mode_unavailable_reason",
     "native_tensor_core_formats",
     "num_gpus",
@@ -149,6 +172,7 @@ __all__ = [
     "random_batch_maker",
     "read_nvml",
     "replicate_params",
+    "residual_mlp",
     "resnet18",
     "set_seed",
     "setup_summary",

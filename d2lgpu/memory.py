@@ -28,7 +28,6 @@ keep a stage's input only, and recompute the rest during backward).
 
 from __future__ import annotations
 
-import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -478,7 +477,8 @@ class CheckpointRow:
     peak: int
     #: The CUDA allocator's peak for the same step on a GPU; None elsewhere.
     cuda_peak: int | None
-    #: Median seconds of forward + backward.
+    #: Seconds of forward + backward: the fastest of the timed steps, the one least
+    #: slowed down by whatever else the machine was doing.
     step_seconds: float
 
 
@@ -506,7 +506,7 @@ def checkpointing_tradeoff(
     is built on ``X``'s device. One counted step per variant (which also warms
     it up), then ``repeats`` timed steps of each, taken in turns so that a
     change in the machine's load hits both alike. ``progress`` prints an
-    estimate of the time left after the first step. Returns the two rows and
+    estimate of the time left after the counted steps. Returns the two rows and
     the largest difference between the two variants' gradients (checkpointing
     recomputes the same numbers, so it should be zero or rounding).
     """
@@ -523,11 +523,11 @@ def checkpointing_tradeoff(
             torch.cuda.reset_peak_memory_stats(X.device)
         started = time.perf_counter()
         held, peak = _counted_step(model, X, y)
-        if progress and not models:
-            # Still to come: the checkpointed variant's counted step and all timed steps,
-            # each at most about 4/3 of this one (one extra forward pass).
-            left = (time.perf_counter() - started) * (1 + 4 / 3) * (1 + repeats)
-            print(f"one step took {time.perf_counter() - started:.1f} s; about {left:.0f} s to go")
+        if progress and models:
+            # The second counted step is warm; a plain step costs about 3/4 of it.
+            seconds = time.perf_counter() - started
+            print(f"a checkpointed step took {seconds:.1f} s; about "
+                  f"{repeats * seconds * 7 / 4:.0f} s more for {repeats} timed rounds")
         cuda_peak = torch.cuda.max_memory_allocated(X.device) if on_cuda else None
         counted[variant] = (held, peak, cuda_peak)
         grads.append([p.grad.detach().clone() for p in model.parameters()])
@@ -543,7 +543,7 @@ def checkpointing_tradeoff(
 
             times[variant].append(time_fn(step, X.device, warmup=0, repeats=1).median)
     rows = [
-        CheckpointRow(variant, *counted[variant], statistics.median(times[variant]))
+        CheckpointRow(variant, *counted[variant], min(times[variant]))
         for variant in models
     ]
     diff = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
