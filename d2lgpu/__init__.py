@@ -3,14 +3,17 @@
 Modules by concern: ``config`` (environment variables), ``devices`` (naming
 devices), ``report`` (what this machine can do, and why CUDA is missing),
 ``benchmarking`` (timing GPU work correctly), ``data`` (Fashion-MNIST),
-``models`` (ResNet-18 and a small CNN), ``parallel`` (data parallelism by
-hand), ``training`` (the train loop), ``estimate`` (how long a run will take,
-measured), ``plotting``, ``precision`` (mixed precision), ``fast`` (the fast
-path's techniques, one switch each), ``profiling`` (profiler traces, the
-roofline, the fast path as an ablation, torch.compile and CUDA graphs, memory
-timelines), ``distributed``, ``ddp_train`` and ``healthcheck``
-(torch.distributed and torchrun), and ``checks`` (argument checks the others
-share).
+``models`` (ResNet-18, a small CNN and a residual MLP), ``parallel`` (data
+parallelism by hand), ``training`` (the train loop), ``estimate`` (how long a
+run will take, measured), ``plotting``, ``precision`` (mixed precision),
+``fast`` (the fast path's techniques, one switch each), ``profiling``
+(profiler traces, the roofline, the fast path as an ablation, torch.compile and
+CUDA graphs, memory timelines), ``distributed``, ``ddp_train`` and
+``healthcheck`` (torch.distributed and torchrun), ``memory`` (where training
+memory goes, counted; gradient accumulation; activation checkpointing),
+``sharding`` and ``fsdp_train`` (FSDP2, collectives counted, distributed
+checkpoints; imported by name, not re-exported here, to keep ``import d2lgpu``
+light), and ``checks`` (argument checks the others share).
 """
 
 from d2lgpu.benchmarking import (
@@ -49,7 +52,17 @@ from d2lgpu.fast import (
     technique_skip_reason,
     training_flops_per_example,
 )
-from d2lgpu.models import Residual, resnet18, small_cnn
+from d2lgpu.memory import (
+    Checkpointed,
+    LiveTensorBytes,
+    MemoryAnatomy,
+    SavedActivations,
+    accumulated_gradients,
+    checkpoint_stages,
+    measure_activations,
+    measure_training_memory,
+)
+from d2lgpu.models import MLPBlock, Residual, residual_mlp, resnet18, small_cnn
 from d2lgpu.parallel import (
     allreduce,
     data_parallel_step,
@@ -120,11 +133,15 @@ from d2lgpu.training import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpointed",
     "DeviceLoader",
     "EnvironmentReport",
     "FASHION_MNIST_LABELS",
     "History",
     "LivePlot",
+    "LiveTensorBytes",
+    "MLPBlock",
+    "MemoryAnatomy",
     "PRECISION_MODES",
     "PrecisionPolicy",
     "QUICK_TEST_SIZE",
@@ -132,15 +149,18 @@ __all__ = [
     "Residual",
     "Roofline",
     "RooflinePoint",
+    "SavedActivations",
     "SweepComparison",
     "SweepRow",
     "Techniques",
     "Timing",
     "ablation_plan",
+    "accumulated_gradients",
     "allreduce",
     "amp_sweep_mode",
     "benchmark_autorange",
     "capture_training_step",
+    "checkpoint_stages",
     "choose_backend",
     "compare_sweep_modes",
     "cpu",
@@ -168,9 +188,11 @@ __all__ = [
     "launch",
     "load_data_fashion_mnist",
     "max_abs_difference",
+    "measure_activations",
     "measure_copy_bandwidth",
     "measure_host_to_device",
     "measure_roofline",
+    "measure_training_memory",
     "memory_timeline_from_snapshot",
     "memory_timeline_from_trace",
     "mode_unavailable_reason",
@@ -198,6 +220,7 @@ __all__ = [
     "read_nvml",
     "read_trace",
     "replicate_params",
+    "residual_mlp",
     "resnet18",
     "run_ablation",
     "set_seed",

@@ -1,4 +1,5 @@
-"""Models of the course: d2l's ResNet-18 for small images, and a small CNN for quick runs.
+"""Models of the course: d2l's ResNet-18 for small images, a small CNN for quick runs, and
+a residual MLP whose size is set by a few numbers (chapter 8's model for memory and sharding).
 
 :func:`resnet18` is the variant from "Dive into Deep Learning" 13.6, kept layer for
 layer so that numbers can be compared with the book: a 3x3 stride-1 stem (no 7x7
@@ -16,7 +17,7 @@ from torch.nn import functional as F
 
 from d2lgpu.checks import check_positive_int
 
-__all__ = ["Residual", "resnet18", "small_cnn"]
+__all__ = ["MLPBlock", "Residual", "resnet18", "residual_mlp", "small_cnn"]
 
 
 def _check_positive(**values: int) -> None:
@@ -108,4 +109,49 @@ def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
         nn.Linear(16 * 5 * 5, 120), nn.BatchNorm1d(120), nn.ReLU(),
         nn.Linear(120, 84), nn.BatchNorm1d(84), nn.ReLU(),
         nn.Linear(84, num_classes),
+    )
+
+
+class MLPBlock(nn.Module):
+    """``x + fc2(gelu(fc1(x)))``: the feed-forward half of a transformer layer, without the norm.
+
+    ``width`` numbers in and out, ``hidden`` in between. The residual connection
+    keeps a deep stack of these trainable without normalisation layers, so the
+    model computes the same thing whatever the batch is split into.
+    """
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        _check_positive(width=width, hidden=hidden)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return X + self.fc2(F.gelu(self.fc1(X)))
+
+
+def residual_mlp(
+    width: int = 256,
+    hidden: int = 1024,
+    depth: int = 4,
+    in_features: int = 784,
+    num_classes: int = 10,
+) -> nn.Sequential:
+    """A stack of ``depth`` :class:`MLPBlock` between an input and an output linear layer.
+
+    Images are flattened first, so it takes Fashion-MNIST batches ``[B, 1, 28, 28]``
+    as well as ``[B, in_features]``. Its parameters are mostly the blocks'
+    ``depth * 2 * width * hidden`` weights, so width and depth set its size at will;
+    without batch norm its gradients do not depend on how a batch is split,
+    which makes it the model for comparing gradient accumulation, DDP and FSDP
+    with one process on the whole batch.
+    """
+    _check_positive(
+        width=width, hidden=hidden, depth=depth, in_features=in_features, num_classes=num_classes
+    )
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_features, width),
+        *(MLPBlock(width, hidden) for _ in range(depth)),
+        nn.Linear(width, num_classes),
     )

@@ -1,0 +1,903 @@
+"""Sharded data parallelism with FSDP2: every rank keeps 1/N of the model, and what that costs.
+
+DDP (chapter 5) keeps a full copy of the parameters, gradients and optimizer
+state on every rank. FSDP2 (``fully_shard``) keeps a 1/N slice of each on each
+rank, as a ``DTensor`` sharded along dimension 0, and assembles a layer's full
+parameters only while that layer computes: an **all-gather** before its
+forward (and again before its backward, unless ``reshard_after_forward=False``
+keeps them), a **reduce-scatter** of its gradients after its backward, so each
+rank receives the averaged gradient of its own slice. The optimizer then
+updates slices only.
+
+This module holds what chapter 8 runs on every rank: :func:`shard_model`
+(``fully_shard`` on each block, then on the root), :func:`train_fsdp` (a short
+run, the same computation as :func:`train_single` in one process), counting of
+collectives (:class:`CollectiveCounter` for FSDP's, :func:`counting_allreduce_hook`
+for DDP's), and distributed checkpoints (:func:`save_checkpoint`,
+:func:`load_checkpoint`) that a different number of ranks, or one process, can
+load. :func:`sharding_worker` is the entry point for
+:func:`d2lgpu.distributed.launch`; it runs a list of jobs (:class:`FSDPRun`,
+:class:`AccumulationRun`) in one launch.
+
+FSDP2 is ``torch.distributed.fsdp.fully_shard`` from torch 2.6 on and
+``torch.distributed._composable.fsdp.fully_shard`` in 2.4 and 2.5; those two
+versions run it on CUDA only, so on a CPU (gloo) it needs torch 2.6 or newer
+(:func:`fsdp2_unavailable_reason` says so). The older ``FullyShardedDataParallel``
+(FSDP1) flattens parameters and refuses to run without an accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from d2lgpu.checks import check_positive_int
+from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
+from d2lgpu.memory import make_optimizer, storage_bytes
+from d2lgpu.models import MLPBlock, residual_mlp
+
+try:  # public from torch 2.6
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4 and 2.5
+    try:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # older than 2.4: no FSDP2
+        MixedPrecisionPolicy = None  # type: ignore[assignment,misc]
+        fully_shard = None  # type: ignore[assignment]
+try:  # public from torch 2.5
+    from torch.distributed.tensor import DTensor
+except ImportError:
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+__all__ = [
+    "ACCUMULATION_VARIANTS",
+    "FSDP2_CPU_MIN_TORCH",
+    "AccumulationResult",
+    "CollectiveCounter",
+    "CommStats",
+    "FSDPResult",
+    "FSDPRun",
+    "SingleResult",
+    "StepWatch",
+    "MLPShape",
+    "ShardInfo",
+    "TrainPlan",
+    "collective_formula",
+    "counting_allreduce_hook",
+    "AccumulationRun",
+    "describe_shards",
+    "fsdp2_unavailable_reason",
+    "sharding_worker",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "local_bytes",
+    "padded_parameter_bytes",
+    "save_checkpoint",
+    "shard_model",
+    "train_fsdp",
+    "train_single",
+    "unsharded_parameter_bytes",
+]
+
+#: The first torch whose FSDP2 runs on a CPU device mesh (earlier ones create CUDA streams).
+FSDP2_CPU_MIN_TORCH = (2, 6)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
+    """Why FSDP2 cannot run here on ``device_type`` (``"cpu"`` or ``"cuda"``); None when it can."""
+    if fully_shard is None:
+        return f"FSDP2 (fully_shard) needs torch >= 2.4; this is torch {torch.__version__}"
+    if device_type == "cpu" and _torch_version() < FSDP2_CPU_MIN_TORCH:
+        return (
+            "FSDP2 on a CPU device mesh (gloo) needs torch >= 2.6 (earlier versions use CUDA "
+            f"streams unconditionally); this is torch {torch.__version__}"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The model and a short, exactly repeatable training run
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLPShape:
+    """The size of a :func:`d2lgpu.models.residual_mlp`."""
+
+    width: int = 256
+    hidden: int = 1024
+    depth: int = 4
+    in_features: int = 784
+    num_classes: int = 10
+
+    def build(self, seed: int = 0) -> nn.Sequential:
+        """The model with the initial weights of ``seed``: the same on every rank."""
+        torch.manual_seed(seed)
+        return residual_mlp(self.width, self.hidden, self.depth, self.in_features, self.num_classes)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.build().parameters())
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """A training run defined down to the last example, so runs can be compared number for number.
+
+    Step ``s`` uses the global batch of examples ``s*B .. s*B+B-1`` of its
+    epoch's order (in order, or a seeded shuffle per epoch); with ``W`` ranks,
+    rank ``r`` takes the ``r``-th of ``W`` equal consecutive slices of it.
+    Every rank's loss is the mean over its slice, and data-parallel training
+    averages the ranks' gradients, so the update is the one of the mean over
+    the whole batch, whatever ``W`` is.
+    """
+
+    shape: MLPShape
+    images: torch.Tensor
+    labels: torch.Tensor
+    batch_size: int
+    steps: int
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    seed: int = 0
+    #: Shuffle the data anew every epoch (seeded); otherwise take them in order.
+    shuffle: bool = False
+    #: Optional held-out data, for the accuracy that :func:`train_fsdp` logs.
+    test_images: torch.Tensor | None = None
+    test_labels: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("batch_size", self.batch_size)
+        check_positive_int("steps", self.steps)
+        if len(self.images) != len(self.labels):
+            raise ValueError(f"{len(self.images)} images but {len(self.labels)} labels")
+        if (self.test_images is None) != (self.test_labels is None):
+            raise ValueError("pass both test_images and test_labels, or neither")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full batches in one pass over the data (a last, partial batch is left out)."""
+        return max(len(self.labels) // self.batch_size, 1)
+
+    def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples of step ``step``: the same whatever the number of ranks."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        if self.shuffle:  # a new order every epoch, from the seed and the epoch number
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.labels), generator=gen)
+        else:
+            order = torch.arange(len(self.labels))
+        idx = order[(position * self.batch_size + torch.arange(self.batch_size)) % len(order)]
+        X = self.images[idx]
+        X = X.float() / 255 if X.dtype == torch.uint8 else X.float()
+        return X, self.labels[idx]
+
+    def local_batch(
+        self, step: int, rank: int, world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.batch_size % world_size:
+            raise ValueError(
+                f"the global batch of {self.batch_size} does not split evenly over {world_size} "
+                f"ranks: use a multiple of {world_size}"
+            )
+        X, y = self.global_batch(step)
+        local = self.batch_size // world_size
+        return X[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+
+
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full model state on the CPU; a collective under FSDP (every rank must call it)."""
+    state = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        state[name] = value.detach().float().cpu().clone()
+    return state
+
+
+@dataclass
+class SingleResult:
+    """A run in one process: the loss of every step and the final weights."""
+
+    losses: list[float]
+    state_dict: dict[str, torch.Tensor]
+
+
+def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleResult:
+    """``plan`` in this one process on the whole batch: the baseline sharded runs must match."""
+    device = torch.device(device)
+    model = plan.shape.build(plan.seed).to(device)
+    optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
+    losses = []
+    for step in range(plan.steps):
+        X, y = (t.to(device) for t in plan.global_batch(step))
+        loss = nn.functional.cross_entropy(model(X), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return SingleResult(losses, _cpu_state(model))
+
+
+# ---------------------------------------------------------------------------
+# Sharding, and looking at the shards
+# ---------------------------------------------------------------------------
+
+
+def _require_fsdp2(device_type: str) -> None:
+    reason = fsdp2_unavailable_reason(device_type)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    reshard_after_forward: bool = True,
+    mixed_precision: bool = False,
+) -> nn.Module:
+    """``fully_shard`` every :class:`~d2lgpu.models.MLPBlock`, then the whole model, in place.
+
+    Bottom-up, as FSDP2 requires: each block becomes one communication group
+    (one all-gather, one reduce-scatter), and the root call takes the
+    parameters left over (the first and last linear layers). ``mixed_precision``
+    computes with bf16 copies of the parameters and reduces gradients in fp32;
+    the sharded parameters and the optimizer stay fp32.
+    """
+    _require_fsdp2(mesh.device_type)
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for module in model.modules():
+        if isinstance(module, MLPBlock):
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One parameter as this rank holds it."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    placements: str
+
+
+def describe_shards(model: nn.Module) -> list[ShardInfo]:
+    """Name, full shape, this rank's shape and the placement of every parameter."""
+    rows = []
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            local, placements = param.to_local(), str(tuple(param.placements))
+        else:
+            local, placements = param, "(not sharded)"
+        rows.append(ShardInfo(name, tuple(param.shape), tuple(local.shape), placements))
+    return rows
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(tensors: Sequence[torch.Tensor] | Iterator[torch.Tensor]) -> int:
+    """Bytes this rank stores for ``tensors``: the local shard of a DTensor, padding included."""
+    return storage_bytes(_local(t) for t in tensors if t is not None)
+
+
+def unsharded_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters currently held unsharded (full) on this rank.
+
+    Between forward and backward that is what ``reshard_after_forward=False``
+    keeps: the full parameters of every group, ready for backward.
+    """
+    return storage_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
+
+
+def padded_parameter_bytes(model: nn.Module, world_size: int) -> int:
+    """Bytes of ``model``'s parameters once FSDP2 pads dim 0 to a multiple of ``world_size``.
+
+    A tensor of ``n`` rows is cut into ``world_size`` chunks of ``ceil(n / N)``
+    rows (the last ones may be shorter or empty), and each rank's chunk is
+    padded to that size so that all-gathers move equal pieces.
+    """
+    check_positive_int("world_size", world_size)
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        per_row = p.numel() // max(rows, 1)
+        total += math.ceil(rows / world_size) * world_size * per_row * p.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------
+# Counting communication
+# ---------------------------------------------------------------------------
+
+_COLLECTIVE_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+}
+
+
+@dataclass
+class CommStats:
+    """Collective calls and the bytes they carried (the full, unsharded size of each)."""
+
+    calls: int = 0
+    nbytes: int = 0
+    dtypes: set[str] = field(default_factory=set)
+
+    def add(self, nbytes: int, dtype: torch.dtype | None = None) -> None:
+        self.calls += 1
+        self.nbytes += nbytes
+        if dtype is not None:
+            self.dtypes.add(str(dtype).replace("torch.", ""))
+
+
+def _payload(args: tuple[Any, ...]) -> tuple[int, torch.dtype | None]:
+    """The size of a collective: its largest tensor argument (list arguments summed).
+
+    For an all-gather that is the gathered output, for a reduce-scatter the
+    input before scattering, for an all-reduce the tensor itself: the full size.
+    """
+    best, dtype = 0, None
+    for arg in args:
+        tensors = [t for t in tree_flatten(arg)[0] if isinstance(t, torch.Tensor)]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if nbytes > best:
+            best, dtype = nbytes, tensors[0].dtype
+    return best, dtype
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Count the collectives this process issues inside a ``with`` block, by kind.
+
+    torch.distributed's collectives are operators of the ``c10d`` namespace,
+    dispatched like any other, so a dispatch mode sees each one: FSDP2's
+    all-gathers and reduce-scatters included, also those its hooks issue during
+    backward. ``stats["all_gather"].nbytes`` is the total payload.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: dict[str, CommStats] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0]
+            if name in _COLLECTIVE_KINDS or "gather" in name or "reduce" in name:
+                kind = _COLLECTIVE_KINDS.get(name, name)
+                self.stats.setdefault(kind, CommStats()).add(*_payload(args))
+        return func(*args, **(kwargs or {}))
+
+
+def collective_formula(
+    model: nn.Module, world_size: int, *, reshard_after_forward: bool, mixed_precision: bool
+) -> dict[str, int]:
+    """Predicted payload bytes of one FSDP2 training step, by kind of collective.
+
+    Every group's parameters are all-gathered before its forward, and again
+    before its backward when they were resharded after forward; its gradients
+    are reduce-scattered once. All of it at the padded size (see
+    :func:`padded_parameter_bytes`), in bf16 for the all-gathers under mixed
+    precision and in fp32 for the reduction.
+    """
+    padded = padded_parameter_bytes(model, world_size)
+    gathers = 2 if reshard_after_forward else 1
+    gather_bytes = padded // 2 if mixed_precision else padded
+    return {"all_gather": gathers * gather_bytes, "reduce_scatter": padded}
+
+
+def counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.futures.Future:
+    """A DDP communication hook: average a gradient bucket like DDP does, and count it.
+
+    Register with ``ddp_model.register_comm_hook(CommStats(), counting_allreduce_hook)``.
+    DDP calls it once per bucket whenever gradients are synchronised.
+    """
+    buffer = bucket.buffer()
+    stats.add(buffer.numel() * buffer.element_size(), buffer.dtype)
+    buffer.div_(dist.get_world_size())
+    work = dist.all_reduce(buffer, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+# DDP checks a hook's annotations against the objects themselves; this module's
+# annotations are strings (``from __future__ import annotations``), so set the objects.
+counting_allreduce_hook.__annotations__.update(
+    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+)
+
+
+# ---------------------------------------------------------------------------
+# Distributed checkpoints
+# ---------------------------------------------------------------------------
+
+_STEP_PREFIX = "step-"
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is .*(unavailable|uninitialized)"
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    # Without a process group DCP warns that it assumes one process; here it is meant.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _dcp():
+    # Imported on first use: torch.distributed.checkpoint takes a while to import.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, get_state_dict, set_state_dict
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write model and optimizer to ``root/step-NNNNNN`` with torch.distributed.checkpoint.
+
+    Every rank of the job calls it (it is a collective) and writes its own
+    shards; rank 0 writes the metadata that maps shards to tensors, and
+    ``extra`` (small JSON-able data, e.g. the loss history) as ``extra.json``.
+    Everything goes to a hidden temporary directory first, which rank 0 renames
+    to its final name once every rank has finished writing: a directory called
+    ``step-*`` is always complete, and a crash mid-write leaves only a
+    temporary directory that :func:`latest_checkpoint` ignores. Across
+    machines, ``root`` must be on a file system they share.
+    """
+    dcp, get_state_dict, _ = _dcp()
+    root = Path(root)
+    final = root / f"{_STEP_PREFIX}{step:06d}"
+    tmp = root / f".{final.name}.tmp"
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _single_process_quietly():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    if _is_main():
+        (tmp / "extra.json").write_text(json.dumps({"step": step, **(extra or {})}))
+        if final.exists():  # the same step saved again after a restart: replace it
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)  # atomic: the name appears only when complete
+    _barrier()
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint of the highest step under ``root``, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(_STEP_PREFIX) and (p / ".metadata").exists()
+    ]
+    return max(done, key=lambda p: int(p.name[len(_STEP_PREFIX) :]), default=None)
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Load a checkpoint of :func:`save_checkpoint` into ``model`` and ``optimizer``; return extra.
+
+    ``model`` may be sharded over any number of ranks, or be a plain module in
+    a process without a process group: DCP reads, for each tensor, the pieces
+    of the saved shards that overlap what this rank holds (resharding).
+    """
+    dcp, get_state_dict, set_state_dict = _dcp()
+    path = Path(path)
+    if not (path / ".metadata").exists():
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no .metadata): pick one with latest_checkpoint()"
+        )
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _single_process_quietly():
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return json.loads((path / "extra.json").read_text())
+
+
+# ---------------------------------------------------------------------------
+# Training with FSDP2
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FSDPRun:
+    """One run of :func:`train_fsdp`: the plan, how to shard, and when to checkpoint (or fail)."""
+
+    plan: TrainPlan
+    reshard_after_forward: bool = True
+    mixed_precision: bool = False
+    #: Where to write checkpoints (see :func:`save_checkpoint`), every ``save_every`` steps.
+    checkpoint_root: str | None = None
+    save_every: int | None = None
+    #: A checkpoint directory to start from, or a root whose latest checkpoint to take
+    #: (none there yet: start from step 0).
+    resume_from: str | None = None
+    #: Every this many steps, rank 0 prints the mean loss (and test accuracy, when the
+    #: plan has test data).
+    log_every: int | None = None
+    #: For showing what a failure does: rank ``fail_rank`` raises in step ``fail_at_step``.
+    fail_rank: int | None = None
+    fail_at_step: int = 0
+
+    def run(self, ctx: DistContext) -> FSDPResult:
+        return train_fsdp(self, ctx)
+
+    def __post_init__(self) -> None:
+        if self.save_every is not None and self.checkpoint_root is None:
+            raise ValueError("save_every needs checkpoint_root, the directory to write to")
+        for name in ("save_every", "log_every"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+
+
+@dataclass
+class StepWatch:
+    """What one rank measured during the last step of a run."""
+
+    #: Bytes of full (unsharded) parameters still held between forward and backward.
+    held_after_forward: int = 0
+    #: Bytes of this rank's gradient shards after backward.
+    gradient_bytes: int = 0
+    #: dtype of a block's weight while the block computes, and of the gradient shards.
+    compute_dtype: str = "-"
+    grad_dtype: str = "-"
+    #: The CUDA allocator's peak during the step (None on CPUs).
+    cuda_peak: int | None = None
+    #: The collectives this rank issued in the step.
+    comm: dict[str, CommStats] = field(default_factory=dict)
+
+
+@dataclass
+class FSDPResult:
+    """What :func:`train_fsdp` returns on rank 0 (per-rank lists cover every rank)."""
+
+    world_size: int
+    backend: str
+    #: The step the run started from (0, or the step of the checkpoint it resumed).
+    start_step: int
+    #: Mean loss over the global batch of every step, from step 0 (earlier ones come
+    #: from the checkpoint when the run resumed).
+    losses: list[float]
+    #: (step, accuracy) at every log point when the plan has test data.
+    test_acc: list[tuple[int, float]]
+    #: Final full weights on the CPU.
+    state_dict: dict[str, torch.Tensor]
+    #: Rank 0's view of every parameter.
+    shards: list[ShardInfo]
+    #: Per rank: bytes of the local parameter shards and of the optimizer state.
+    parameter_bytes: list[int]
+    optimizer_bytes: list[int]
+    #: Per rank: the measurements of the last step.
+    watch: list[StepWatch]
+    #: The formula's prediction of the last step's collectives.
+    comm_formula: dict[str, int]
+    #: Checkpoints written by this run.
+    saved: list[str] = field(default_factory=list)
+
+
+def _gather(value: Any, ctx: DistContext) -> list[Any]:
+    values: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _watched_step(
+    model: nn.Module, X: torch.Tensor, y: torch.Tensor, fail: str | None
+) -> tuple[torch.Tensor, StepWatch]:
+    """Forward and backward of one step, with the collectives counted and memory measured."""
+    watch = StepWatch()
+    block = next(m for m in model.modules() if isinstance(m, MLPBlock))
+
+    def note_dtype(module: nn.Module, args: Any) -> None:
+        watch.compute_dtype = _dtype_name(module.weight.dtype)
+
+    hook = block.fc1.register_forward_pre_hook(note_dtype)
+    if X.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(X.device)
+    try:
+        with CollectiveCounter() as counter:
+            out = model(X)
+            watch.held_after_forward = unsharded_parameter_bytes(model)
+            if fail:
+                raise RuntimeError(fail)
+            loss = nn.functional.cross_entropy(out.float(), y)
+            loss.backward()
+    finally:
+        hook.remove()
+    watch.comm = counter.stats
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    watch.gradient_bytes = local_bytes(grads)
+    watch.grad_dtype = _dtype_name(grads[0].dtype)
+    if X.device.type == "cuda":
+        watch.cuda_peak = torch.cuda.max_memory_allocated(X.device)
+    return loss, watch
+
+
+def _test_accuracy(model: nn.Module, plan: TrainPlan, ctx: DistContext) -> float:
+    """Accuracy on the plan's test data; each rank takes one slice, counts are summed."""
+    assert plan.test_images is not None and plan.test_labels is not None
+    n = len(plan.test_labels)
+    lo, hi = n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size
+    X = plan.test_images[lo:hi]
+    X = (X.float() / 255 if X.dtype == torch.uint8 else X.float()).to(ctx.device)
+    model.eval()
+    with torch.no_grad():  # every rank runs one forward, so the all-gathers match up
+        correct = (model(X).argmax(dim=1).cpu() == plan.test_labels[lo:hi]).sum().item()
+    model.train()
+    total = torch.tensor([correct], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(total)
+    return total.item() / n
+
+
+def _resume(
+    run: FSDPRun, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
+) -> tuple[int, list[float]]:
+    if run.resume_from is None:
+        return 0, []
+    path: Path | None = Path(run.resume_from)
+    if not (path / ".metadata").exists():
+        path = latest_checkpoint(path)
+    if path is None:
+        return 0, []
+    extra = load_checkpoint(path, model, optimizer)
+    if ctx.is_main and run.log_every:
+        print(f"resuming from {path} (step {extra['step']})", flush=True)
+    return extra["step"], list(extra.get("losses", []))
+
+
+def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
+    """Train ``run.plan`` with FSDP2 over the ranks of ``ctx``; every rank calls it.
+
+    The same seed gives the same full model on every rank, and ``fully_shard``
+    keeps each rank's slice of it. The last step is watched
+    (:class:`StepWatch`): collectives counted, full parameters held after
+    forward measured, the CUDA peak read on GPUs.
+    """
+    plan = run.plan
+    _require_fsdp2(ctx.device.type)
+    model = shard_model(
+        plan.shape.build(plan.seed),
+        _device_mesh(ctx),
+        reshard_after_forward=run.reshard_after_forward,
+        mixed_precision=run.mixed_precision,
+    )
+    optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
+    start, losses = _resume(run, model, optimizer, ctx)
+    if start >= plan.steps:
+        raise ValueError(
+            f"the checkpoint is at step {start} and the plan ends at step {plan.steps}: "
+            "nothing left to train; ask for more steps"
+        )
+    pending: list[torch.Tensor] = []  # local losses not yet averaged over the ranks
+    test_acc: list[tuple[int, float]] = []
+    saved: list[str] = []
+    watch = StepWatch()
+    since = time.perf_counter()
+    for step in range(start, plan.steps):
+        X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
+        fail = None
+        if run.fail_rank == ctx.rank and step == run.fail_at_step:
+            fail = f"rank {ctx.rank} failed on purpose in step {step} (the others wait in backward)"
+        if step == plan.steps - 1 or fail:
+            loss, watch = _watched_step(model, X, y, fail)
+        else:
+            loss = nn.functional.cross_entropy(model(X).float(), y)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        pending.append(loss.detach())
+
+        done = step + 1
+        log_now = run.log_every is not None and done % run.log_every == 0
+        save_now = run.save_every is not None and done % run.save_every == 0
+        if log_now or save_now:
+            losses += _mean_over_ranks(pending, ctx)
+            pending = []
+        if log_now:
+            line = f"step {done}/{plan.steps}: loss {losses[-1]:.4f}"
+            if plan.test_images is not None:
+                test_acc.append((done, _test_accuracy(model, plan, ctx)))
+                line += f", test acc {test_acc[-1][1]:.3f}"
+            line += f", {time.perf_counter() - since:.1f} s"
+            since = time.perf_counter()
+            if ctx.is_main:
+                print(line, flush=True)
+        if save_now:
+            extra = {"losses": losses, "world_size": ctx.world_size}
+            path = save_checkpoint(run.checkpoint_root or "", done, model, optimizer, extra)
+            saved.append(str(path))
+            if ctx.is_main and run.log_every:
+                print(f"saved checkpoint {path}", flush=True)
+    losses += _mean_over_ranks(pending, ctx)
+
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    per_rank = _gather((local_bytes(model.parameters()), local_bytes(state), watch), ctx)
+    return FSDPResult(
+        world_size=ctx.world_size,
+        backend=ctx.backend,
+        start_step=start,
+        losses=losses,
+        test_acc=test_acc,
+        state_dict=_cpu_state(model),
+        shards=describe_shards(model),
+        parameter_bytes=[r[0] for r in per_rank],
+        optimizer_bytes=[r[1] for r in per_rank],
+        watch=[r[2] for r in per_rank],
+        comm_formula=collective_formula(
+            plan.shape.build(),
+            ctx.world_size,
+            reshard_after_forward=run.reshard_after_forward,
+            mixed_precision=run.mixed_precision,
+        ),
+        saved=saved,
+    )
+
+
+def _mean_over_ranks(local_losses: list[torch.Tensor], ctx: DistContext) -> list[float]:
+    """Per-step mean loss over all ranks: one all-reduce for many steps."""
+    if not local_losses:
+        return []
+    values = torch.stack(local_losses).double()
+    dist.all_reduce(values)
+    return (values / ctx.world_size).tolist()
+
+
+def _device_mesh(ctx: DistContext) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(ctx.device.type, (ctx.world_size,))
+
+
+def sharding_worker(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    jobs: Sequence[FSDPRun | AccumulationRun],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Entry point for :func:`d2lgpu.distributed.launch`: join the group, run ``jobs``, leave.
+
+    Returns each job's result (an :class:`FSDPResult` or an
+    :class:`AccumulationResult`). Several jobs share one launch, so that
+    starting the processes, the slow part on a small machine, is paid once.
+    """
+    with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
+        return [job.run(ctx) for job in jobs]
+
+
+# ---------------------------------------------------------------------------
+# DDP with gradient accumulation: all-reduce every micro-batch, or only the last
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class AccumulationResult:
+    """Per variant: the all-reduces counted and the final weights."""
+
+    micro_batches: int
+    steps: int
+    comm: dict[str, CommStats]
+    state_dicts: dict[str, dict[str, torch.Tensor]]
+    losses: dict[str, list[float]]
+
+
+ACCUMULATION_VARIANTS = ("sync every micro-batch", "no_sync until the last")
+
+
+def _train_ddp_accumulating(
+    plan: TrainPlan, micro_batches: int, use_no_sync: bool, ctx: DistContext
+) -> tuple[CommStats, dict[str, torch.Tensor], list[float]]:
+    model = plan.shape.build(plan.seed).to(ctx.device)
+    ddp = DistributedDataParallel(
+        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
+    )
+    stats = CommStats()
+    ddp.register_comm_hook(stats, counting_allreduce_hook)
+    optimizer = make_optimizer(plan.optimizer, ddp.parameters(), lr=plan.lr)
+    losses = []
+    for step in range(plan.steps):
+        X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
+        total = torch.zeros((), device=ctx.device)
+        parts = list(zip(X.chunk(micro_batches), y.chunk(micro_batches), strict=True))
+        for i, (X_part, y_part) in enumerate(parts):
+            last = i == len(parts) - 1
+            # no_sync: backward only adds into .grad; the last backward all-reduces the sum.
+            sync = contextlib.nullcontext() if last or not use_no_sync else ddp.no_sync()
+            with sync:
+                loss = nn.functional.cross_entropy(ddp(X_part), y_part) * (len(X_part) / len(X))
+                loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return stats, _cpu_state(model), _mean_over_ranks(losses, ctx)
+
+
+@dataclass(frozen=True)
+class AccumulationRun:
+    """DDP training of ``plan`` with ``micro_batches`` per step, both ways, all-reduces counted.
+
+    Each rank splits its share of every global batch into ``micro_batches``
+    pieces. A job for :func:`sharding_worker`.
+    """
+
+    plan: TrainPlan
+    micro_batches: int
+
+    def __post_init__(self) -> None:
+        check_positive_int("micro_batches", self.micro_batches)
+
+    def run(self, ctx: DistContext) -> AccumulationResult:
+        comm, states, losses = {}, {}, {}
+        for variant in ACCUMULATION_VARIANTS:
+            use_no_sync = variant == ACCUMULATION_VARIANTS[1]
+            stats, state, loss = _train_ddp_accumulating(
+                self.plan, self.micro_batches, use_no_sync, ctx
+            )
+            comm[variant], states[variant], losses[variant] = stats, state, loss
+        return AccumulationResult(self.micro_batches, self.plan.steps, comm, states, losses)
