@@ -155,3 +155,26 @@ def test_environment_yml_matches_pip_dependencies():
     assert sorted(listed) == sorted(expected), "environment.yml and pyproject.toml differ"
     assert listed == expected, "environment.yml and pyproject.toml ask for different versions"
     assert "-e ." in _pip_section_of_environment_yml(), "environment.yml must install `-e .`"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``2.8`` and ``2.8.0`` as the same release: (2, 8, 0), trailing zeros padded to 3."""
+    parts = tuple(int(p) for p in version.split("."))
+    return parts + (0,) * (3 - len(parts))
+
+
+def test_ci_tests_the_oldest_torch_and_torchvision_that_pyproject_allows():
+    ci_script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    dependencies = {
+        _requirement_name(r): _requirement_spec(r) for r in PYPROJECT["project"]["dependencies"]
+    }
+    for package, variable in (("torch", "FLOOR_TORCH"), ("torchvision", "FLOOR_TORCHVISION")):
+        spec = dependencies[package]
+        lower = re.fullmatch(r">=([0-9]+(?:\.[0-9]+)*)", spec)
+        assert lower is not None, f"pyproject.toml: {package} must be `>=floor`, got {spec!r}"
+        pinned = re.search(rf"^{variable}=([0-9.]+)$", ci_script, re.MULTILINE)
+        assert pinned is not None, f".ci/run must set {variable}=<version> (the floor it tests)"
+        assert _release(pinned.group(1)) == _release(lower.group(1)), (
+            f".ci/run tests {package} {pinned.group(1)}, but pyproject.toml allows "
+            f"{package}{spec}: test the oldest version that is allowed, or raise the floor"
+        )
