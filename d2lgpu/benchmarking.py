@@ -23,6 +23,7 @@ import math
 import os
 import statistics
 import time
+import timeit
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -300,19 +301,28 @@ def benchmark_autorange(
     """Time ``fn()`` with ``torch.utils.benchmark.Timer.blocked_autorange``.
 
     PyTorch's own timer picks how many calls to put in each block so that the
-    clock's resolution does not matter, and synchronises the *current* accelerator
-    around each block; so ``device`` (a GPU that ``fn`` works on) is made the
-    current device while timing. ``device=None`` leaves the current device as it is.
-    Each entry of the returned ``times`` is the per-call average of one block. Use
-    it for very short operations; :func:`time_fn` is simpler to reason about for
-    long ones.
+    clock's resolution does not matter. Its clock waits for the GPU around each
+    block: ``device`` (a GPU that ``fn`` works on) is the one waited for, made the
+    current device while timing; ``device=None`` waits for the current GPU when
+    CUDA is usable now, and for nothing on a machine without one. (torch's default
+    clock decides once, when ``torch.utils.benchmark`` is first imported, and
+    older releases wait only for CUDA.) Each entry of the returned ``times`` is the
+    per-call average of one block. Use it for very short operations;
+    :func:`time_fn` is simpler to reason about for long ones.
     """
     if not (math.isfinite(min_run_time) and min_run_time > 0):
         raise ValueError(f"min_run_time must be a positive number of seconds, got {min_run_time}")
     dev = resolve_device(device)
     from torch.utils import benchmark
 
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+    on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+
+    def clock() -> float:
+        if on_gpu:
+            torch.cuda.synchronize()  # the current device, which ``current`` sets
+        return timeit.default_timer()
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, timer=clock)
     current = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else nullcontext()
     with current:
         measurement = timer.blocked_autorange(min_run_time=min_run_time)

@@ -480,3 +480,16 @@ def test_table_speed_up_is_cpu_time_over_device_time() -> None:
 def test_sweep_without_copy_bandwidth_names_the_fix() -> None:
     with pytest.raises(ValueError, match="measure_copy_bandwidth"):
         bm.multiply_add_sweep(["cpu"], [64], steps=1, copy_gbps={})
+
+
+def test_benchmark_autorange_without_a_gpu_waits_for_nothing(monkeypatch) -> None:
+    # torch's default clock decides once, at import, whether to synchronise CUDA; an
+    # import while CUDA looked usable then made every later timing on a CPU fail.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_gpu(*args, **kwargs):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_gpu)
+    timing = bm.benchmark_autorange(lambda: torch.ones(8).sum(), min_run_time=0.01)
+    assert timing.min > 0
