@@ -21,7 +21,9 @@ load. :func:`sharding_worker` is the entry point for
 
 FSDP2 is ``torch.distributed.fsdp.fully_shard`` from torch 2.6 on and
 ``torch.distributed._composable.fsdp.fully_shard`` in 2.4 and 2.5; those two
-versions run it on CUDA only, so on a CPU (gloo) it needs torch 2.6 or newer
+versions run it on CUDA only. On a CPU (gloo) it needs torch 2.9 or newer:
+up to 2.8 its reduce-scatter over gloo sums the gradients instead of averaging
+them, so N ranks train with N times the learning rate
 (:func:`fsdp2_unavailable_reason` says so). The older ``FullyShardedDataParallel``
 (FSDP1) flattens parameters and refuses to run without an accelerator.
 """
@@ -95,8 +97,9 @@ __all__ = [
     "unsharded_parameter_bytes",
 ]
 
-#: The first torch whose FSDP2 runs on a CPU device mesh (earlier ones create CUDA streams).
-FSDP2_CPU_MIN_TORCH = (2, 6)
+#: The first torch whose FSDP2 trains correctly on a CPU device mesh (2.6 stopped creating
+#: CUDA streams there; 2.9 averages gradients over gloo instead of summing them).
+FSDP2_CPU_MIN_TORCH = (2, 9)
 
 
 def _torch_version() -> tuple[int, int]:
@@ -110,8 +113,10 @@ def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
         return f"FSDP2 (fully_shard) needs torch >= 2.4; this is torch {torch.__version__}"
     if device_type == "cpu" and _torch_version() < FSDP2_CPU_MIN_TORCH:
         return (
-            "FSDP2 on a CPU device mesh (gloo) needs torch >= 2.6 (earlier versions use CUDA "
-            f"streams unconditionally); this is torch {torch.__version__}"
+            "FSDP2 on a CPU device mesh (gloo) needs torch >= 2.9: before 2.6 it used CUDA "
+            "streams unconditionally, and up to 2.8 its reduce-scatter on gloo summed the "
+            "gradients instead of averaging them (pytorch/pytorch#162338); this is torch "
+            f"{torch.__version__}"
         )
     return None
 

@@ -53,6 +53,10 @@ def _plan(steps: int = 4, batch_size: int = 12, **kw) -> TrainPlan:
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(96, 20, generator=gen)
     y = torch.randint(0, 5, (96,), generator=gen)
+    # SGD with momentum, not Adam: Adam's first steps move every weight by about lr
+    # whatever the gradient's size, so rounding differences between a sharded and an
+    # unsharded run (another reduction order) can flip a step; momentum keeps them tiny.
+    kw.setdefault("optimizer", "sgd_momentum")
     return TrainPlan(SHAPE, X, y, batch_size=batch_size, steps=steps, lr=1e-2, **kw)
 
 
@@ -93,8 +97,9 @@ def test_local_batches_make_up_the_global_batch_for_any_world_size():
 
 
 def test_fsdp2_availability_names_the_version(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "2.5.1")
-    assert "torch >= 2.6" in fsdp2_unavailable_reason("cpu")
+    monkeypatch.setattr(torch, "__version__", "2.8.0")  # gloo sums gradients (#162338)
+    assert "torch >= 2.9" in fsdp2_unavailable_reason("cpu")
+    assert "summed the gradients" in fsdp2_unavailable_reason("cpu")
     assert fsdp2_unavailable_reason("cuda") is None or "2.4" in fsdp2_unavailable_reason("cuda")
 
 
@@ -198,7 +203,7 @@ def test_fsdp_on_two_ranks_shards_and_matches_one_process(two_ranks):
     padded = padded_parameter_bytes(model, 2)
     assert padded > sum(p.numel() * 4 for p in model.parameters())  # 5 classes: 1 padded row
     assert full.parameter_bytes == [padded // 2] * 2
-    assert full.optimizer_bytes[0] >= 2 * padded // 2  # Adam: two buffers per shard
+    assert full.optimizer_bytes[0] >= padded // 2  # momentum: one buffer per shard
     assert [w.gradient_bytes for w in full.watch] == [padded // 2] * 2
     # The same training as one process on the whole batch, and training did move the weights.
     assert _max_abs_diff(full.state_dict, one.state_dict) < 1e-4
@@ -238,11 +243,13 @@ def test_three_ranks_and_one_process_resume_the_two_rank_checkpoint(two_ranks):
 
     # One process without a process group loads the sharded checkpoint too.
     single = SHAPE.build(seed=5)
-    optimizer = make_optimizer("adam", single.parameters(), lr=plan.lr)
+    optimizer = make_optimizer(plan.optimizer, single.parameters(), lr=plan.lr)
     load_checkpoint(checkpoints / "step-000002", single, optimizer)
     at_two = train_single(replace(plan, steps=2))
     assert _max_abs_diff(single.state_dict(), at_two.state_dict) < 1e-4
-    assert all(state["step"].item() == 2 for state in optimizer.state.values())
+    # a fresh SGD has no state: momentum buffers can only have come from the checkpoint
+    assert len(optimizer.state) == len(list(single.parameters()))
+    assert all(state["momentum_buffer"].abs().sum() > 0 for state in optimizer.state.values())
 
 
 @needs_fsdp2_on_cpu
