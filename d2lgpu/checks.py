@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable
 from numbers import Real
 
 
@@ -50,3 +52,31 @@ def check_positive_float(name: str, value: object) -> float:
     ):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
+
+
+def flag_type(check: Callable[[str, object], object], parse: type) -> Callable[[str], object]:
+    """An argparse ``type=`` that parses with ``parse`` and checks with one of the checks here.
+
+    argparse turns the error into a usage error: ``argument --epochs: must be ...``, exit 2.
+    """
+
+    def convert(text: str) -> object:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'an int' if parse is int else 'a number'}, got {text!r}"
+            ) from None
+        try:
+            return check("value", value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
+
+    convert.__name__ = check.__name__.removeprefix("check_")
+    return convert
+
+
+#: argparse types for the command-line trainers: a positive int, a seed, a positive number.
+positive_int_flag = flag_type(check_positive_int, int)
+seed_flag = flag_type(lambda _name, value: check_seed(value), int)
+positive_number_flag = flag_type(check_positive_float, float)

@@ -44,7 +44,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,10 +55,23 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
+from d2lgpu.checks import (
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    positive_int_flag,
+    positive_number_flag,
+    seed_flag,
+)
 from d2lgpu.config import quick_mode
 from d2lgpu.devices import try_gpu
-from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, all_reduce_sum, process_group
+from d2lgpu.distributed import (
+    DEFAULT_TIMEOUT_S,
+    DistContext,
+    add_job_flags,
+    all_reduce_sum,
+    process_group,
+)
 from d2lgpu.precision import tf32_matmuls
 
 __all__ = [
@@ -497,33 +510,6 @@ def ddp_worker(
         return train_ddp(cfg, ctx, data)
 
 
-def _flag_type(check: Callable[[str, object], object], parse: type) -> Callable[[str], object]:
-    """An argparse ``type=`` that parses with ``parse`` and checks with a d2lgpu.checks function.
-
-    argparse turns the error into a usage error: ``argument --epochs: must be ...``, exit 2.
-    """
-
-    def convert(text: str) -> object:
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be {'an int' if parse is int else 'a number'}, got {text!r}"
-            ) from None
-        try:
-            return check("value", value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
-
-    convert.__name__ = check.__name__.removeprefix("check_")
-    return convert
-
-
-_POSITIVE_INT = _flag_type(check_positive_int, int)
-_SEED = _flag_type(lambda _name, value: check_seed(value), int)
-_POSITIVE_NUMBER = _flag_type(check_positive_float, float)
-
-
 def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc_per_node=N -m d2lgpu.ddp_train",
@@ -531,51 +517,30 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
     )
     parser.add_argument(
         "--epochs",
-        type=_POSITIVE_INT,
+        type=positive_int_flag,
         default=DDPConfig.epochs,
         help="total epochs, including those a snapshot already holds (default %(default)s)",
     )
     parser.add_argument(
         "--batch-size",
-        type=_POSITIVE_INT,
+        type=positive_int_flag,
         default=DDPConfig.batch_size,
         help="global batch size, split evenly over the ranks (default %(default)s)",
     )
-    parser.add_argument("--lr", type=_POSITIVE_NUMBER, default=DDPConfig.lr)
+    parser.add_argument("--lr", type=positive_number_flag, default=DDPConfig.lr)
     parser.add_argument(
         "--model",
         choices=MODELS,
         default=None,
         help="default: small_cnn in quick mode, resnet18 otherwise",
     )
-    parser.add_argument("--data-root", default=None, help="directory holding FashionMNIST/raw")
     parser.add_argument(
         "--snapshot",
         default=None,
         help="resume from this file if it exists, and rewrite it after every epoch",
     )
-    parser.add_argument("--seed", type=_SEED, default=DDPConfig.seed)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        dest="quick",
-        action="store_true",
-        default=None,
-        help="small balanced data subset (default: follow D2LGPU_QUICK)",
-    )
-    mode.add_argument("--full", dest="quick", action="store_false", help="the whole data set")
-    parser.add_argument(
-        "--timeout",
-        type=_POSITIVE_NUMBER,
-        default=DEFAULT_TIMEOUT_S,
-        help="seconds a collective waits for the other ranks (default %(default)s)",
-    )
-    parser.add_argument(
-        "--fail-after-epoch",
-        type=_POSITIVE_INT,
-        default=None,
-        help="make the last rank crash once after this epoch (to try --max-restarts)",
-    )
+    parser.add_argument("--seed", type=seed_flag, default=DDPConfig.seed)
+    add_job_flags(parser, crash_point="this epoch")
     args = parser.parse_args(argv)
     quick = quick_mode() if args.quick is None else args.quick
     try:

@@ -26,6 +26,7 @@ Three pieces, each small enough to read in one go:
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import datetime
 import math
@@ -51,7 +52,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
+from d2lgpu.checks import (
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    positive_int_flag,
+    positive_number_flag,
+)
 from d2lgpu.devices import num_gpus
 
 __all__ = [
@@ -59,6 +66,7 @@ __all__ = [
     "DistContext",
     "RemoteTraceback",
     "RankError",
+    "add_job_flags",
     "all_reduce_sum",
     "choose_backend",
     "faulty_worker",
@@ -71,6 +79,34 @@ __all__ = [
 #: Seconds a collective waits for the other ranks before it fails. Long enough
 #: for a slow first CUDA call, short enough that a crashed peer is noticed.
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def add_job_flags(parser: argparse.ArgumentParser, *, crash_point: str) -> None:
+    """The flags every torchrun trainer of the course shares: ``--data-root``,
+    ``--quick``/``--full``, ``--timeout`` and ``--fail-after-epoch`` (the last rank
+    crashes once after ``crash_point``, to try ``torchrun --max-restarts``)."""
+    parser.add_argument("--data-root", default=None, help="directory holding FashionMNIST/raw")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick",
+        dest="quick",
+        action="store_true",
+        default=None,
+        help="small balanced data subset (default: follow D2LGPU_QUICK)",
+    )
+    mode.add_argument("--full", dest="quick", action="store_false", help="the whole data set")
+    parser.add_argument(
+        "--timeout",
+        type=positive_number_flag,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a collective waits for the other ranks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--fail-after-epoch",
+        type=positive_int_flag,
+        default=None,
+        help=f"make the last rank crash once after {crash_point} (to try --max-restarts)",
+    )
 
 #: The only address this module ever uses for single-machine jobs.
 LOOPBACK = "127.0.0.1"

@@ -31,8 +31,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from d2lgpu.checks import positive_int_flag, positive_number_flag
 from d2lgpu.config import quick_mode
-from d2lgpu.distributed import DEFAULT_TIMEOUT_S, process_group
+from d2lgpu.distributed import add_job_flags, process_group
 from d2lgpu.sharding import FSDPResult, FSDPRun, MLPShape, TrainPlan, train_fsdp
 
 __all__ = ["main"]
@@ -43,17 +44,21 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="torchrun --nproc_per_node=N -m d2lgpu.fsdp_train",
         description="Train a residual MLP on Fashion-MNIST with FSDP2 (fully_shard).",
     )
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=positive_int_flag, default=3)
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=positive_int_flag,
         default=240,
         help="global batch size, split evenly over the ranks (default %(default)s)",
     )
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
-    parser.add_argument("--width", type=int, default=MLPShape.width)
-    parser.add_argument("--hidden", type=int, default=MLPShape.hidden)
-    parser.add_argument("--depth", type=int, default=MLPShape.depth, help="residual blocks")
+    parser.add_argument(
+        "--lr", type=positive_number_flag, default=1e-3, help="Adam's learning rate"
+    )
+    parser.add_argument("--width", type=positive_int_flag, default=MLPShape.width)
+    parser.add_argument("--hidden", type=positive_int_flag, default=MLPShape.hidden)
+    parser.add_argument(
+        "--depth", type=positive_int_flag, default=MLPShape.depth, help="residual blocks"
+    )
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -69,32 +74,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="reshard_after_forward=False: more memory, one all-gather less per block",
     )
-    parser.add_argument("--data-root", default=None, help="directory holding FashionMNIST/raw")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        dest="quick",
-        action="store_true",
-        default=None,
-        help="small balanced data subset (default: follow D2LGPU_QUICK)",
-    )
-    mode.add_argument("--full", dest="quick", action="store_false", help="the whole data set")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help="seconds a collective waits for the other ranks (default %(default)s)",
-    )
-    parser.add_argument(
-        "--fail-after-epoch",
-        type=int,
-        default=None,
-        help="make the last rank crash once after this epoch's checkpoint (to try --max-restarts)",
-    )
+    add_job_flags(parser, crash_point="this epoch's checkpoint")
     args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "width", "hidden", "depth"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.fail_after_epoch is not None and args.checkpoint_dir is None:
         parser.error("--fail-after-epoch needs --checkpoint-dir, to resume from after the crash")
     return args

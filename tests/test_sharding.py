@@ -318,3 +318,23 @@ def test_torchrun_two_nodes_restart_and_resume_from_the_checkpoint(tmp_path):
     assert f"resuming from {checkpoints / 'step-000002'} (step 2)" in combined
     assert combined.count("done: 4 steps") == 1  # one job of two ranks; rank 0 reports
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000004"]
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--epochs", "0"], "--epochs"),
+        (["--width", "-3"], "--width"),
+        (["--lr", "nan"], "--lr"),
+        (["--timeout", "inf"], "--timeout"),
+        (["--fail-after-epoch", "0"], "--fail-after-epoch"),
+    ],
+)
+def test_fsdp_train_bad_command_line_values_are_usage_errors(argv, flag, capsys):
+    from d2lgpu.fsdp_train import _parse_args
+
+    with pytest.raises(SystemExit) as info:
+        _parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and "Traceback" not in err, err
