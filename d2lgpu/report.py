@@ -690,24 +690,7 @@ def format_report(report: EnvironmentReport) -> str:
     if not report.gpus:
         lines.append("(none)")
     lines += ["", "-- NVML (the driver's live view, all physical GPUs) --"]
-    if report.nvml.error is not None:
-        lines.append(report.nvml.error)
-    else:
-        lines.append(f"driver {report.nvml.driver_version}, {len(report.nvml.gpus)} GPU(s)")
-        for r in report.nvml.gpus:
-            memory = (
-                "n/a" if r.memory_used_bytes is None or r.memory_total_bytes is None
-                else f"{r.memory_used_bytes / _GIB:.2f}/{r.memory_total_bytes / _GIB:.2f} GiB"
-            )
-            power = "n/a" if r.power_watts is None else f"{r.power_watts:.0f} W"
-            if r.power_watts is not None and r.power_limit_watts is not None:
-                power += f" of {r.power_limit_watts:.0f} W"
-            lines.append(
-                f"nvml:{r.index}  {r.name}  util {_or_na(r.utilization_percent, '%')}, "
-                f"memory used {memory}, {_or_na(r.temperature_c, ' C')}, power {power}"
-            )
-            if r.error is not None:
-                lines.append(f"  failed: {r.error}")
+    lines.append(format_nvml_view(report.nvml))
     lines += ["", "-- pycuda --", report.pycuda_status, "", "-- diagnosis --",
               str(report.diagnosis)]
     return "\n".join(lines)
@@ -877,6 +860,8 @@ def format_nvml_view(
             f"memory {memory}, temperature {_or_na(r.temperature_c, ' C')}, "
             f"power {power}{tail}"
         )
+        if r.error is not None:  # what this GPU would not say (permissions, a lost GPU)
+            lines.append(f"  failed: {r.error}")
     return "\n".join(lines)
 
 

@@ -6,14 +6,13 @@ import of torch in every new process). Every launch and subprocess has a timeout
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from _torchrun import CHILD_ENV, TORCHRUN, two_node_torchrun
 
 from d2lgpu.ddp_train import DDPConfig, ddp_worker, strip_batchnorm, train_ddp
 from d2lgpu.distributed import (
@@ -26,18 +25,8 @@ from d2lgpu.distributed import (
     hogwild_train,
     launch,
     process_group,
+    run_together,
 )
-
-# Child processes: one intra-op thread each, so two ranks do not fight over two cores.
-# No GPUs: these tests are about gloo, and on a GPU machine the two simulated nodes
-# of one host would both claim GPU 0, which NCCL refuses.
-CHILD_ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "D2LGPU_QUICK": "1",
-    "CUDA_VISIBLE_DEVICES": "",
-}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _synthetic_images(n_train: int = 96, n_test: int = 40, seed: int = 0):
@@ -264,40 +253,16 @@ def test_torchrun_two_processes_restart_and_resume(tmp_path):
 
 def test_two_nodes_on_loopback(tmp_path):
     port = find_free_port()
-    procs = [
-        subprocess.Popen(
-            TORCHRUN
-            + [
-                "--nnodes=2",
-                f"--node-rank={node}",
-                "--nproc_per_node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-conf=timeout=60",
-                "-m",
-                "d2lgpu.ddp_train",
-                "--quick",
-                "--epochs=1",
-                "--batch-size=64",
-                "--timeout=60",
-            ],
-            env=CHILD_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(outputs)[-4000:]
+    nodes = run_together(
+        [
+            two_node_torchrun(node, port)
+            + ["-m", "d2lgpu.ddp_train", "--quick", "--epochs=1", "--batch-size=64", "--timeout=60"]
+            for node in (0, 1)
+        ],
+        env=CHILD_ENV,
+    )
+    outputs = [node.output for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)[-4000:]
     combined = "".join(outputs)
     # One job of two ranks (one per "node"); only global rank 0 logs, whichever node it is on.
     assert combined.count("2 ranks, backend gloo") == 1

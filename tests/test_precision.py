@@ -296,30 +296,6 @@ def test_sweep_lets_errors_other_than_oom_through():
     assert not isinstance(excinfo.value, torch.OutOfMemoryError)
 
 
-class _CublasCannotAllocateAt(nn.Linear):
-    """Fails like cuBLAS does when the GPU has no room left for its workspace."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 16:
-            raise RuntimeError(
-                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
-            )
-        return super().forward(x)
-
-
-def test_sweep_counts_a_library_allocation_failure_as_oom():
-    rows = P.precision_sweep(
-        lambda: _CublasCannotAllocateAt(6, 3),
-        P.random_batch_maker((6,), num_classes=3),
-        ["fp32"],
-        [16, 4],
-        "cpu",
-        steps=1,
-        warmup=0,
-    )
-    assert [(r.batch_size, r.status) for r in rows] == [(16, "OOM"), (4, "ok")]
-
-
 class _FailsLikeALibraryOutOfMemoryAt(nn.Linear):
     """Raises ``message`` at batch size 16, as cuDNN or CUDA do when the GPU is full."""
 
@@ -333,11 +309,12 @@ class _FailsLikeALibraryOutOfMemoryAt(nn.Linear):
         return super().forward(x)
 
 
-# What cuDNN and the CUDA runtime say when there is no memory left for a workspace or a
-# handle: nothing in these messages is a torch.OutOfMemoryError.
+# What cuBLAS, cuDNN and the CUDA runtime say when there is no memory left for a workspace
+# or a handle: nothing in these messages is a torch.OutOfMemoryError.
 @pytest.mark.parametrize(
     "message",
     [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
         "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. GET was unable to find an engine to "
         "execute this computation",
         "Unable to find a valid cuDNN algorithm to run convolution",
@@ -345,7 +322,7 @@ class _FailsLikeALibraryOutOfMemoryAt(nn.Linear):
         "some other API call, so the stacktrace below might be incorrect.",
     ],
 )
-def test_sweep_counts_cudnn_and_cuda_out_of_memory_symptoms_as_oom(message):
+def test_sweep_counts_library_out_of_memory_symptoms_as_oom(message):
     rows = P.precision_sweep(
         lambda: _FailsLikeALibraryOutOfMemoryAt(message),
         P.random_batch_maker((6,), num_classes=3),

@@ -8,19 +8,23 @@ Every launch and subprocess has a timeout.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from _torchrun import CHILD_ENV, two_node_torchrun
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from d2lgpu.distributed import RemoteTraceback, find_free_port, launch, process_group
+from d2lgpu.distributed import (
+    RemoteTraceback,
+    find_free_port,
+    launch,
+    process_group,
+    run_together,
+)
 from d2lgpu.memory import make_optimizer
 from d2lgpu.sharding import (
     ACCUMULATION_VARIANTS,
@@ -41,8 +45,6 @@ from d2lgpu.sharding import (
     train_single,
 )
 
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "D2LGPU_QUICK": "1", "CUDA_VISIBLE_DEVICES": ""}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 NO_FSDP2_ON_CPU = fsdp2_unavailable_reason("cpu")
 needs_fsdp2_on_cpu = pytest.mark.skipif(NO_FSDP2_ON_CPU is not None, reason=str(NO_FSDP2_ON_CPU))
 
@@ -273,16 +275,10 @@ def test_a_failing_rank_ends_the_fsdp_job_with_its_error_quickly(monkeypatch):
 def test_torchrun_two_nodes_restart_and_resume_from_the_checkpoint(tmp_path):
     port = find_free_port()
     checkpoints = tmp_path / "checkpoints"
-    procs = [
-        subprocess.Popen(
-            TORCHRUN
+    nodes = run_together(
+        [
+            two_node_torchrun(node, port)
             + [
-                "--nnodes=2",
-                f"--node-rank={node}",
-                "--nproc_per_node=1",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-conf=timeout=60",
                 "--max-restarts=1",
                 "-m",
                 "d2lgpu.fsdp_train",
@@ -295,25 +291,14 @@ def test_torchrun_two_nodes_restart_and_resume_from_the_checkpoint(tmp_path):
                 f"--checkpoint-dir={checkpoints}",
                 "--fail-after-epoch=1",
                 "--timeout=60",
-            ],
-            env=CHILD_ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            ]
+            for node in (0, 1)
+        ],
+        env=CHILD_ENV,
+    )
+    outputs = [node.output for node in nodes]
     combined = "\n---\n".join(outputs)
-    assert [p.returncode for p in procs] == [0, 0], combined[-4000:]
+    assert [node.returncode for node in nodes] == [0, 0], combined[-4000:]
     assert "rank 1 failed on purpose in step 2" in combined  # after epoch 1 (2 steps)
     assert f"resuming from {checkpoints / 'step-000002'} (step 2)" in combined
     assert combined.count("done: 4 steps") == 1  # one job of two ranks; rank 0 reports
