@@ -9,16 +9,17 @@ Three pieces, each small enough to read in one go:
   on this machine has a GPU of its own, gloo otherwise, so a CPU-only machine
   works), binds the rank to its GPU, and sets a timeout so that a dead peer
   ends the job with an error instead of leaving the others waiting forever.
-* :func:`launch` starts one process per rank with the *spawn* start method (the
-  only one that is safe with CUDA), waits for them, and returns what rank 0's
-  function returned. When a rank raises, it stops the others and raises that
-  rank's exception in the caller, with the traceback from the rank attached;
-  when a rank dies without an exception (a signal, ``os._exit``), the error
-  names that rank and how it ended, never a rank the launcher stopped itself.
+* :func:`launch` starts one process per rank with a start method that is safe
+  with CUDA (*forkserver* where the platform has it, *spawn* on Windows), waits
+  for them, and returns what rank 0's function returned. When a rank raises,
+  it stops the others and raises that rank's exception in the caller, with
+  the traceback from the rank attached; when a rank dies without an exception
+  (a signal, ``os._exit``), the error names that rank and how it ended, never
+  a rank the launcher stopped itself.
   The function it runs must be importable (defined in a module, like the
-  workers of this package): spawn starts a fresh interpreter that finds the
-  function by its module and name, and a function defined in a notebook cell
-  has no module it can be imported from.
+  workers of this package): the new process finds the function by its module
+  and name, and a function defined in a notebook cell has no module it can be
+  imported from.
 * :func:`hogwild_train`: several processes training one model whose tensors
   live in shared memory (``share_memory_()``), each updating it in place
   without locks ("Hogwild!"), the pattern of PyTorch's own MNIST Hogwild example.
@@ -557,6 +558,7 @@ def _run_rank(
     workdir: str,
     nprocs: int,
     threads: int,
+    environment: dict[str, str],
 ) -> None:
     """What every spawned process runs: ``fn(rank, *args)``, recording the outcome in ``workdir``.
 
@@ -566,6 +568,11 @@ def _run_rank(
     peer was gone. ``sys.exit(0)`` ends the rank successfully and leaves a note
     in ``exit-<rank>.txt``, in case its peers then fail waiting for it.
     """
+    # A rank forked from the forkserver has the server's environment, from when the
+    # server started; the caller's may have changed since (CUDA_VISIBLE_DEVICES, say).
+    # The server never touched CUDA, so CUDA reads the variables set here.
+    os.environ.clear()
+    os.environ.update(environment)
     torch.set_num_threads(threads)
     work = Path(workdir)
     try:
@@ -797,6 +804,20 @@ def _check_times(timeout_s: float | None, grace_s: float, poll_s: float) -> None
     check_positive_float("poll_s", poll_s)
 
 
+def _rank_start_method() -> str:
+    """How :func:`launch` starts ranks: *forkserver* where the platform has it, else *spawn*.
+
+    Both are safe with CUDA: neither copies a process that has used it. spawn starts
+    a fresh interpreter per rank, which imports torch again (seconds each); the
+    forkserver imports torch once, in a server process that never touches CUDA, and
+    forks every later rank from it, ready in a fraction of a second.
+    """
+    if "forkserver" not in mp.get_all_start_methods():  # Windows
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "d2lgpu.distributed"])
+    return "forkserver"
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -808,9 +829,9 @@ def launch(
 ) -> Any:
     """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes and return rank 0's result.
 
-    Like ``torch.multiprocessing.spawn`` (same start method and calling
-    convention) with three differences a notebook needs: it returns rank 0's
-    value; when a rank fails, the caller hears about *that* rank (the first
+    Like ``torch.multiprocessing.spawn`` (same calling convention; the start method
+    is :func:`_rank_start_method`'s) with three differences a notebook needs: it
+    returns rank 0's value; when a rank fails, the caller hears about *that* rank (the first
     one, not the "connection closed" errors it causes on the other ranks); and
     it never waits forever: ranks that are still running ``grace_s`` seconds
     after a failure, or when ``timeout_s`` runs out, are terminated and then killed.
@@ -852,10 +873,10 @@ def launch(
         workdir = Path(tmp)
         context = mp.start_processes(
             _run_rank,
-            args=(fn, args, str(workdir), nprocs, threads),
+            args=(fn, args, str(workdir), nprocs, threads, dict(os.environ)),
             nprocs=nprocs,
             join=False,
-            start_method="spawn",
+            start_method=_rank_start_method(),
         )
         processes = context.processes
         first_seen: list[int] = []
