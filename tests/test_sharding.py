@@ -156,6 +156,10 @@ def test_counters_see_collectives_and_ddp_buckets():
         nn.functional.cross_entropy(ddp(X), y).backward()
         assert stats.nbytes == sum(p.numel() * 4 for p in ddp.parameters())
         assert stats.dtypes == {"float32"}
+        # Drop DDP while the group is still registered: if its reducer held the gloo
+        # group's last reference, freeing it (with the GIL held) would join gloo's
+        # threads, which need the GIL: torch 2.8 hangs there.
+        del ddp
 
 
 # --- several processes: one two-rank launch for several tests ---------------------------
