@@ -36,6 +36,7 @@ from d2lgpu.data import (
     load_data_fashion_mnist,
     synthetic_regression,
 )
+from d2lgpu.estimate import ChapterClock, start_chapter
 from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
 from d2lgpu.distributed import (
     choose_backend,
@@ -133,6 +134,8 @@ from d2lgpu.training import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChapterClock",
+    "start_chapter",
     "Checkpointed",
     "DeviceLoader",
     "EnvironmentReport",

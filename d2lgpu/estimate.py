@@ -21,10 +21,15 @@ from time import perf_counter
 
 __all__ = [
     "MIN_SECONDS_TO_ANNOUNCE",
+    "REFERENCE_CALIBRATION_SECONDS",
+    "REFERENCE_MACHINE",
+    "ChapterClock",
     "StepEstimate",
     "announce",
+    "calibration_seconds",
     "estimate_message",
     "format_duration",
+    "start_chapter",
     "training_estimate",
 ]
 
@@ -150,3 +155,141 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
 
     what = f"{num_epochs} epoch{'s' if num_epochs != 1 else ''} x {batches} batches"
     return StepEstimate(what, total, "batches", sync=sync)
+
+
+# --------------------------------------------------------------------------- #
+# The whole chapter, up front
+# --------------------------------------------------------------------------- #
+
+#: The machine the committed notebooks ran on, and that :class:`ChapterTimes` describe.
+REFERENCE_MACHINE = "a 2-core x86 cloud CPU without a GPU"
+
+#: Seconds one :func:`calibration_seconds` run took on the reference machine (median of 7).
+REFERENCE_CALIBRATION_SECONDS = 0.030
+
+
+def _calibration_step() -> None:
+    import torch
+    from torch import nn
+
+    # A little of what the chapters do on a CPU: convolutions, a matmul, backward.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(8 * 28 * 28, 10))
+    x = torch.randn(64, 1, 28, 28)
+    net(x).square().mean().backward()
+    a = torch.randn(256, 256)
+    (a @ a).sum().item()
+
+
+def calibration_seconds(repeats: int = 7, clock: Callable[[], float] | None = None) -> float:
+    """The median time of a fixed small CPU workload (a conv step and a matmul) here.
+
+    Comparing it with :data:`REFERENCE_CALIBRATION_SECONDS` says how much faster or
+    slower this machine's CPU runs the chapters' kind of work than the reference.
+    """
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    clock = clock or perf_counter
+    _calibration_step()  # warm-up: allocations and oneDNN's first-call set-up
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        _calibration_step()
+        times.append(clock() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _seconds_or_none(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or value == float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0 (or None), got {value!r}")
+    return float(value)
+
+
+class ChapterClock:
+    """Says up front how long a chapter takes, and at the end how long it took here.
+
+    ``cpu_seconds`` and ``quick_seconds`` are what the whole chapter took on
+    :data:`REFERENCE_MACHINE` in CPU mode and in quick mode (the committed run);
+    ``gpu_seconds`` what it took in full mode on ``gpu_name``, or None where no GPU
+    run has been recorded. On a CPU the figure for this process's mode is scaled
+    by a measured calibration (:func:`calibration_seconds`), so the expectation is
+    this machine's, not the reference's. Create it in a chapter's first cells
+    (:func:`start_chapter`) and call :meth:`finish` in its last.
+    """
+
+    def __init__(
+        self,
+        cpu_seconds: float,
+        quick_seconds: float,
+        gpu_seconds: float | None = None,
+        gpu_name: str | None = None,
+        *,
+        mode: str | None = None,
+        calibration: float | None = None,
+        clock: Callable[[], float] | None = None,
+        out: Callable[[str], object] = print,
+    ) -> None:
+        from d2lgpu.config import workload
+
+        cpu = _seconds_or_none("cpu_seconds", cpu_seconds)
+        quick = _seconds_or_none("quick_seconds", quick_seconds)
+        if cpu is None or quick is None:
+            raise ValueError("cpu_seconds and quick_seconds are both needed: the reference "
+                             "machine runs both modes")
+        self.reference = {"cpu": cpu, "quick": quick,
+                          "full": _seconds_or_none("gpu_seconds", gpu_seconds)}
+        if gpu_seconds is not None and not gpu_name:
+            raise ValueError("gpu_seconds needs gpu_name: say which GPU it was measured on")
+        self.gpu_name = gpu_name
+        self.mode = mode or workload()
+        if self.mode not in self.reference:
+            raise ValueError(f"mode must be 'quick', 'cpu' or 'full', got {self.mode!r}")
+        self._clock = clock or perf_counter
+        self._out = out
+        self._start = self._clock()
+        self.calibration = calibration
+        self.expected: float | None = None
+        self._announce()
+
+    def _announce(self) -> None:
+        ref = self.reference
+        gpu = (f"full mode on one {self.gpu_name}: {format_duration(ref['full'])}"
+               if ref["full"] is not None else "full mode on a GPU: no run recorded yet")
+        self._out(f"This chapter on {REFERENCE_MACHINE}: CPU mode {format_duration(ref['cpu'])}, "
+                  f"quick mode {format_duration(ref['quick'])}; {gpu}.")
+        if self.mode == "full":
+            self._out("This process runs full mode: each long cell announces its own "
+                      "estimate, measured from its first steps.")
+            return
+        if self.calibration is None:
+            self.calibration = calibration_seconds()
+        ratio = REFERENCE_CALIBRATION_SECONDS / self.calibration
+        self.expected = ref[self.mode] / ratio
+        speed = (f"{ratio:.1f}x as fast as" if ratio >= 1.05 else
+                 f"{1 / ratio:.1f}x slower than" if ratio <= 0.95 else "as fast as")
+        self._out(f"This process runs {self.mode} mode. A calibration step ran {speed} on the "
+                  f"reference machine here, so expect about {format_duration(self.expected)}.")
+
+    def finish(self) -> float:
+        """Print and return how long the chapter took in this process since it started."""
+        elapsed = self._clock() - self._start
+        expected = ("" if self.expected is None else
+                    f" (expected about {format_duration(self.expected)})")
+        self._out(f"This chapter took {format_duration(elapsed)} here in {self.mode} mode"
+                  f"{expected}.")
+        return elapsed
+
+
+def start_chapter(
+    cpu_seconds: float,
+    quick_seconds: float,
+    gpu_seconds: float | None = None,
+    gpu_name: str | None = None,
+) -> ChapterClock:
+    """A chapter's first cell: the committed times, and the expectation on this machine."""
+    return ChapterClock(cpu_seconds, quick_seconds, gpu_seconds, gpu_name)

@@ -130,3 +130,68 @@ def test_train_announces_a_long_run_once(monkeypatch, capsys):
     assert lines == [
         "2 epochs x 8 batches: about 5 min on this machine (timed on batches 2-6)"
     ]
+
+
+# --------------------------------------------------------------------------- #
+# The chapter clock
+# --------------------------------------------------------------------------- #
+
+
+def _ticks(*values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+def test_chapter_clock_scales_the_reference_by_the_calibration():
+    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
+
+    lines = []
+    # This machine runs the calibration twice as slowly: expect twice the reference time.
+    clock = ChapterClock(60, 10, mode="cpu", calibration=2 * REFERENCE_CALIBRATION_SECONDS,
+                         clock=_ticks(0.0, 150.0), out=lines.append)
+    assert clock.expected == pytest.approx(120)
+    assert "CPU mode 60 s, quick mode 10 s" in lines[0]
+    assert "no run recorded yet" in lines[0]
+    assert "2.0x slower than" in lines[1] and "about 2 min" in lines[1]
+    assert clock.finish() == 150.0
+    assert lines[-1] == "This chapter took 2 min here in cpu mode (expected about 2 min)."
+
+
+def test_chapter_clock_quick_mode_uses_the_quick_figure_and_full_mode_does_not_scale():
+    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
+
+    lines = []
+    quick = ChapterClock(300, 20, mode="quick", calibration=REFERENCE_CALIBRATION_SECONDS / 2,
+                         out=lines.append)
+    assert quick.expected == pytest.approx(10)
+    assert "2.0x as fast as" in lines[1]
+    lines.clear()
+    full = ChapterClock(300, 20, 45, "NVIDIA H100", mode="full", calibration=1.0,
+                        out=lines.append)
+    assert full.expected is None
+    assert "full mode on one NVIDIA H100: 45 s" in lines[0]
+    assert "announces its own estimate" in lines[1]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cpu_seconds": 0, "quick_seconds": 1}, "cpu_seconds"),
+    ({"cpu_seconds": 1, "quick_seconds": float("nan")}, "quick_seconds"),
+    ({"cpu_seconds": "60", "quick_seconds": 1}, "cpu_seconds"),
+    ({"cpu_seconds": True, "quick_seconds": 1}, "cpu_seconds"),
+    ({"cpu_seconds": 1, "quick_seconds": 1, "gpu_seconds": 5}, "gpu_name"),
+    ({"cpu_seconds": 1, "quick_seconds": 1, "mode": "fast"}, "mode"),
+])
+def test_chapter_clock_refuses_bad_figures(kwargs, match):
+    from d2lgpu.estimate import ChapterClock
+
+    with pytest.raises(ValueError, match=match):
+        ChapterClock(**kwargs, calibration=1.0, out=lambda line: None)
+
+
+def test_calibration_is_a_positive_median():
+    from d2lgpu.estimate import calibration_seconds
+
+    ticks = iter([0, 5, 10, 11, 20, 23])  # repeats of 5, 1 and 3 s: the median is 3
+    assert calibration_seconds(3, clock=lambda: next(ticks)) == 3
+    with pytest.raises(ValueError, match="repeats"):
+        calibration_seconds(0)
