@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one go: the GPU-only tests, every benchmark,
 # and every chapter executed in full mode (their outputs replace the committed
-# quick-mode ones; check them with nbval-lax afterwards). Logs go to $LOGS.
+# CPU-mode ones; check them with nbval-lax afterwards). Logs go to $LOGS.
+# Needs only what `pip install -e '.[dev]'` installs.
 #
 #   D2LGPU_DATA=/path/with/FashionMNIST/raw LOGS=/tmp/gpu-logs bash benchmarks/run_on_gpu.sh [step...]
 #
@@ -41,8 +42,7 @@ for step in "${steps[@]}"; do
         run ablation python benchmarks/ablation.py --output "$LOGS/ablation-table.txt" ;;
     notebooks)
         for nb in notebooks/[0-9]*.ipynb; do
-            run "$(basename "$nb" .ipynb)" jupyter nbconvert --to notebook --execute --inplace \
-                --ExecutePreprocessor.timeout=1800 "$nb"
+            run "$(basename "$nb" .ipynb)" python benchmarks/run_notebook.py "$nb" --timeout 1800
         done ;;
     *)
         echo "unknown step $step (use tests, benchmarks, notebooks)" >&2; exit 2 ;;

@@ -178,3 +178,32 @@ def test_ci_tests_the_oldest_torch_and_torchvision_that_pyproject_allows():
             f".ci/run tests {package} {pinned.group(1)}, but pyproject.toml allows "
             f"{package}{spec}: test the oldest version that is allowed, or raise the floor"
         )
+
+
+def test_run_on_gpu_needs_only_what_the_dev_extra_installs():
+    script = (REPO_ROOT / "benchmarks" / "run_on_gpu.sh").read_text(encoding="utf-8")
+    assert "jupyter " not in script, "run_on_gpu.sh must not need a full Jupyter install"
+    assert "benchmarks/run_notebook.py" in script
+    dev = {_requirement_name(r) for r in PYPROJECT["project"]["optional-dependencies"]["dev"]}
+    assert {"nbclient", "nbformat", "ipykernel"} <= dev
+
+
+def test_run_notebook_executes_in_place_and_keeps_outputs(tmp_path):
+    import subprocess
+    import sys
+
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("print(6 * 7)")]
+    path = tmp_path / "tiny.ipynb"
+    nbformat.write(nb, path)
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "run_notebook.py"),
+                           str(path), "--timeout", "60"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    assert outputs and outputs[0]["text"].strip() == "42"
+    missing = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "run_notebook.py"),
+                              str(tmp_path / "nope.ipynb")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "is not a file" in missing.stderr

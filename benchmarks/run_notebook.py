@@ -1,0 +1,44 @@
+"""Execute a notebook in place and keep its outputs (``--timeout S`` per cell).
+
+Uses nbclient (installed by the ``dev`` extra), so a machine needs no full Jupyter to
+refresh a chapter's committed outputs. The outputs written so far are saved even when a
+cell fails, so the error can be read in the notebook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import nbclient
+import nbformat
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebook", type=Path)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per cell")
+    args = parser.parse_args(argv)
+    if not args.notebook.is_file():
+        parser.error(f"{args.notebook} is not a file: pass a notebook such as "
+                     "notebooks/01_cuda_checks.ipynb")
+    if args.timeout < 1:
+        parser.error(f"--timeout must be >= 1 second, got {args.timeout}")
+    nb = nbformat.read(args.notebook, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=args.timeout, kernel_name="python3",
+        resources={"metadata": {"path": str(args.notebook.parent)}},
+    )
+    start = time.perf_counter()
+    try:
+        client.execute()
+    finally:
+        nbformat.write(nb, args.notebook)
+    print(f"executed {args.notebook} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
