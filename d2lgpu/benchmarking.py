@@ -715,8 +715,6 @@ def multiply_add_sweep(
             raise TypeError(f"variants[{name!r}] must be (step function, tensor passes), "
                             f"got {variant!r:.80}")
     compiled = any(is_compiled(step) for step, _ in variants.values())
-    if compiled:
-        import torch._dynamo  # loaded by torch.compile already; named here for clarity
     rows = []
     for device in devices:
         dev = resolve_device(device)
@@ -726,7 +724,7 @@ def multiply_add_sweep(
                 f"and pass copy_gbps={{'{dev}': ...}}"
             )
         if compiled:
-            torch._dynamo.reset()  # a fresh cache, and a fresh recompile budget, per device
+            _reset_dynamo()  # a fresh cache, and a fresh recompile budget, per device
         for numel in sizes:
             for name, (step, passes) in variants.items():
                 rows.append(
@@ -787,6 +785,13 @@ def multiply_add_table(rows: Sequence[ElementwiseRow]) -> list[list[Any]]:
             ]
         )
     return table
+
+
+def _reset_dynamo() -> None:
+    """Forget every compiled graph (``torch._dynamo.reset()``); the next call compiles afresh."""
+    import torch._dynamo  # loaded already wherever torch.compile made a step
+
+    torch._dynamo.reset()
 
 
 def is_compiled(step: object) -> bool:

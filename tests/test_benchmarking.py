@@ -508,7 +508,7 @@ def _fake_compiled(step):
 
 def test_sweep_resets_dynamo_before_each_device_with_a_compiled_variant(monkeypatch) -> None:
     resets = []
-    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(bm, "_reset_dynamo", lambda: resets.append(1))
     variants = {"fused": bm.MULTIPLY_ADD_VARIANTS["fused"],
                 "compiled": (_fake_compiled(bm.multiply_add_unfused), bm.FUSED_TENSOR_PASSES)}
     rows = bm.multiply_add_sweep(["cpu", "cpu", "cpu"], [256], steps=1,
@@ -520,9 +520,13 @@ def test_sweep_resets_dynamo_before_each_device_with_a_compiled_variant(monkeypa
     assert resets == []  # nothing compiled, nothing to reset
 
 
+class _FailOnRecompileLimitHit(Exception):
+    """Stands in for torch._dynamo.exc.FailOnRecompileLimitHit (importing dynamo is slow)."""
+
+
 def test_a_compiled_row_that_falls_back_says_so() -> None:
     def falls_back(result, a, b):
-        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached")
+        raise _FailOnRecompileLimitHit("recompile_limit reached")
 
     with pytest.raises(RuntimeError, match="did not run compiled on cpu.*FailOnRecompileLimitHit"):
         bm.multiply_add_benchmark("cpu", 256, steps=1, step=_fake_compiled(falls_back),
