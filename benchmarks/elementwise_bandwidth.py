@@ -55,6 +55,9 @@ def main() -> None:
             if compiled is None:
                 break
         else:
+            # One compiled object serves every device: multiply_add_sweep resets dynamo before
+            # each device (dynamo guards on the device, and its recompile limit is 8), and
+            # compile_or_reason's fullgraph=True turns any fallback to eager into an error.
             variants["compiled"] = (compiled, bm.FUSED_TENSOR_PASSES)
 
     names = ", ".join(str(d) for d in devices)

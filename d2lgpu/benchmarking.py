@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,14 @@ __all__ = [
     "UNFUSED_TENSOR_PASSES",
     "benchmark_autorange",
     "compile_or_reason",
+    "copy_peak_ceiling",
+    "cpu_writes_allocate",
     "copy_buffer_bytes",
     "format_seconds",
     "format_table",
     "gbps",
     "device_cache_bytes",
+    "is_compiled",
     "last_level_cache_bytes",
     "measure_copy_bandwidth",
     "measure_host_to_device",
@@ -76,6 +80,7 @@ DeviceLike = torch.device | str | int | None
 
 def format_seconds(seconds: float) -> str:
     """A duration with a readable unit: ``'3.20 ms'``, ``'41.0 us'``, ``'1.50 s'``."""
+    _check_number("seconds", seconds)
     if seconds >= 1.0:
         return f"{seconds:.2f} s"
     if seconds >= 1e-3:
@@ -96,6 +101,11 @@ class Timing:
     times: tuple[float, ...]
 
     def __post_init__(self) -> None:
+        if isinstance(self.times, (str, bytes)) or not hasattr(self.times, "__iter__"):
+            raise TypeError(f"Timing needs a list of durations in seconds, got "
+                            f"{type(self.times).__name__} {self.times!r:.60}")
+        if any(isinstance(t, bool) or not isinstance(t, Real) for t in self.times):
+            raise ValueError(f"times must be numbers of seconds, got {tuple(self.times)!r:.80}")
         times = tuple(float(t) for t in self.times)
         if not times:
             raise ValueError("a Timing needs at least one measurement; got an empty list")
@@ -135,6 +145,9 @@ class Timing:
 
 
 def _per_second(amount: float, seconds: float, what: str) -> float:
+    for name, value in (("seconds", seconds), (what, amount)):
+        if isinstance(value, bool) or not isinstance(value, Real):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r:.60}")
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"seconds must be a positive finite duration, got {seconds!r}")
     if not (math.isfinite(amount) and amount >= 0):
@@ -154,6 +167,13 @@ def tflops(flops: float, seconds: float) -> float:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Plain-text table, columns right-aligned; floats get 3 significant digits."""
+    _check_sequence("headers", headers, "['size', 'ms']")
+    _check_sequence("rows", rows, "[[1024, 0.5]]")
+    for row in rows:
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != len(
+                headers):
+            raise ValueError(f"every row must be a list of {len(headers)} values, one per "
+                             f"header {list(headers)}, got {row!r:.80}")
 
     def cell(value: Any) -> str:
         if isinstance(value, float):
@@ -233,6 +253,40 @@ def _synchronize(device: torch.device | None) -> None:
         torch.mps.synchronize()
 
 
+def _check_callable(name: str, fn: object, example: str = "lambda: a * b") -> None:
+    if not callable(fn):
+        raise TypeError(f"{name} must be a function to call (e.g. {example}), got "
+                        f"{type(fn).__name__} {fn!r:.60}")
+
+
+def _check_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
+    return value
+
+
+def _check_number(name: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or (
+            value <= 0 if positive else value < 0):
+        kind = "a positive" if positive else "a non-negative"
+        raise ValueError(f"{name} must be {kind} finite number, got {value!r}")
+    return float(value)
+
+
+def _check_sequence(name: str, value: object, example: str) -> Sequence[Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list, e.g. {example}, got {type(value).__name__} "
+                        f"{value!r:.60}")
+    return value
+
+
+def _check_mapping(name: str, value: object, example: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict, e.g. {example}, got {type(value).__name__} "
+                        f"{value!r:.60}")
+    return value
+
+
 def _check_counts(warmup: int, repeats: int) -> None:
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int of at least 1, got {repeats!r}; try repeats=10")
@@ -257,6 +311,7 @@ def time_fn(
     CPU this is the plain wall clock. ``device=None`` waits for the current GPU
     (when CUDA is in use): pass the device when ``fn`` works on another one.
     """
+    _check_callable("fn", fn)
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
     for _ in range(warmup):
@@ -281,6 +336,7 @@ def time_naive(
     GPU work that is the time to *queue* the kernels, often a tiny fraction of
     the time to run them. On the CPU it agrees with :func:`time_fn`.
     """
+    _check_callable("fn", fn)
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
     for _ in range(warmup):
@@ -310,8 +366,8 @@ def benchmark_autorange(
     per-call average of one block. Use it for very short operations;
     :func:`time_fn` is simpler to reason about for long ones.
     """
-    if not (math.isfinite(min_run_time) and min_run_time > 0):
-        raise ValueError(f"min_run_time must be a positive number of seconds, got {min_run_time}")
+    _check_callable("fn", fn)
+    _check_number("min_run_time", min_run_time, positive=True)
     dev = resolve_device(device)
     from torch.utils import benchmark
 
@@ -526,6 +582,8 @@ def multiply_add_fused(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
 
 def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int) -> torch.Tensor:
     """Start from zeros and apply ``result = step(result, a, b)`` ``steps`` times."""
+    _check_callable("step", step, "d2lgpu.benchmarking.multiply_add_fused")
+    _check_int("steps", steps)
     result = torch.zeros_like(a)
     for _ in range(steps):
         result = step(result, a, b)
@@ -534,6 +592,9 @@ def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int)
 
 def multiply_add_bytes(numel: int, element_size: int, steps: int, tensor_passes: int) -> int:
     """Bytes moved by ``steps`` multiply-add steps over tensors of ``numel`` elements."""
+    for name, value in (("numel", numel), ("element_size", element_size), ("steps", steps),
+                        ("tensor_passes", tensor_passes)):
+        _check_int(name, value)
     return tensor_passes * numel * element_size * steps
 
 
@@ -573,18 +634,36 @@ def multiply_add_benchmark(
     dev = resolve_device(device)
     if dev is None:
         raise ValueError("multiply_add_benchmark needs a device, e.g. 'cpu' or 'cuda:0'")
-    if numel < 1 or steps < 1:
-        raise ValueError(f"numel and steps must be at least 1, got numel={numel}, steps={steps}")
-    if not copy_gbps > 0:
+    _check_int("numel", numel)
+    _check_int("steps", steps)
+    _check_int("tensor_passes", tensor_passes)
+    _check_callable("step", step, "d2lgpu.benchmarking.multiply_add_fused")
+    if isinstance(copy_gbps, bool) or not isinstance(copy_gbps, Real) or not (
+            math.isfinite(copy_gbps) and copy_gbps > 0):
         raise ValueError(
-            f"copy_gbps must be positive (measure it with measure_copy_bandwidth), got {copy_gbps}"
+            "copy_gbps must be positive (measure it with measure_copy_bandwidth), got "
+            f"{copy_gbps!r}"
         )
     generator = torch.Generator(device=dev).manual_seed(seed)
     a = torch.randn(numel, device=dev, generator=generator)
     b = torch.randn(numel, device=dev, generator=generator)
-    timing = time_fn(
-        lambda: run_multiply_add(step, a, b, steps), dev, warmup=warmup, repeats=repeats
-    )
+    try:
+        timing = time_fn(
+            lambda: run_multiply_add(step, a, b, steps), dev, warmup=warmup, repeats=repeats
+        )
+    except Exception as err:
+        if not is_compiled(step):
+            raise
+        # compile_or_reason compiles with fullgraph=True: where dynamo would fall back to
+        # eager mode without a word (a graph break, or its recompile limit hit), it raises.
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise RuntimeError(
+            f"the compiled {variant!r} step did not run compiled on {dev} at {numel:,} floats "
+            f"({type(err).__name__}: {detail})"
+            "; without fullgraph=True torch would have run it eagerly and this row would have "
+            "timed eager code under a compiled label. Call torch._dynamo.reset() before "
+            "timing each device (multiply_add_sweep does), or drop the compiled variant."
+        ) from err
     moved = multiply_add_bytes(numel, a.element_size(), steps, tensor_passes)
     achieved = gbps(moved, timing.median)
     return ElementwiseRow(
@@ -620,7 +699,22 @@ def multiply_add_sweep(
     ``copy_gbps`` maps ``str(device)`` (e.g. ``'cpu'``, ``'cuda:0'``) to the
     device's measured copy bandwidth; ``variants`` maps a name to a step
     function and its tensor passes (default: unfused and fused).
+
+    A compiled step (from :func:`compile_or_reason`) shares one code object across
+    devices, and dynamo guards on the device: with the CPU and several GPUs it would
+    pass its recompile limit (8) and quietly run eagerly from the fifth GPU or so.
+    So dynamo's caches are reset before each device's rows, and each device compiles
+    afresh (in the untimed warm-up); a step that still cannot run compiled raises.
     """
+    _check_sequence("devices", devices, "['cpu', 'cuda:0']")
+    _check_sequence("sizes", sizes, "[2**10, 2**20]")
+    _check_mapping("copy_gbps", copy_gbps, "{'cpu': measure_copy_bandwidth('cpu')}")
+    _check_mapping("variants", variants, "MULTIPLY_ADD_VARIANTS")
+    for name, variant in variants.items():
+        if not (isinstance(variant, tuple) and len(variant) == 2 and callable(variant[0])):
+            raise TypeError(f"variants[{name!r}] must be (step function, tensor passes), "
+                            f"got {variant!r:.80}")
+    compiled = any(is_compiled(step) for step, _ in variants.values())
     rows = []
     for device in devices:
         dev = resolve_device(device)
@@ -629,6 +723,8 @@ def multiply_add_sweep(
                 f"no copy bandwidth for {dev}; measure it with measure_copy_bandwidth({dev!r}) "
                 f"and pass copy_gbps={{'{dev}': ...}}"
             )
+        if compiled:
+            _reset_dynamo()  # a fresh cache, and a fresh recompile budget, per device
         for numel in sizes:
             for name, (step, passes) in variants.items():
                 rows.append(
@@ -658,12 +754,21 @@ MULTIPLY_ADD_HEADERS = (
 )
 
 
+def _check_rows(rows: object, what: str) -> None:
+    _check_sequence("rows", rows, "the list that multiply_add_sweep returns")
+    for row in rows:
+        if not isinstance(row, ElementwiseRow):
+            raise TypeError(f"{what} needs the ElementwiseRow list from multiply_add_sweep, "
+                            f"got an item {type(row).__name__} {row!r:.60}")
+
+
 def multiply_add_table(rows: Sequence[ElementwiseRow]) -> list[list[Any]]:
     """Table rows for :data:`MULTIPLY_ADD_HEADERS`, sorted by size, variant and device.
 
     The speed-up divides the CPU time of the same size and variant by the
     row's time ("-" when the sweep has no CPU row to compare with).
     """
+    _check_rows(rows, "multiply_add_table")
     cpu_seconds = {(r.numel, r.variant): r.seconds for r in rows if r.device == "cpu"}
     table = []
     for r in sorted(rows, key=lambda r: (r.numel, r.variant, r.device)):
@@ -682,19 +787,35 @@ def multiply_add_table(rows: Sequence[ElementwiseRow]) -> list[list[Any]]:
     return table
 
 
+def _reset_dynamo() -> None:
+    """Forget every compiled graph (``torch._dynamo.reset()``); the next call compiles afresh."""
+    import torch._dynamo  # loaded already wherever torch.compile made a step
+
+    torch._dynamo.reset()
+
+
+def is_compiled(step: object) -> bool:
+    """Whether ``step`` is a function returned by ``torch.compile``."""
+    return getattr(step, "_torchdynamo_orig_callable", None) is not None
+
+
 def compile_or_reason(
     step: StepFn, device: DeviceLike, *, backend: str = "inductor"
 ) -> tuple[StepFn | None, str]:
-    """``torch.compile(step, backend=backend)`` if it works on ``device`` here, else why not.
+    """``torch.compile(step, backend=backend, fullgraph=True)`` if it works on ``device``
+    here, else why not.
 
     Compilation is lazy, so the compiled function is run once on a small input
     and checked against the eager one; any failure (no C++ compiler for the
     CPU backend, no Triton for the GPU one, an unsupported Python) is turned
     into a one-line reason for the notebook to print instead of an error.
+    ``fullgraph=True`` makes a later fallback to eager mode (a graph break, or
+    dynamo's recompile limit) an error instead of a silent slowdown.
     """
+    _check_callable("step", step, "d2lgpu.benchmarking.multiply_add_unfused")
     dev = resolve_device(device)
     try:
-        compiled = torch.compile(step, backend=backend)
+        compiled = torch.compile(step, backend=backend, fullgraph=True)
         a = torch.randn(1024, device=dev)
         b = torch.randn(1024, device=dev)
         got = compiled(torch.zeros_like(a), a, b)
@@ -740,10 +861,10 @@ def measure_host_to_device(
             f"host-to-device transfers are measured on a CUDA GPU, got {dev}; "
             "there is no host-to-device link to measure on the CPU"
         )
+    _check_sequence("sizes", sizes, "[2**12, 2**20]")
     rows = []
     for nbytes in sizes:
-        if nbytes < 1:
-            raise ValueError(f"sizes must be positive byte counts, got {nbytes}")
+        _check_int("each size (bytes)", nbytes)
         pageable = torch.ones(nbytes, dtype=torch.uint8)
         pinned = pageable.pin_memory()
         pageable_t = time_fn(partial(pageable.to, dev), dev, warmup=warmup, repeats=repeats)
@@ -815,6 +936,7 @@ def compare_timers(
     Alternating puts both timers under the same conditions: a burst of load from
     another program lands on both, not on one of them.
     """
+    _check_callable("fn", fn)
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
     if dev is None:
@@ -853,6 +975,37 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3g} MiB"
 
 
+#: Tensor-sized writes per step into a *fresh* tensor (not one just read): the unfused
+#: step writes ``a * b`` and the new result, a compiled ``result + a * b`` its new
+#: result, the in-place fused step none (``result`` was read a moment before).
+FRESH_WRITES_PER_STEP = {"unfused": 2, "fused": 0, "compiled": 1}
+_PASSES = {"unfused": UNFUSED_TENSOR_PASSES, "fused": FUSED_TENSOR_PASSES,
+           "compiled": FUSED_TENSOR_PASSES}
+
+
+def cpu_writes_allocate() -> bool:
+    """Whether this CPU's caches read a line before writing it (x86: yes, for ordinary stores)."""
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def copy_peak_ceiling(device: str, variant: str) -> float:
+    """The highest share of the measured copy bandwidth that ``variant`` can reach on ``device``.
+
+    1 on a GPU. On an x86 CPU a store to a line that is not in the cache first reads
+    that line (write-allocate), so ``dst.copy_(src)`` moves 3 tensor sizes while the
+    copy bandwidth counts 2: the bus really carries 1.5x the figure. A step that
+    counts ``P`` passes and writes ``W`` of them into fresh memory moves ``P + W``, so
+    it can reach ``1.5 * P / (P + W)`` of the copy figure: 150 % in place (fused),
+    112.5 % unfused, 120 % for a compiled out-of-place step. Unknown variants get 1.
+    """
+    if device != "cpu" or not cpu_writes_allocate() or variant not in FRESH_WRITES_PER_STEP:
+        return 1.0
+    passes = _PASSES[variant]
+    return 1.5 * passes / (passes + FRESH_WRITES_PER_STEP[variant])
+
+
 def _beating_the_copy(
     dev: str, above: Sequence[ElementwiseRow], total: int, copy: float, cache: int | None
 ) -> list[str]:
@@ -867,11 +1020,14 @@ def _beating_the_copy(
         return [
             f"{head}. Their tensors take at most {_mib(largest)}: rows whose tensors fit in "
             "the caches can do that, because caches are faster than memory and the copy was "
-            "measured on buffers larger than them; for larger tensors it means a disturbed "
-            "measurement."
+            "measured on buffers larger than them; the size of the cache is unknown here, so "
+            "this run cannot tell those rows from the others."
         ]
     fits = [r for r in above if _working_set_bytes(r) <= cache]
     spills = [r for r in above if _working_set_bytes(r) > cache]
+    allocating = [r for r in spills
+                  if r.share_of_copy_peak <= copy_peak_ceiling(dev, r.variant)]
+    disturbed = [r for r in spills if r not in allocating]
     findings = []
     if fits:
         which = "All of them keep" if not spills else f"{len(fits)} of them keep"
@@ -881,13 +1037,28 @@ def _beating_the_copy(
             "cache, which is faster than memory; the copy was measured on buffers larger "
             "than the cache."
         )
-    if spills:
-        sizes = ", ".join(f"{r.numel:,} floats {r.variant}" for r in spills)
+    lead = head if not fits else dev + ":"
+    if allocating:
+        sizes = ", ".join(
+            f"{r.numel:,} floats {r.variant} at {100 * r.share_of_copy_peak:.0f} % (ceiling "
+            f"{100 * copy_peak_ceiling(dev, r.variant):.1f} %)" for r in allocating)
         findings.append(
-            f"{head if not fits else dev + ':'} {len(spills)} of them ({sizes}) do so although "
-            f"their tensors exceed the {_mib(cache)} cache: that cannot be memory-bound work "
-            "done right, so the copy measurement or these rows were disturbed (other programs "
-            "on the same cores?); measure again on a quiet machine before trusting either."
+            f"{lead} {len(allocating)} of them ({sizes}) do so with tensors larger than the "
+            f"{_mib(cache)} cache, and that is no error: this CPU reads each cache line before "
+            "it writes it (write-allocate), so the copy moves 3 tensor sizes but is counted "
+            "as 2, and work that writes fewer fresh tensors can get above its figure, up to "
+            "the ceiling in brackets. The copy bandwidth is no hard ceiling on a CPU."
+        )
+        lead = dev + ":"
+    if disturbed:
+        sizes = ", ".join(f"{r.numel:,} floats {r.variant}" for r in disturbed)
+        limit = (" even above what write-allocate allows" if copy_peak_ceiling(
+            dev, disturbed[0].variant) > 1 else "")
+        findings.append(
+            f"{lead} {len(disturbed)} of them ({sizes}) do so{limit} although their tensors "
+            f"exceed the {_mib(cache)} cache: that cannot be memory-bound work done right, so "
+            "the copy measurement or these rows were disturbed (other programs on the same "
+            "cores?); measure again on a quiet machine before trusting either."
         )
     return findings
 
@@ -924,16 +1095,25 @@ def multiply_add_findings(
     """What the multiply-add sweep shows, as sentences that follow its numbers.
 
     Per device: which rows beat the copy bandwidth and why (tensors that fit in
-    the cache can; larger ones point at a disturbed measurement), how close the
+    the cache can; on an x86 CPU larger ones can too, up to
+    :func:`copy_peak_ceiling`, because of write-allocate; beyond it a row points at
+    a disturbed measurement), how close the
     largest size comes to it, and how fused compares with unfused there against
     the 1.5x that the bytes predict. Across devices: each GPU's speed-up over the
     CPU at the largest size, next to the ratio of their copy bandwidths.
     ``cache_bytes`` maps ``str(device)`` to its last-level cache size (see
     :func:`device_cache_bytes`); missing or None means unknown.
     """
+    _check_rows(rows, "multiply_add_findings")
     if not rows:
         raise ValueError("no rows: run multiply_add_sweep first")
+    _check_mapping("copy_gbps", copy_gbps, "{'cpu': measure_copy_bandwidth('cpu')}")
+    missing = sorted({r.device for r in rows} - set(copy_gbps))
+    if missing:
+        raise ValueError(f"copy_gbps has no bandwidth for {missing}; pass the copy_gbps that "
+                         "the sweep was run with")
     cache_bytes = {} if cache_bytes is None else cache_bytes
+    _check_mapping("cache_bytes", cache_bytes, "{'cpu': device_cache_bytes('cpu')}")
     findings = []
     devices = list(dict.fromkeys(r.device for r in rows))
     for dev in devices:
@@ -1004,8 +1184,10 @@ def plot_multiply_add(rows: Sequence[ElementwiseRow], copy_gbps: Mapping[str, fl
     device's copy bandwidth as a dotted line. Right: how much faster fused is than
     unfused, per device, against the 1.5x that the bytes predict.
     """
+    _check_rows(rows, "plot_multiply_add")
     if not rows:
         raise ValueError("no rows to plot: run multiply_add_sweep first")
+    _check_mapping("copy_gbps", copy_gbps, "{'cpu': measure_copy_bandwidth('cpu')}")
     import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
 
     fig, (ax_gbps, ax_gain) = plt.subplots(1, 2, figsize=(11, 3.8))

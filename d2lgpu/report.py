@@ -19,6 +19,7 @@ Nothing here starts a subprocess or waits on anything, so a report cannot hang.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
@@ -27,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from d2lgpu.checks import check_bool, check_positive_int
 from d2lgpu.config import describe_mode
-from d2lgpu.devices import num_gpus
+from d2lgpu.devices import as_device, num_gpus
 from d2lgpu.precision import native_tensor_core_formats
 
 __all__ = [
@@ -42,7 +44,10 @@ __all__ = [
     "diagnose_cuda",
     "diagnose_this_machine",
     "environment_report",
+    "GPU_DATASHEETS",
+    "device_numbers",
     "format_report",
+    "gpu_in_numbers",
     "gpu_memory",
     "nccl_version",
     "parse_cuda_visible_devices",
@@ -122,6 +127,11 @@ def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | Non
     """
     if value is None:
         return None
+    if not isinstance(value, str):
+        raise TypeError(
+            f"a {VISIBLE_DEVICES_ENV} value is a string such as '0,1' (or None when unset), "
+            f"got {type(value).__name__} {value!r}; write str({value!r}) if you mean that"
+        )
     entries = value.split(",")
     for prefix in ("GPU-", "MIG-"):
         if value.startswith(prefix):
@@ -228,8 +238,18 @@ def diagnose_cuda(
         How many GPUs the driver sees regardless of ``CUDA_VISIBLE_DEVICES``
         (NVML's count), or None when unknown.
     """
-    if device_count < 0:
-        raise ValueError(f"device_count must be 0 or more, got {device_count}")
+    if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 0:
+        raise ValueError(f"device_count must be an int of 0 or more (torch.cuda.device_count()), "
+                         f"got {device_count!r}")
+    if isinstance(physical_gpu_count, bool) or not (
+        physical_gpu_count is None or (isinstance(physical_gpu_count, int)
+                                       and physical_gpu_count >= 0)):
+        raise ValueError("physical_gpu_count must be an int of 0 or more, or None when unknown; "
+                         f"got {physical_gpu_count!r}")
+    if not (cuda_build is None or isinstance(cuda_build, str)):
+        raise TypeError(f"cuda_build is torch.version.cuda: a string such as '12.4', or None for "
+                        f"a CPU-only build; got {type(cuda_build).__name__} {cuda_build!r}")
+    check_bool("driver_found", driver_found)
     env_problems: list[CudaProblem] = []
     visible = parse_cuda_visible_devices(visible_devices_env)
     shown = repr(visible_devices_env)
@@ -494,23 +514,29 @@ class GpuInfo:
     int8 are not listed. ``torch_says_bf16`` is what
     ``torch.cuda.is_bf16_supported()`` answers; it counts emulation as support,
     so on a 7.x GPU it can say True although bf16 is slow there.
+
+    ``error`` says what could not be read from this GPU (a GPU taken by another
+    process in exclusive mode, or one that fell off the bus); the readings it
+    stopped are None (or 0 and ``"?"`` for the properties), and the other GPUs
+    of the report are unaffected.
     """
 
     index: int
     name: str
     capability: tuple[int, int]
-    total_memory_bytes: int
-    free_memory_bytes: int
+    total_memory_bytes: int | None
+    free_memory_bytes: int | None
     multiprocessor_count: int
     native_formats: tuple[str, ...]
-    torch_says_bf16: bool
+    torch_says_bf16: bool | None
     uuid: str
     pycuda_attributes: dict[str, int] | None = None
+    error: str | None = None
 
     @property
     def bf16_emulated(self) -> bool:
         """True when torch reports bf16 support that the hardware does not have natively."""
-        return self.torch_says_bf16 and "bf16" not in self.native_formats
+        return bool(self.torch_says_bf16) and "bf16" not in self.native_formats
 
 
 @dataclass(frozen=True)
@@ -588,37 +614,68 @@ def _pycuda_attributes(count: int) -> tuple[str, list[dict[str, int] | None]]:
     return "pycuda is installed", list(attributes)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None) -> GpuInfo:
+    """:class:`GpuInfo` of ``cuda:index``; what fails is reported in ``error``, not raised.
+
+    A GPU in exclusive-process mode that another process holds fails when CUDA
+    creates a context on it (``mem_get_info``, ``is_bf16_supported``); a lost GPU
+    fails already at its properties. Either way the report goes on to the next GPU.
+    """
+    errors = []
+    try:
+        props = torch.cuda.get_device_properties(index)
+        name, capability = str(props.name), (int(props.major), int(props.minor))
+        sms, uuid = int(props.multi_processor_count), str(getattr(props, "uuid", ""))
+    except Exception as exc:  # any failure of one GPU is reported, not raised
+        return GpuInfo(index=index, name="?", capability=(0, 0), total_memory_bytes=None,
+                       free_memory_bytes=None, multiprocessor_count=0, native_formats=(),
+                       torch_says_bf16=None, uuid="", pycuda_attributes=pycuda_attributes,
+                       error=f"properties: {_first_line(exc)}")
+    free = total = None
+    try:
+        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
+    except Exception as exc:
+        errors.append(f"memory: {_first_line(exc)}")
+        total = int(getattr(props, "total_memory", 0)) or None
+    torch_says_bf16 = None
+    try:
+        with torch.cuda.device(index):
+            torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
+    except Exception as exc:
+        errors.append(f"is_bf16_supported: {_first_line(exc)}")
+    return GpuInfo(
+        index=index,
+        name=name,
+        capability=capability,
+        total_memory_bytes=total,
+        free_memory_bytes=free,
+        multiprocessor_count=sms,
+        native_formats=tuple(native_tensor_core_formats(capability)),
+        torch_says_bf16=torch_says_bf16,
+        uuid=uuid,
+        pycuda_attributes=pycuda_attributes,
+        error="; ".join(errors) or None,
+    )
+
+
 def environment_report() -> EnvironmentReport:
     """Collect the :class:`EnvironmentReport` of this process.
 
     On a GPU machine this initialises CUDA on every visible GPU (to read free
     memory with ``torch.cuda.mem_get_info``), which costs a few hundred MiB of
-    GPU memory per GPU for the CUDA context.
+    GPU memory per GPU for the CUDA context. A GPU that cannot be queried (taken
+    by another process, lost) is listed with what failed, and the others are
+    still read: see :class:`GpuInfo`'s ``error``.
     """
     count = num_gpus()
     nvml = read_nvml()
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
-    gpus = []
-    for i in range(count):
-        props = torch.cuda.get_device_properties(i)
-        free, total = torch.cuda.mem_get_info(i)
-        with torch.cuda.device(i):
-            torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
-        capability = (props.major, props.minor)
-        gpus.append(
-            GpuInfo(
-                index=i,
-                name=props.name,
-                capability=capability,
-                total_memory_bytes=int(total),
-                free_memory_bytes=int(free),
-                multiprocessor_count=props.multi_processor_count,
-                native_formats=tuple(native_tensor_core_formats(capability)),
-                torch_says_bf16=torch_says_bf16,
-                uuid=str(getattr(props, "uuid", "")),
-                pycuda_attributes=pycuda_attrs[i],
-            )
-        )
+    gpus = tuple(_read_gpu(i, pycuda_attrs[i]) for i in range(count))
     return EnvironmentReport(
         python_version=sys.version.split()[0],
         platform=platform.platform(),
@@ -627,7 +684,7 @@ def environment_report() -> EnvironmentReport:
         cudnn_version=_cudnn_version(),
         nccl_version=nccl_version(),
         visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
-        gpus=tuple(gpus),
+        gpus=gpus,
         nvml=nvml,
         pycuda_status=pycuda_status,
         diagnosis=diagnose_this_machine(nvml),
@@ -650,8 +707,26 @@ def _or_na(value: object, unit: str = "") -> str:
     return "n/a" if value is None else f"{value}{unit}"
 
 
+def _check_report(report: object, what: str) -> EnvironmentReport:
+    if not isinstance(report, EnvironmentReport):
+        raise TypeError(
+            f"{what} needs an EnvironmentReport, got {type(report).__name__} {report!r:.60}; "
+            "make one with d2lgpu.environment_report()"
+        )
+    return report
+
+
+def _format_memory(gpu: GpuInfo) -> str:
+    if gpu.free_memory_bytes is None or gpu.total_memory_bytes is None:
+        total = "?" if gpu.total_memory_bytes is None else f"{gpu.total_memory_bytes / _GIB:.2f}"
+        return f"  memory: free unknown, {total} GiB in all"
+    return (f"  memory: {gpu.free_memory_bytes / _GIB:.2f} GiB free of "
+            f"{gpu.total_memory_bytes / _GIB:.2f} GiB")
+
+
 def format_report(report: EnvironmentReport) -> str:
     """The report as readable text (what ``python -m d2lgpu info`` prints)."""
+    _check_report(report, "format_report")
     lines = [
         "== d2lgpu environment report ==",
         f"python {report.python_version} on {report.platform}",
@@ -667,13 +742,20 @@ def format_report(report: EnvironmentReport) -> str:
     for gpu in report.gpus:
         major, minor = gpu.capability
         formats = ", ".join(gpu.native_formats) or "none (fp32 only)"
+        if gpu.name == "?" and gpu.error is not None:
+            lines += [f"cuda:{gpu.index}  cannot be read: {gpu.error}",
+                      "  fix: check `nvidia-smi` for this GPU (lost, or held by another "
+                      "process in exclusive mode); the other GPUs are unaffected"]
+            continue
         lines += [
             f"cuda:{gpu.index}  {gpu.name}  (compute capability {major}.{minor}, "
             f"{gpu.multiprocessor_count} SMs)",
-            f"  memory: {gpu.free_memory_bytes / _GIB:.2f} GiB free of "
-            f"{gpu.total_memory_bytes / _GIB:.2f} GiB",
+            _format_memory(gpu),
             f"  Tensor Core formats (native): {formats}",
         ]
+        if gpu.error is not None:
+            lines.append(f"  failed: {gpu.error} (is another process holding this GPU in "
+                         "exclusive mode? see `nvidia-smi`)")
         if gpu.bf16_emulated:
             lines.append(
                 "  note: torch.cuda.is_bf16_supported() says True, but this GPU has no bf16 "
@@ -698,6 +780,8 @@ def format_report(report: EnvironmentReport) -> str:
 
 def print_report(report: EnvironmentReport | None = None) -> None:
     """Print :func:`format_report` of ``report`` (by default, of this machine)."""
+    if report is not None:
+        _check_report(report, "print_report")
     print(format_report(environment_report() if report is None else report))
 
 
@@ -715,7 +799,7 @@ def require_cuda_device(device: torch.device | str, what: str) -> torch.device:
     ``what`` names the caller in the message. A device that is not CUDA is returned
     unchanged; a bare ``'cuda'`` becomes the current GPU, as torch reads it.
     """
-    device = torch.device(device)
+    device = as_device(device)
     if device.type != "cuda":
         return device
     count = num_gpus()
@@ -766,7 +850,7 @@ class GpuMemory:
 
 def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
     """Read :class:`GpuMemory` for a CUDA device; a clear error for a CPU device."""
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    device = as_device(device)
     if device.type != "cuda":
         raise ValueError(
             f"gpu_memory needs a CUDA device, got {device}: the CPU has no caching allocator "
@@ -813,6 +897,12 @@ def format_setup(
     order; ``workload_name`` is :func:`d2lgpu.workload`'s answer and ``mode_line``
     :func:`d2lgpu.describe_mode`'s.
     """
+    if not isinstance(diagnosis, CudaDiagnosis):
+        raise TypeError(f"diagnosis must be a CudaDiagnosis (d2lgpu.diagnose_this_machine()), got "
+                        f"{type(diagnosis).__name__} {diagnosis!r:.60}")
+    if not isinstance(gpus, (list, tuple)):
+        raise TypeError(f"gpus must be a list of (name, (major, minor)) pairs, [] without GPUs; "
+                        f"got {type(gpus).__name__} {gpus!r:.60}")
     mode = _WORKLOAD_NAMES.get(workload_name, f"{workload_name} mode")
     lines = [versions]
     if gpus:
@@ -843,6 +933,9 @@ def format_nvml_view(
     ``get_device_properties(i).uuid`` lacks NVML's ``GPU-`` prefix, and NVML numbers
     GPUs in its own order, so the UUID is the way to find torch's ``cuda:i`` there.
     """
+    if not isinstance(view, NvmlView):
+        raise TypeError(f"format_nvml_view needs an NvmlView, got {type(view).__name__} "
+                        f"{view!r:.60}; read one with d2lgpu.read_nvml()")
     if view.error is not None:
         return view.error
     lines = [f"driver {view.driver_version}, {len(view.gpus)} GPU(s)"]
@@ -875,17 +968,19 @@ def read_nvml_while_busy(
     second into that queue (a full sample period on every GPU), and only then
     waits for the products to finish.
     """
-    import math
     import time
 
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    dev = as_device(device)
     if dev.type != "cuda":
         raise ValueError(
             f"read_nvml_while_busy needs a CUDA device, got {dev}: NVML watches NVIDIA GPUs "
             "only. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
         )
-    if not busy_seconds > 1.0:
-        raise ValueError(f"busy_seconds must exceed the 1 s NVML waits, got {busy_seconds}")
+    if isinstance(busy_seconds, bool) or not isinstance(busy_seconds, (int, float)) or not (
+            busy_seconds > 1.0 and math.isfinite(busy_seconds)):
+        raise ValueError(f"busy_seconds must be a number of seconds above the 1 s NVML waits, "
+                         f"got {busy_seconds!r}; try busy_seconds=3.0")
+    check_positive_int("matrix_size", matrix_size)
     a = torch.randn(matrix_size, matrix_size, device=dev)
     b = a @ a  # the first product also starts cuBLAS, so it is not timed
     torch.cuda.synchronize(dev)
@@ -911,9 +1006,119 @@ def wrapped(text: str, width: int = 100) -> str:
     """
     import textwrap
 
+    if not isinstance(text, str):
+        raise TypeError(f"wrapped needs a string, got {type(text).__name__} {text!r:.60}; "
+                        "pass str(...) of what you want to print")
+    check_positive_int("width", width)
     out = []
     for line in text.splitlines():
         indent = line[: len(line) - len(line.lstrip())]
         out += textwrap.wrap(line, width=width, subsequent_indent=indent + "    ",
                              break_long_words=False, break_on_hyphens=False) or [""]
     return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------
+# Your GPU in numbers, beside two chips from NVIDIA's documents
+# --------------------------------------------------------------------------------------
+
+# Each figure names its source. H100 (SXM5 board): "NVIDIA H100 Tensor Core GPU
+# Architecture" whitepaper (table comparing A100 and H100, and the H100 SM section).
+# T4: "NVIDIA T4 Tensor Core GPU" datasheet and the "NVIDIA Turing GPU Architecture"
+# whitepaper. Per-SM limits of a compute capability (warp size, resident threads,
+# registers, shared memory): the CUDA C++ Programming Guide's table "Technical
+# Specifications per Compute Capability". A figure left out was not in those documents.
+GPU_DATASHEETS: dict[str, dict[str, object]] = {
+    "H100 SXM5": {
+        "compute capability": "9.0",  # whitepaper: H100 is compute capability 9.0
+        "SMs": 132,  # whitepaper, A100/H100 table: 132 SMs on the SXM5 board
+        "warp size (threads)": 32,  # programming guide: 32 for every compute capability
+        "max threads per SM": 2048,  # programming guide, cc 9.0: 64 warps x 32
+        "registers per SM (32-bit)": 65536,  # whitepaper: 256 KB register file per SM
+        "shared memory per SM, max": "228 KiB",  # whitepaper: up to 228 KB of the 256 KB
+        "L1 + shared memory per SM": "256 KiB",  # whitepaper: 256 KB combined per SM
+        "L2 cache": "50 MB",  # whitepaper, A100/H100 table
+        "memory": "80 GB HBM3",  # whitepaper, A100/H100 table
+        "memory bandwidth": "3352 GB/s",  # whitepaper, A100/H100 table
+        "Tensor Cores": "528 (4 per SM)",  # whitepaper: 4th-generation, 528 on SXM5
+    },
+    "T4": {
+        "compute capability": "7.5",  # Turing whitepaper: Turing GPUs are cc 7.5
+        "SMs": 40,  # datasheet: 2,560 CUDA cores; Turing whitepaper: 64 per SM
+        "warp size (threads)": 32,  # programming guide
+        "max threads per SM": 1024,  # programming guide, cc 7.5: 32 warps x 32
+        "registers per SM (32-bit)": 65536,  # programming guide, cc 7.5: 64 K registers
+        "shared memory per SM, max": "64 KiB",  # programming guide, cc 7.5
+        "L1 + shared memory per SM": "96 KiB",  # Turing whitepaper: 96 KB per SM
+        "memory": "16 GB GDDR6",  # datasheet
+        "memory bandwidth": "320 GB/s",  # datasheet: "320+ GB/s"
+        "Tensor Cores": "320 (8 per SM)",  # datasheet: 320 Turing Tensor Cores
+    },
+}
+
+#: The rows of :func:`gpu_in_numbers`, in the order of the lesson.
+GPU_NUMBERS_ROWS = (
+    "compute capability", "SMs", "warp size (threads)", "max threads per SM",
+    "registers per SM (32-bit)", "shared memory per SM, max", "L1 + shared memory per SM",
+    "L2 cache", "memory", "memory bandwidth", "Tensor Cores",
+)
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 2**10:g} KiB"
+
+
+def device_numbers(props: object) -> dict[str, object]:
+    """The figures of :data:`GPU_NUMBERS_ROWS` that ``torch.cuda.get_device_properties(i)``
+    gives, keyed like :data:`GPU_DATASHEETS`; a figure it lacks is left out.
+
+    torch 2.9 has ``warp_size``, ``max_threads_per_multi_processor``,
+    ``regs_per_multiprocessor``, ``shared_memory_per_multiprocessor`` and
+    ``L2_cache_size``; ``memory_clock_rate`` and ``memory_bus_width`` (from which the
+    peak bandwidth follows: two transfers per clock, ``bus_width / 8`` bytes each)
+    came later, so each is read with ``getattr`` and skipped where missing.
+    Tensor Cores and the L1 size are not among the properties at all.
+    """
+    for needed in ("major", "minor", "multi_processor_count", "total_memory"):
+        if not hasattr(props, needed):
+            raise TypeError(
+                f"device_numbers needs torch.cuda.get_device_properties(i), got "
+                f"{type(props).__name__} {props!r:.60} (it has no {needed!r})"
+            )
+    out: dict[str, object] = {
+        "compute capability": f"{props.major}.{props.minor}",
+        "SMs": int(props.multi_processor_count),
+        "memory": f"{props.total_memory / 1e9:.1f} GB",
+    }
+    optional = {
+        "warp size (threads)": ("warp_size", int),
+        "max threads per SM": ("max_threads_per_multi_processor", int),
+        "registers per SM (32-bit)": ("regs_per_multiprocessor", int),
+        "shared memory per SM, max": ("shared_memory_per_multiprocessor", _kib),
+        "L2 cache": ("L2_cache_size", lambda b: f"{b / 1e6:.1f} MB"),
+    }
+    for key, (attr, show) in optional.items():
+        value = getattr(props, attr, None)
+        if value:
+            out[key] = show(value)
+    clock_khz = getattr(props, "memory_clock_rate", None)
+    bus_bits = getattr(props, "memory_bus_width", None)
+    if clock_khz and bus_bits:
+        out["memory bandwidth"] = f"{2 * clock_khz * 1e3 * bus_bits / 8 / 1e9:.0f} GB/s"
+    return {key: out[key] for key in GPU_NUMBERS_ROWS if key in out}
+
+
+def gpu_in_numbers(props: object | None = None) -> str:
+    """A table: this GPU's figures (``props`` from ``get_device_properties``, or None
+    without a GPU) beside :data:`GPU_DATASHEETS`. "-" marks a figure not known."""
+    columns = dict(GPU_DATASHEETS)
+    if props is not None:
+        columns = {f"yours: {getattr(props, 'name', '?')}": device_numbers(props), **columns}
+    headers = ["", *columns]
+    rows = [[key, *(str(col.get(key, "-")) for col in columns.values())]
+            for key in GPU_NUMBERS_ROWS]
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+             for row in [headers, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -493,3 +493,78 @@ def test_benchmark_autorange_without_a_gpu_waits_for_nothing(monkeypatch) -> Non
     monkeypatch.setattr(torch.cuda, "synchronize", no_gpu)
     timing = bm.benchmark_autorange(lambda: torch.ones(8).sum(), min_run_time=0.01)
     assert timing.min > 0
+
+
+# --- compiled rows on several devices ----------------------------------------------------------
+
+
+def _fake_compiled(step):
+    def compiled(result, a, b):
+        return step(result, a, b)
+
+    compiled._torchdynamo_orig_callable = step  # what torch.compile's wrapper carries
+    return compiled
+
+
+def test_sweep_resets_dynamo_before_each_device_with_a_compiled_variant(monkeypatch) -> None:
+    resets = []
+    monkeypatch.setattr(bm, "_reset_dynamo", lambda: resets.append(1))
+    variants = {"fused": bm.MULTIPLY_ADD_VARIANTS["fused"],
+                "compiled": (_fake_compiled(bm.multiply_add_unfused), bm.FUSED_TENSOR_PASSES)}
+    rows = bm.multiply_add_sweep(["cpu", "cpu", "cpu"], [256], steps=1,
+                                 copy_gbps={"cpu": 10.0}, variants=variants, warmup=0, repeats=1)
+    assert len(resets) == 3 and len(rows) == 6
+    resets.clear()
+    bm.multiply_add_sweep(["cpu", "cpu"], [256], steps=1, copy_gbps={"cpu": 10.0},
+                          warmup=0, repeats=1)
+    assert resets == []  # nothing compiled, nothing to reset
+
+
+class _FailOnRecompileLimitHit(Exception):
+    """Stands in for torch._dynamo.exc.FailOnRecompileLimitHit (importing dynamo is slow)."""
+
+
+def test_a_compiled_row_that_falls_back_says_so() -> None:
+    def falls_back(result, a, b):
+        raise _FailOnRecompileLimitHit("recompile_limit reached")
+
+    with pytest.raises(RuntimeError, match="did not run compiled on cpu.*FailOnRecompileLimitHit"):
+        bm.multiply_add_benchmark("cpu", 256, steps=1, step=_fake_compiled(falls_back),
+                                  tensor_passes=4, copy_gbps=10.0, variant="compiled", repeats=1)
+
+
+def test_compile_or_reason_refuses_a_silent_fallback() -> None:
+    # The mechanism the sweep relies on, for real: with fullgraph=True, passing the recompile
+    # limit raises instead of running eagerly (here forced with a limit of 1 and a new dtype).
+    compiled, _ = bm.compile_or_reason(bm.multiply_add_unfused, "cpu", backend="eager")
+    assert bm.is_compiled(compiled) and not bm.is_compiled(bm.multiply_add_unfused)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        x = torch.ones(4, dtype=torch.float64)
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            compiled(x, x, x)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: bm.time_fn(None), "fn must be a function"),
+    (lambda: bm.time_naive(3), "fn must be a function"),
+    (lambda: bm.compare_timers(None, "cpu"), "fn must be a function"),
+    (lambda: bm.Timing(None), "list of durations"),
+    (lambda: bm.Timing(["a"]), "numbers of seconds"),
+    (lambda: bm.gbps("1", 1), "nbytes must be a number"),
+    (lambda: bm.format_seconds(None), "seconds must be"),
+    (lambda: bm.format_table(["a", "b"], [[1]]), "list of 2 values"),
+    (lambda: bm.multiply_add_benchmark("cpu", "4", steps=1, step=bm.multiply_add_fused,
+                                       tensor_passes=4, copy_gbps=1.0, variant="f"), "numel"),
+    (lambda: bm.multiply_add_sweep(["cpu"], [4], steps=1, copy_gbps={"cpu": 1.0},
+                                   variants=None), "variants must be a dict"),
+    (lambda: bm.multiply_add_table(None), "rows must be a list"),
+    (lambda: bm.multiply_add_findings([bm.ElementwiseRow("cpu", "f", 4, 1, 1.0, 1.0, 1.0)],
+                                      None), "copy_gbps must be a dict"),
+    (lambda: bm.compile_or_reason(None, "cpu"), "step must be a function"),
+    (lambda: bm.run_multiply_add(bm.multiply_add_fused, torch.ones(2), torch.ones(2), "2"),
+     "steps must be an int"),
+])
+def test_benchmarking_names_the_fix_for_bad_input(call, match) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()

@@ -8,6 +8,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from d2lgpu import benchmarking as bm  # noqa: E402
 from d2lgpu.benchmarking import (  # noqa: E402
     ElementwiseRow,
     TimerComparison,
@@ -67,6 +68,7 @@ def test_findings_explain_rows_above_the_copy_bandwidth_by_the_caches():
     assert findings[0].startswith("cpu: 2 of 4 rows beat the copy bandwidth of 10 GB/s "
                                   "(up to 340 % at 65,536 floats)")
     assert "at most 1.25 MiB" in findings[0] and "fit in the caches" in findings[0]
+    assert "cannot tell" in findings[0]
     with_cache = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})[0]
     assert "All of them keep their tensors (at most 1.25 MiB) within the 32 MiB cache" in with_cache
     assert findings[1] == ("cpu: at 16,777,216 floats, unfused 60 %, fused 60 % of the copy "
@@ -117,22 +119,54 @@ def test_plot_keeps_every_line_visible():
     plt.close(fig)
 
 
-def test_findings_tell_cache_from_a_disturbed_measurement():
+@pytest.fixture(params=[True, False], ids=["x86-write-allocate", "no-write-allocate"])
+def writes_allocate(request, monkeypatch):
+    monkeypatch.setattr(bm, "cpu_writes_allocate", lambda: request.param)
+    return request.param
+
+
+def test_copy_peak_ceilings_follow_the_bytes(writes_allocate):
+    ceiling = {v: bm.copy_peak_ceiling("cpu", v) for v in ("fused", "unfused", "compiled")}
+    if writes_allocate:  # the copy moves 3 sizes, counted as 2
+        assert ceiling == pytest.approx({"fused": 1.5, "unfused": 1.125, "compiled": 1.2})
+    else:
+        assert set(ceiling.values()) == {1.0}
+    assert bm.copy_peak_ceiling("cuda:0", "fused") == 1.0
+    assert bm.copy_peak_ceiling("cpu", "something else") == 1.0
+
+
+def test_findings_tell_cache_from_a_disturbed_measurement(writes_allocate):
     rows = [_row("cpu", "fused", 2**16, 1e-5, 3.4), _row("cpu", "unfused", 2**16, 1.5e-5, 2.1),
-            _row("cpu", "fused", 2**24, 1e-2, 1.3), _row("cpu", "unfused", 2**24, 5e-2, 0.3)]
+            _row("cpu", "fused", 2**24, 1e-2, 1.6), _row("cpu", "unfused", 2**24, 5e-2, 0.3)]
     findings = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})
     fits, spills = findings[0], findings[1]
     assert fits.startswith("cpu: 3 of 4 rows beat the copy bandwidth")
     assert "2 of them keep their tensors (at most 1.25 MiB) within the 32 MiB cache" in fits
-    assert spills.startswith("cpu: 1 of them (16,777,216 floats fused) do so although")
+    assert spills.startswith("cpu: 1 of them (16,777,216 floats fused) do so")
     assert "disturbed" in spills and "cache, which is faster" not in spills
+    assert ("above what write-allocate allows" in spills) == writes_allocate
 
 
-def test_findings_with_only_rows_too_large_for_the_cache_blame_the_measurement():
-    rows = [_row("cpu", "fused", 2**24, 1e-2, 1.3)]
+def test_findings_explain_write_allocate_instead_of_calling_it_disturbed(writes_allocate):
+    # fused at 130 % and unfused at 110 % with tensors beyond the cache: within the ceilings
+    rows = [_row("cpu", "fused", 2**24, 1e-2, 1.3), _row("cpu", "unfused", 2**24, 2e-2, 1.1)]
+    first, *rest = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})
+    assert first.startswith("cpu: 2 of 2 rows beat the copy bandwidth of 10 GB/s")
+    if writes_allocate:
+        assert "write-allocate" in first and "disturbed" not in first
+        assert "fused at 130 % (ceiling 150.0 %)" in first
+        assert "unfused at 110 % (ceiling 112.5 %)" in first
+        assert not any("disturbed" in f for f in rest)
+    else:
+        assert "disturbed" in first and "write-allocate" not in first
+
+
+def test_findings_with_only_rows_too_large_for_the_cache_blame_the_measurement(writes_allocate):
+    rows = [_row("cpu", "fused", 2**24, 1e-2, 1.7)]  # above even the write-allocate ceiling
     (first, *_) = multiply_add_findings(rows, {"cpu": 10.0}, {"cpu": 32 * 2**20})
     assert first.startswith("cpu: 1 of 1 rows beat the copy bandwidth of 10 GB/s")
     assert "exceed the 32 MiB cache" in first and "within" not in first
+    assert "disturbed" in first
 
 
 def test_last_level_cache_of_the_cpu():

@@ -1,5 +1,6 @@
 """Tests of d2lgpu.report and the command line: the diagnosis, NVML, the report, `d2lgpu info`."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -581,3 +582,125 @@ def test_python_dash_m_d2lgpu_info():
     assert "== d2lgpu environment report ==" in result.stdout
     diagnosis = d2lgpu.diagnose_this_machine()
     assert str(diagnosis) in result.stdout
+
+
+# --- one unusable GPU, and bad input -------------------------------------------------------
+
+
+def _fake_props(name: str, major: int, minor: int, **extra):
+    return types.SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=40,
+                                 total_memory=16 * 10**9, uuid=f"uuid-{name}", **extra)
+
+
+def _two_fake_gpus(monkeypatch, props, mem_get_info):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+    monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
+
+
+def test_environment_report_reports_a_busy_gpu_and_reads_the_other(monkeypatch):
+    def mem_get_info(i):
+        if i == 1:  # what CUDA says for a GPU that another process holds exclusively
+            raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
+        return (15 * 2**30, 16 * 2**30)
+
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0), mem_get_info)
+    env = d2lgpu.environment_report()
+    ok, busy = env.gpus
+    assert ok.error is None and ok.free_memory_bytes == 15 * 2**30 and ok.torch_says_bf16
+    assert busy.name == "GPU1" and busy.free_memory_bytes is None
+    assert busy.total_memory_bytes == 16 * 10**9  # from the properties instead
+    assert busy.error.startswith("memory: RuntimeError: CUDA error: CUDA-capable device")
+    text = d2lgpu.format_report(env)
+    assert "cuda:0  GPU0" in text and "15.00 GiB free of 16.00 GiB" in text
+    assert "cuda:1  GPU1" in text and "memory: free unknown" in text
+    assert "failed: memory: RuntimeError" in text and "nvidia-smi" in text
+
+
+def test_environment_report_reports_a_lost_gpu_and_reads_the_other(monkeypatch):
+    def props(i):
+        if i == 0:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return _fake_props("GPU1", 7, 5)
+
+    _two_fake_gpus(monkeypatch, props, lambda i: (1 * 2**30, 16 * 2**30))
+    env = d2lgpu.environment_report()
+    lost, ok = env.gpus
+    assert lost.name == "?" and lost.error.startswith("properties: RuntimeError")
+    assert ok.name == "GPU1" and ok.native_formats == ("fp16",) and ok.error is None
+    text = d2lgpu.format_report(env)
+    assert "cuda:0  cannot be read: properties: RuntimeError" in text
+    assert "cuda:1  GPU1  (compute capability 7.5, 40 SMs)" in text
+
+
+@pytest.mark.parametrize("bad", [None, "report", 3])
+def test_format_report_names_the_fix_for_bad_input(bad):
+    with pytest.raises(TypeError, match=r"environment_report\(\)"):
+        d2lgpu.format_report(bad)
+    with pytest.raises(TypeError, match=r"environment_report\(\)"):
+        d2lgpu.print_report(bad if bad is not None else "x")
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: parse_cuda_visible_devices(0), r"write str\(0\)"),
+    (lambda: diagnose_cuda(cuda_build=None, visible_devices_env=None, driver_found=True,
+                           device_count="1"), "device_count must be an int"),
+    (lambda: diagnose_cuda(cuda_build=None, visible_devices_env=None, driver_found="no",
+                           device_count=0), "driver_found must be True or False"),
+    (lambda: diagnose_cuda(cuda_build=12.4, visible_devices_env=None, driver_found=True,
+                           device_count=0), "torch.version.cuda"),
+    (lambda: report.gpu_memory(None), "use 'cpu', 'cuda'"),
+    (lambda: report.require_cuda_device(1.5, "x"), "use 'cpu', 'cuda'"),
+    (lambda: report.format_nvml_view(None), r"read_nvml\(\)"),
+    (lambda: report.wrapped(None), "needs a string"),
+    (lambda: report.format_setup(versions="v", gpus=None, diagnosis=diagnose_cuda(
+        cuda_build=None, visible_devices_env=None, driver_found=False, device_count=0),
+        workload_name="cpu", mode_line="m"), "gpus must be a list"),
+    (lambda: report.device_numbers("T4"), "get_device_properties"),
+])
+def test_report_functions_name_the_fix_for_bad_input(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()
+
+
+# --- your GPU in numbers -----------------------------------------------------------------
+
+
+def test_gpu_in_numbers_reads_what_the_properties_have():
+    # torch 2.15's properties of a T4 (figures as CUDA reports them for that board)
+    t4 = _fake_props("Tesla T4", 7, 5, warp_size=32, max_threads_per_multi_processor=1024,
+                     regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=65536,
+                     L2_cache_size=4 * 2**20, memory_clock_rate=5_001_000, memory_bus_width=256)
+    numbers = report.device_numbers(t4)
+    assert numbers["SMs"] == 40 and numbers["warp size (threads)"] == 32
+    assert numbers["shared memory per SM, max"] == "64 KiB"
+    assert numbers["memory bandwidth"] == "320 GB/s"  # 2 x 5.001 GHz x 32 bytes
+    # where the board's own figures and the data sheet overlap, they agree
+    sheet = report.GPU_DATASHEETS["T4"]
+    for key in ("compute capability", "SMs", "warp size (threads)", "max threads per SM",
+                "registers per SM (32-bit)", "shared memory per SM, max", "memory bandwidth"):
+        assert str(numbers[key]) == str(sheet[key]), key
+    table = report.gpu_in_numbers(t4)
+    assert table.splitlines()[0].split() == ["yours:", "Tesla", "T4", "H100", "SXM5", "T4"]
+    assert len(table.splitlines()) == 2 + len(report.GPU_NUMBERS_ROWS)
+
+
+def test_gpu_in_numbers_on_an_older_torch_skips_missing_fields():
+    # torch 2.9 has no memory_clock_rate / memory_bus_width / max_threads_per_block
+    old = _fake_props("Tesla T4", 7, 5, warp_size=32, L2_cache_size=4 * 2**20)
+    numbers = report.device_numbers(old)
+    assert "memory bandwidth" not in numbers and "registers per SM (32-bit)" not in numbers
+    assert numbers["L2 cache"] == "4.2 MB"
+    row = next(line for line in report.gpu_in_numbers(old).splitlines()
+               if line.startswith("memory bandwidth"))
+    assert row.split()[2] == "-"  # yours: not known; then H100, T4 from the data sheets
+
+
+def test_gpu_in_numbers_without_a_gpu_shows_the_data_sheets():
+    table = report.gpu_in_numbers(None)
+    assert "yours" not in table and "H100 SXM5" in table
+    assert set(report.GPU_DATASHEETS["H100 SXM5"]) <= set(report.GPU_NUMBERS_ROWS)
