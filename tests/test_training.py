@@ -170,8 +170,8 @@ def test_train_rejects_bad_input(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(lr=math.inf), "lr must be a finite number > 0"),
-     (dict(lr=math.nan), "lr must be a finite number > 0"),
+    [(dict(lr=math.inf), "lr must be a positive finite number, got inf"),
+     (dict(lr=math.nan), "lr must be a positive finite number, got nan"),
      (dict(lr=0.1, weight_decay=math.nan), "weight_decay must be a finite number >= 0"),
      (dict(lr=0.1, weight_decay=math.inf), "weight_decay"),
      (dict(lr=0.1, momentum=math.nan), "momentum"),
