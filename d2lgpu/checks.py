@@ -189,10 +189,10 @@ def check_tensor(
         floating = value.dtype.is_floating_point
         integer = not floating and not value.dtype.is_complex and value.dtype != torch.bool
         if (dtype == "floating" and not floating) or (dtype == "integer" and not integer):
-            kind, convert = ("floating-point", ".float()") if dtype == "floating" else (
-                "integer", ".long()")
+            kind, convert = ("a floating-point", ".float()") if dtype == "floating" else (
+                "an integer", ".long()")
             raise TypeError(
-                f"{name} must be a {kind} tensor, got {value.dtype}: convert it with {convert}"
+                f"{name} must be {kind} tensor, got {value.dtype}: convert it with {convert}"
             )
     elif dtype is not None and value.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {value.dtype}: convert it with .to({dtype})")
@@ -265,8 +265,8 @@ def check_loader(name: str, value: object) -> object:
         raise TypeError(f"{name} must yield batches (X, y), got {_given(value)}: {fix}")
     if hasattr(value, "__len__") and len(value) == 0:  # type: ignore[arg-type]
         raise ValueError(
-            f"{name} is empty (length 0): it has no batches, so no examples. Check the data set's size "
-            "against the batch size (drop_last=True drops a last partial batch)"
+            f"{name} is empty (length 0): it has no batches, so no examples. Check the data "
+            "set's size against the batch size (drop_last=True drops a last partial batch)"
         )
     return value
 
