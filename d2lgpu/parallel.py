@@ -310,7 +310,13 @@ def data_parallel_step(
     loss = sum(loss.to(devices[0]) for loss in shard_losses)
     health = _step_health(replicas, X, lr, devices[0])
     value, bad_inputs, replica_gap, update, size = torch.stack([loss.float(), *health]).tolist()
-    _check_step(value, bad_inputs, replica_gap, update, size, lr)
+    try:
+        _check_step(value, bad_inputs, replica_gap, update, size, lr)
+    except (ValueError, FloatingPointError):
+        for params in replicas:  # as after a step: no gradient is left to add up with the next
+            for p in params:
+                p.grad = None
+        raise
     with torch.no_grad():
         for params in replicas:
             for p in params:
