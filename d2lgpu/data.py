@@ -103,7 +103,7 @@ def get_fashion_mnist_labels(labels: torch.Tensor | list[int] | int) -> list[str
                 ) from None
     wrong = [n for n in numbers if not 0 <= n < _NUM_CLASSES]
     if wrong:
-        raise ValueError(f"class numbers run from 0 to 9, got {wrong[:5]}")
+        raise ValueError(f"labels are class numbers from 0 to 9, got {wrong[:5]}")
     return [FASHION_MNIST_LABELS[n] for n in numbers]
 
 
@@ -327,6 +327,10 @@ def load_data_fashion_mnist(
     check_positive_int("batch_size", batch_size)
     check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
     if resize is not None:
+        if not isinstance(resize, (int, tuple, list)):
+            raise ValueError(
+                f"resize must be a positive int or a pair of them (or None), got {resize!r}"
+            )
         sizes = (resize,) if isinstance(resize, int) else tuple(resize)
         if not 1 <= len(sizes) <= 2 or any(
             isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes

@@ -43,7 +43,7 @@ MIN_SECONDS_TO_ANNOUNCE = 30.0
 
 def format_duration(seconds: float) -> str:
     """A rounded, readable duration: ``"8 s"``, ``"4 min"``, ``"2.5 h"``."""
-    seconds = _check_seconds("a duration", seconds)
+    seconds = _check_seconds("seconds", seconds)
     if seconds < 1:
         return "under a second"
     if seconds < 90:
@@ -191,6 +191,19 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
     device the two clock readings synchronise, so they time finished steps.
     """
     check_positive_int("num_epochs", num_epochs)
+    if isinstance(device, str):
+        import torch
+
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device {device!r} is not a device: use e.g. 'cpu' or "
+                             "'cuda:0'") from None
+    if device is not None and not hasattr(device, "type"):
+        raise TypeError(
+            f"device must be the device the run trains on (a torch.device or a string such "
+            f"as 'cuda:0'), got {type(device).__name__} {device!r}"
+        )
     if train_iter is None or isinstance(train_iter, (str, bytes)) or not hasattr(
         train_iter, "__iter__"
     ):

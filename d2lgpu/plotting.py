@@ -45,6 +45,7 @@ class LivePlot:
         title: str | None = None,
         figsize: tuple[float, float] = (5.0, 3.2),
     ) -> None:
+        _check_labels(xlabel=xlabel, ylabel=ylabel, title=title)
         self.legend = check_str_list("legend", legend, fix="One name per line.")
         if not self.legend:
             raise ValueError("legend must name at least one line")
@@ -92,6 +93,20 @@ class LivePlot:
         import matplotlib.pyplot as plt
 
         plt.close(self.fig)
+
+
+def _check_labels(**labels: object) -> None:
+    """Axis labels and titles are text (or None): anything else would be drawn as its repr."""
+    for name, value in labels.items():
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string (or None), got {type(value).__name__} "
+                            f"{value!r}")
+
+
+def _check_ax(ax: object) -> None:
+    if ax is not None and not hasattr(ax, "plot"):
+        raise TypeError(f"ax must be a matplotlib Axes (e.g. from plt.subplots()) or None, got "
+                        f"{type(ax).__name__}")
 
 
 def _check_pair(name: str, value: object, *, allow_none: bool) -> None:
@@ -142,6 +157,8 @@ def plot_lines(
 
     Returns the axes; pass ``ax`` to draw into an existing one (e.g. a subplot).
     """
+    _check_labels(xlabel=xlabel, ylabel=ylabel, title=title)
+    _check_ax(ax)
     x = check_sequence("x", x, of="numbers")
     ys_list = check_sequence("ys", ys, of="numbers (one line) or lists of numbers")
     if legend is not None:
@@ -173,6 +190,8 @@ def plot_history(history, ax=None, title: str | None = None):
             f"history must be the d2lgpu.History that d2lgpu.train returns, got "
             f"{type(history).__name__}"
         )
+    _check_labels(title=title)
+    _check_ax(ax)
     if not history.train_loss:
         raise ValueError("the history has no epochs to plot")
     epochs = list(range(1, len(history.train_loss) + 1))
@@ -195,6 +214,7 @@ def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
     peak statistic) there is no memory panel at all, and the time panel's title
     says that memory is measured on CUDA GPUs only. Returns the figure.
     """
+    _check_labels(title=title)
     rows = check_sequence("rows", rows, of="SweepRow (from d2lgpu.precision_sweep)",
                           allow_empty=True)
     if not rows:

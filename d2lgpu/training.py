@@ -147,6 +147,11 @@ def resolve_devices(
         return try_all_gpus()
     if isinstance(devices, (str, torch.device, int)):
         devices = [devices]
+    if not isinstance(devices, (list, tuple)):
+        raise TypeError(
+            f"devices must be None (all GPUs, or the CPU), one device such as 'cuda:0', or a "
+            f"list of them, got {type(devices).__name__} {devices!r}"
+        )
     for d in devices:
         # torch reads an int as a GPU index; here it is more often a count or a typo.
         if isinstance(d, int):
@@ -209,7 +214,8 @@ def evaluate_accuracy(
     """
     check_module("net", net)
     check_loader("data_iter", data_iter)
-    device = _model_device(net) if device is None else torch.device(device)
+    device = _model_device(net) if device is None else _one_device("device", device)
+    _check_policy(policy, none_ok=True)
     policy = policy or PrecisionPolicy(device.type, None, False)
     was_training = net.training
     net.eval()
@@ -256,6 +262,17 @@ def train_epoch(
     """
     check_module("net", net)
     check_loader("train_iter", train_iter)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a loss such as nn.CrossEntropyLoss(), got "
+                        f"{type(loss_fn).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer over net's parameters, "
+                        f"got {type(optimizer).__name__}")
+    device = _one_device("device", device)
+    _check_policy(policy, none_ok=False)
+    if not (hasattr(scaler, "scale") and hasattr(scaler, "step")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (policy.make_scaler()), got "
+                        f"{type(scaler).__name__}")
     net.train()
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
@@ -424,6 +441,25 @@ def check_module(name: str, net: object) -> nn.Module:
             f"{type(net).__name__}"
         )
     return net
+
+
+def _one_device(name: str, device: object) -> torch.device:
+    """One device (a torch.device or a string such as 'cuda:0'); a clear error otherwise."""
+    if device is None or isinstance(device, (list, tuple)):
+        raise TypeError(f"{name} must be one device such as 'cpu' or 'cuda:0', got {device!r}")
+    try:
+        return as_device(device)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{name}: {err}") from None
+
+
+def _check_policy(policy: object, *, none_ok: bool) -> None:
+    if (policy is None and none_ok) or isinstance(policy, PrecisionPolicy):
+        return
+    raise TypeError(
+        f"policy must be a d2lgpu.PrecisionPolicy (from d2lgpu.precision_policy(device, amp))"
+        f"{' or None' if none_ok else ''}, got {type(policy).__name__}"
+    )
 
 
 def _blame_the_data(error: FloatingPointError, train_iter: Iterable) -> None:
