@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from numbers import Real
+from pathlib import Path
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -80,3 +82,321 @@ def flag_type(check: Callable[[str, object], object], parse: type) -> Callable[[
 positive_int_flag = flag_type(check_positive_int, int)
 seed_flag = flag_type(lambda _name, value: check_seed(value), int)
 positive_number_flag = flag_type(check_positive_float, float)
+
+
+# --------------------------------------------------------------------------- #
+# Numbers, strings and sequences
+# --------------------------------------------------------------------------- #
+
+
+def _given(value: object) -> str:
+    """How an error shows what it was given: the type, and the value when it is short."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return text if value is None or isinstance(value, (bool, int, float, str)) else (
+        f"{type(value).__name__} {text}"
+    )
+
+
+def check_finite_float(
+    name: str, value: object, *, minimum: float | None = None, below: float | None = None
+) -> float:
+    """Return ``value`` as a float if it is a finite real number in ``[minimum, below)``.
+
+    Otherwise a ValueError naming ``name``, the accepted range and what was given:
+    None, a bool, a string, nan or inf are refused (nan would pass every comparison
+    test written the other way round, since it compares false with everything).
+    """
+    ok = not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value)
+    ok = ok and (minimum is None or value >= minimum) and (below is None or value < below)
+    if not ok:
+        bounds = [f">= {minimum:g}" if minimum is not None else "",
+                  f"below {below:g}" if below is not None else ""]
+        span = " and ".join(b for b in bounds if b)
+        raise ValueError(
+            f"{name} must be a finite number{' ' + span if span else ''}, got {_given(value)}"
+        )
+    return float(value)
+
+
+def check_str_list(name: str, value: object, *, fix: str = "") -> list[str]:
+    """Return ``value`` as a list of strings; a lone string, None or non-strings are refused.
+
+    A lone string would otherwise be iterated letter by letter (``legend="loss"``
+    becoming four lines called l, o, s and s).
+    """
+    hint = f" {fix}" if fix else ""
+    if isinstance(value, str):
+        raise TypeError(
+            f"{name} must be a list of strings, got the single string {value!r}: "
+            f"wrap it in a list, e.g. [{value!r}].{hint}"
+        )
+    try:
+        items = list(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{name} must be a list of strings, got {_given(value)}.{hint}") from None
+    wrong = [item for item in items if not isinstance(item, str)]
+    if wrong:
+        raise TypeError(f"{name} must hold strings only, got {_given(wrong[0])} among them.{hint}")
+    return items
+
+
+def check_sequence(name: str, value: object, *, of: str, allow_empty: bool = False) -> list:
+    """Return ``value`` as a list if it is a list, tuple or other non-string iterable.
+
+    ``of`` says what the items should be (for the message). None, a string or a
+    non-iterable is a TypeError; an empty one a ValueError unless ``allow_empty``.
+    """
+    if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a list of {of}, got {_given(value)}")
+    items = list(value)  # type: ignore[call-overload]
+    if not items and not allow_empty:
+        raise ValueError(f"{name} is empty: pass at least one of {of}")
+    return items
+
+
+# --------------------------------------------------------------------------- #
+# Tensors
+# --------------------------------------------------------------------------- #
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    dtype: str | object | None = None,
+    ndim: int | None = None,
+    min_ndim: int | None = None,
+    device: object | None = None,
+    finite: bool = False,
+):
+    """Return ``value`` if it is a torch.Tensor as asked; else an error naming ``name``.
+
+    ``dtype``: a ``torch.dtype``, or ``"floating"`` / ``"integer"`` for a kind.
+    ``ndim`` / ``min_ndim``: the exact or least number of dimensions. ``device``: the
+    device it must be on. ``finite=True`` also refuses NaN and inf in it (one
+    reduction and one host read: use it on inputs, not inside a hot loop).
+    """
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {_given(value)}: pass a tensor "
+            "(torch.as_tensor converts lists and NumPy arrays)"
+        )
+    if isinstance(dtype, str):
+        floating = value.dtype.is_floating_point
+        integer = not floating and not value.dtype.is_complex and value.dtype != torch.bool
+        if (dtype == "floating" and not floating) or (dtype == "integer" and not integer):
+            kind, convert = ("a floating-point", ".float()") if dtype == "floating" else (
+                "an integer", ".long()")
+            raise TypeError(
+                f"{name} must be {kind} tensor, got {value.dtype}: convert it with {convert}"
+            )
+    elif dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {value.dtype}: convert it with .to({dtype})")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(
+            f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}"
+        )
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dimension(s) (a batch dimension first), "
+            f"got shape {tuple(value.shape)}"
+        )
+    if device is not None and value.device != torch.device(device):
+        raise ValueError(f"{name} is on {value.device}, expected {device}: move it with .to()")
+    if finite:
+        check_finite_tensors(name, [value])
+    return value
+
+
+def count_non_finite(tensors) -> tuple[int, int]:
+    """(NaN count, inf count) over ``tensors`` (floating ones; others hold neither),
+    read with one host synchronisation."""
+    import torch
+
+    floats = [t.detach() for t in tensors if isinstance(t, torch.Tensor)
+              and (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel()]
+    if not floats:
+        return 0, 0
+    counts = torch.stack([
+        torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]).to(floats[0].device)
+        for t in floats
+    ]).sum(dim=0)
+    nans, infs = counts.tolist()
+    return int(nans), int(infs)
+
+
+def check_finite_tensors(what: str, tensors, *, fix: str = "") -> None:
+    """A ValueError when ``tensors`` (an iterable of tensors) hold any NaN or inf.
+
+    ``what`` names them (``"the model's weights"``, ``"batch 3 of train_iter"``);
+    the message counts the NaNs and infs and adds ``fix``.
+    """
+    nans, infs = count_non_finite(list(tensors))
+    if nans or infs:
+        found = " and ".join(
+            f"{count} {kind}" for count, kind in ((nans, "NaN"), (infs, "inf")) if count
+        )
+        raise ValueError(f"{what} hold {found} value(s). {fix}".rstrip())
+
+
+# --------------------------------------------------------------------------- #
+# Data loaders and batches
+# --------------------------------------------------------------------------- #
+
+
+def check_loader(name: str, value: object) -> object:
+    """Return ``value`` if it can be iterated for batches and is not known to be empty.
+
+    None, a string, a tensor (iterating one gives rows, not batches) and anything
+    not iterable are a TypeError; a loader with ``len() == 0`` (e.g. a DataLoader
+    with ``drop_last=True`` over fewer examples than a batch) a ValueError.
+    """
+    import torch
+
+    fix = ("pass a DataLoader (e.g. from d2lgpu.load_data_fashion_mnist) or a list of "
+           "(X, y) batches")
+    if value is None or isinstance(value, (str, bytes, torch.Tensor)) or not hasattr(
+        value, "__iter__"
+    ):
+        raise TypeError(f"{name} must yield batches (X, y), got {_given(value)}: {fix}")
+    if hasattr(value, "__len__") and len(value) == 0:  # type: ignore[arg-type]
+        raise ValueError(
+            f"{name} is empty (length 0): it has no batches, so no examples. Check the data "
+            "set's size against the batch size (drop_last=True drops a last partial batch)"
+        )
+    return value
+
+
+def check_batch(name: str, batch: object, index: int):
+    """Return ``(X, y)`` if ``batch`` is a pair of tensors with as many labels as examples.
+
+    Called on every batch a loop reads (a few isinstance tests), so that a loader that
+    yields something else fails with its name and the batch number rather than with
+    an unpacking error from inside the loop.
+    """
+    import torch
+
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        shape = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+        raise TypeError(
+            f"batch {index} of {name} is {type(batch).__name__}{shape}: every batch must be "
+            "a pair (X, y) of an input tensor and a label tensor"
+        )
+    X, y = batch
+    if not isinstance(X, torch.Tensor) or not isinstance(y, torch.Tensor):
+        raise TypeError(
+            f"batch {index} of {name} holds ({type(X).__name__}, {type(y).__name__}): "
+            "both X and y must be tensors (a DataLoader over a Dataset of tensors makes them)"
+        )
+    if X.dim() == 0 or y.dim() == 0 or X.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"batch {index} of {name} has X of shape {tuple(X.shape)} and y of shape "
+            f"{tuple(y.shape)}: both need the batch dimension first, of one size"
+        )
+    return X, y
+
+
+def find_non_finite_batch(name: str, loader: object) -> str | None:
+    """Which batch of ``loader`` first holds NaN or inf in its inputs, as a sentence; None
+    when none does. Reads the whole loader once: for diagnosing a failed run only."""
+    for index, batch in enumerate(loader):  # type: ignore[attr-defined]
+        X = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+        nans, infs = count_non_finite([X])
+        if nans or infs:
+            return (f"batch {index} of {name} holds {nans} NaN and {infs} inf input value(s): "
+                    "the data are broken, not the training. Clean or drop those examples "
+                    "(e.g. torch.nan_to_num, or check how the data were normalised)")
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# Training losses: one check for every loop that trains
+# --------------------------------------------------------------------------- #
+
+#: A loss this many times the first one measured means the run has blown up.
+DIVERGENCE_FACTOR = 1e4
+
+
+def check_training_loss(
+    loss: float,
+    *,
+    when: str,
+    lr: float | None = None,
+    first_loss: float | None = None,
+    advice: str = "",
+) -> None:
+    """A FloatingPointError when a training loss is NaN or inf, or has blown up.
+
+    ``when`` says where (``"epoch 3"``, ``"step 12"``); ``first_loss``, when given, is the
+    loss the run started from: a finite loss above :data:`DIVERGENCE_FACTOR` times
+    it (and above 1) has diverged too, even before it overflows. The message names
+    the learning rate and ``advice`` (what else to try). Every function that
+    trains calls this on the loss it has already read, so it costs no host read.
+    Callers check the data and weights before blaming the learning rate.
+    """
+    exploded = (
+        math.isfinite(loss) and first_loss is not None and math.isfinite(first_loss)
+        and loss > max(1.0, abs(first_loss)) * DIVERGENCE_FACTOR
+    )
+    if math.isfinite(loss) and not exploded:
+        return
+    what = (f"grew to {loss:.3g} from {first_loss:.3g}" if exploded else f"became {loss}")
+    smaller = f"Try a smaller lr (this run: {lr:g})" if lr is not None else "Try a smaller lr"
+    tail = f", {advice}" if advice else ""
+    raise FloatingPointError(
+        f"the training loss {what} in {when}: training diverged. {smaller}{tail}."
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Paths
+# --------------------------------------------------------------------------- #
+
+_PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
+
+
+def check_writable_path(name: str, value: object, *, kind: str = "file") -> Path:
+    """Return ``value`` as a Path where a ``kind`` ("file" or "directory") can be written.
+
+    Checked before any work is done: None or a non-path, a location under /proc,
+    /sys or /dev, a parent that is a regular file, an existing directory given for a
+    file (or a file for a directory), and a nearest existing parent that this
+    process cannot write into. Nothing is created.
+    """
+    if value is None or isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or pathlib.Path), got {_given(value)}")
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{name} is an empty string: pass a path")
+    path = Path(value).expanduser()
+    absolute = path.absolute()
+    for root in _PSEUDO_FILESYSTEMS:
+        if absolute == Path(root) or Path(root) in absolute.parents:
+            raise ValueError(
+                f"{name}={str(value)!r} is under {root}, a system file system that holds no "
+                "ordinary files: choose a path in your home, working or temporary directory"
+            )
+    if path.exists():
+        if kind == "file" and path.is_dir():
+            raise ValueError(f"{name}={str(value)!r} is a directory: name a file in it")
+        if kind == "directory" and not path.is_dir():
+            raise ValueError(f"{name}={str(value)!r} is a file, not a directory: "
+                             "name a directory (it is created when missing)")
+    existing = absolute if path.exists() else absolute.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir() and existing != absolute:
+        raise ValueError(
+            f"{name}={str(value)!r} cannot be created: {existing} is a regular file, not a "
+            "directory. Choose another path, or move that file away"
+        )
+    target = absolute if path.exists() else existing
+    if not os.access(target, os.W_OK):
+        raise PermissionError(
+            f"{name}={str(value)!r} cannot be written: {target} is not writable by this "
+            "user. Choose a path in a directory you can write to"
+        )
+    return path

@@ -8,8 +8,11 @@ so the same call works offline with pre-fetched files and online without them.
 The four raw files are checked before they are read: their size (a truncated download
 says so) and, once per file, their MD5 against the official files; a stamp in the user
 cache (never next to the data, which may be read-only or shared) records a file that
-passed, keyed by its path, size and modification time. Hashing all four takes a
-fraction of a second.
+passed, keyed by its path, size, modification time, inode and status-change time
+(``ctime``, which the system sets on every write and no program can set back, so a
+file rewritten in place with its old modification time restored is hashed again).
+Hashing all four takes about a third of a second on a 2-core machine. A file that
+is another of the four under the wrong name is named as such.
 
 Quick mode (``D2LGPU_QUICK=1``) replaces both splits by a small subset with the same
 number of images of every class, chosen without randomness (the first images of each
@@ -27,7 +30,12 @@ from pathlib import Path
 import torch
 from torch.utils import data
 
-from d2lgpu.checks import check_bool, check_positive_int
+from d2lgpu.checks import (
+    check_bool,
+    check_positive_int,
+    check_seed,
+    check_writable_path,
+)
 from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode
 
 __all__ = [
@@ -76,6 +84,11 @@ def get_fashion_mnist_labels(labels: torch.Tensor | list[int] | int) -> list[str
         raise TypeError(
             f"labels must be class numbers, not the string {labels!r}: pass ints, e.g. [1, 2]"
         )
+    elif labels is None or not (isinstance(labels, int) or hasattr(labels, "__iter__")):
+        raise TypeError(
+            f"labels must be class numbers (an int, a list of ints or an integer tensor), "
+            f"got {type(labels).__name__} {labels!r}"
+        )
     else:
         items = [labels] if isinstance(labels, int) else list(labels)
         numbers = []
@@ -90,7 +103,7 @@ def get_fashion_mnist_labels(labels: torch.Tensor | list[int] | int) -> list[str
                 ) from None
     wrong = [n for n in numbers if not 0 <= n < _NUM_CLASSES]
     if wrong:
-        raise ValueError(f"class numbers run from 0 to 9, got {wrong[:5]}")
+        raise ValueError(f"labels are class numbers from 0 to 9, got {wrong[:5]}")
     return [FASHION_MNIST_LABELS[n] for n in numbers]
 
 
@@ -117,13 +130,48 @@ def _md5_of_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_fashion_mnist_file(path: Path) -> None:
+def _looks_like(path: Path, stat_size: int, md5: str | None = None) -> str | None:
+    """The name of the official file that ``path`` is (by size, then MD5), other than its own."""
+    for name, (size, official) in FASHION_MNIST_FILES.items():
+        if name != path.name and size == stat_size:
+            if (md5 or _md5_of_file(path)) == official:
+                return name
+    return None
+
+
+def _misnamed(path: Path, other: str, fix: str) -> RuntimeError:
+    return RuntimeError(
+        f"{path} is not {path.name}: it is the official {other} (same size and MD5) "
+        f"under the wrong name. Put the right file there. {fix}"
+    )
+
+
+def _stamp_key(path: Path, stat: os.stat_result, md5: str) -> str:
+    """What a stamp vouches for: the file's identity and every time the system keeps.
+
+    ``st_ctime_ns`` changes on every write and cannot be set back by ``os.utime``
+    (which only sets access and modification times), and ``st_ino`` changes when a
+    file is replaced by a copy, so content changed behind a restored mtime shows."""
+    return (f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|"
+            f"{stat.st_dev}:{stat.st_ino}|{md5}")
+
+
+def verify_fashion_mnist_file(path: str | Path) -> None:
     """Check one raw Fashion-MNIST file's size, and once its MD5; a clear error if it is off.
 
-    After a file passed, a stamp named after its resolved path, size, modification time
-    and expected MD5 is kept in the user cache, so it is not hashed again until it changes.
+    After a file passed, a stamp named after its resolved path, size, modification and
+    status-change times, inode and expected MD5 is kept in the user cache, so it is
+    not hashed again until it changes. A file that is one of the other three official
+    files under this one's name is reported as that file.
     """
+    if path is None or isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a path to a raw Fashion-MNIST file, got {path!r}")
     path = Path(path)
+    if path.name not in FASHION_MNIST_FILES:
+        raise ValueError(
+            f"{path.name!r} is not one of the raw Fashion-MNIST files "
+            f"({', '.join(FASHION_MNIST_FILES)}): pass the path of one of them"
+        )
     size, md5 = FASHION_MNIST_FILES[path.name]
     fix = (
         "Delete it and run again to download it afresh, or copy the official file there "
@@ -132,6 +180,8 @@ def verify_fashion_mnist_file(path: Path) -> None:
     stat = path.stat()
     if stat.st_size == 0:
         raise RuntimeError(f"{path} is empty (0 of {size} bytes). {fix}")
+    if stat.st_size != size and (other := _looks_like(path, stat.st_size)) is not None:
+        raise _misnamed(path, other, fix)
     if stat.st_size < size:
         raise RuntimeError(
             f"{path} is truncated ({stat.st_size} of {size} bytes): an interrupted download "
@@ -141,11 +191,13 @@ def verify_fashion_mnist_file(path: Path) -> None:
         raise RuntimeError(
             f"{path} is corrupt: it has {stat.st_size} bytes, the official file {size}. {fix}"
         )
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{md5}"
+    key = _stamp_key(path, stat, md5)
     stamp = _stamp_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
     if stamp.exists():
         return
     actual = _md5_of_file(path)
+    if actual != md5 and (other := _looks_like(path, stat.st_size, actual)) is not None:
+        raise _misnamed(path, other, fix)
     if actual != md5:
         raise RuntimeError(
             f"{path} is corrupt: its MD5 is {actual}, the official file's is {md5} (the size "
@@ -160,6 +212,15 @@ def verify_fashion_mnist_file(path: Path) -> None:
 
 def _check_writable(raw: Path, missing: list[str]) -> None:
     """Before a download: fail with the real cause when ``raw`` cannot be written."""
+    try:
+        check_writable_path("the data directory", raw, kind="directory")
+    except (ValueError, PermissionError) as err:
+        raise RuntimeError(
+            f"Fashion-MNIST is not under {raw} (missing: {', '.join(missing)}), and it cannot "
+            f"be downloaded there: {err}. Set {DATA_ENV} (or pass root=) to a writable "
+            "directory, or copy the four raw files (train-images-idx3-ubyte, ...) into "
+            f"{raw}."
+        ) from None
     existing = raw
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -177,7 +238,17 @@ def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None)
     missing and cannot be downloaded, or damaged."""
     import torchvision
 
+    if root is not None and (isinstance(root, bool) or not isinstance(root, (str, os.PathLike))):
+        raise TypeError(
+            f"root must be a directory path (str or pathlib.Path) or None for "
+            f"{DATA_ENV} / the user cache, got {type(root).__name__} {root!r}"
+        )
     root = Path(root).expanduser() if root is not None else data_root()
+    if root.exists() and not root.is_dir():
+        raise ValueError(
+            f"the data root {root} is a file, not a directory: pass (or set {DATA_ENV} to) "
+            "the directory that holds FashionMNIST/raw/"
+        )
     raw = root / "FashionMNIST" / "raw"
     # torchvision downloads all four files unless all four are there.
     missing = [name for name in FASHION_MNIST_FILES if not (raw / name).exists()]
@@ -226,6 +297,7 @@ def default_num_workers(quick: bool | None = None) -> int:
     with the GPUs. CPU only: the model already uses every core, so 2 workers, and 0
     on a machine with 2 cores or fewer. Never more than the cores this process may use.
     """
+    check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
     quick = quick_mode() if quick is None else quick
     cores = _usable_cores()
     if quick:
@@ -255,6 +327,10 @@ def load_data_fashion_mnist(
     check_positive_int("batch_size", batch_size)
     check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
     if resize is not None:
+        if not isinstance(resize, (int, tuple, list)):
+            raise ValueError(
+                f"resize must be a positive int or a pair of them (or None), got {resize!r}"
+            )
         sizes = (resize,) if isinstance(resize, int) else tuple(resize)
         if not 1 <= len(sizes) <= 2 or any(
             isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
@@ -262,7 +338,9 @@ def load_data_fashion_mnist(
             raise ValueError(
                 f"resize must be a positive int or a pair of them (or None), got {resize!r}"
             )
-    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 0):
+    if num_workers is not None and (
+        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+    ):
         raise ValueError(f"num_workers must be an int >= 0 or None, got {num_workers!r}")
     quick = quick_mode() if quick is None else quick
     workers = default_num_workers(quick) if num_workers is None else num_workers
@@ -324,7 +402,10 @@ def synthetic_regression(
     """
     check_positive_int("num_examples", num_examples)
     check_positive_int("num_features", num_features)
-    if not (math.isfinite(noise) and noise >= 0):
+    check_seed(seed)
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not (
+        math.isfinite(noise) and noise >= 0
+    ):
         raise ValueError(
             f"noise is a standard deviation and must be a finite number >= 0, got {noise!r}"
         )

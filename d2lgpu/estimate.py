@@ -16,8 +16,12 @@ of their own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
+from numbers import Real
 from time import perf_counter
+
+from d2lgpu.checks import check_positive_int
 
 __all__ = [
     "MIN_SECONDS_TO_ANNOUNCE",
@@ -39,8 +43,7 @@ MIN_SECONDS_TO_ANNOUNCE = 30.0
 
 def format_duration(seconds: float) -> str:
     """A rounded, readable duration: ``"8 s"``, ``"4 min"``, ``"2.5 h"``."""
-    if seconds != seconds or seconds < 0:  # NaN or negative: a bug in the caller
-        raise ValueError(f"a duration must be a number >= 0, got {seconds!r}")
+    seconds = _check_seconds("seconds", seconds)
     if seconds < 1:
         return "under a second"
     if seconds < 90:
@@ -50,8 +53,37 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _check_seconds(name: str, seconds: object) -> float:
+    """``seconds`` as a float if it is a number of seconds (finite, >= 0), else a clear error.
+
+    Each wrong kind gets its own words: NaN is not "negative", and inf is not a duration.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(seconds).__name__} "
+                        f"{seconds!r}")
+    if math.isnan(seconds):
+        raise ValueError(f"{name} is NaN (not a number): the time it was computed from is "
+                         "missing or broken, e.g. 0/0 from a run with no steps")
+    if math.isinf(seconds):
+        raise ValueError(f"{name} is infinite ({seconds}): a rate of zero steps per second, "
+                         "or a clock that did not move, went into it")
+    if seconds < 0:
+        raise ValueError(f"{name} must be a number >= 0, got {seconds!r}: a negative time "
+                         "comes from subtracting clock readings the wrong way round")
+    return float(seconds)
+
+
+def _check_text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+    return value
+
+
 def estimate_message(what: str, seconds: float, basis: str) -> str:
     """The one line an estimate prints: ``"<what>: about <duration> on this machine (<basis>)"``."""
+    _check_text("what", what)
+    _check_text("basis", basis)
+    seconds = _check_seconds("seconds", seconds)
     about = "about " if seconds >= 1 else ""  # never "about under a second"
     return f"{what}: {about}{format_duration(seconds)} on this machine ({basis})"
 
@@ -65,6 +97,10 @@ def announce(
     out: Callable[[str], object] = print,
 ) -> bool:
     """Print :func:`estimate_message` when ``seconds >= min_seconds``; return whether it did."""
+    seconds = _check_seconds("seconds", seconds)
+    _check_seconds("min_seconds", min_seconds)
+    if not callable(out):
+        raise TypeError(f"out must be a function such as print, got {type(out).__name__}")
     if seconds < min_seconds:
         return False
     out(estimate_message(what, seconds, basis))
@@ -97,10 +133,20 @@ class StepEstimate:
         clock: Callable[[], float] | None = None,
         out: Callable[[str], object] = print,
     ) -> None:
-        if sample < 1 or skip < 0:
-            raise ValueError(f"need sample >= 1 and skip >= 0, got sample={sample}, skip={skip}")
-        if total_steps is not None and total_steps < 0:
-            raise ValueError(f"total_steps must be >= 0 or None, got {total_steps}")
+        _check_text("what", what)
+        _check_text("unit", unit)
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
+            raise ValueError(f"need sample >= 1 (an int), got {sample!r}")
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"skip must be an int >= 0, got {skip!r}")
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0
+        ):
+            raise ValueError(f"total_steps must be an int >= 0 or None, got {total_steps!r}")
+        _check_seconds("min_seconds", min_seconds)
+        for name, fn in (("sync", sync), ("clock", clock), ("out", out)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
         self.what = what
         self.total_steps = total_steps
         self.unit = unit
@@ -144,6 +190,27 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
     A loader without a length gives an estimate that stays silent. On a CUDA
     device the two clock readings synchronise, so they time finished steps.
     """
+    check_positive_int("num_epochs", num_epochs)
+    if isinstance(device, str):
+        import torch
+
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device {device!r} is not a device: use e.g. 'cpu' or "
+                             "'cuda:0'") from None
+    if device is not None and not hasattr(device, "type"):
+        raise TypeError(
+            f"device must be the device the run trains on (a torch.device or a string such "
+            f"as 'cuda:0'), got {type(device).__name__} {device!r}"
+        )
+    if train_iter is None or isinstance(train_iter, (str, bytes)) or not hasattr(
+        train_iter, "__iter__"
+    ):
+        raise TypeError(
+            f"train_iter must be the loader the run reads (e.g. a DataLoader), got "
+            f"{type(train_iter).__name__}"
+        )
     batches = len(train_iter) if hasattr(train_iter, "__len__") else None
     total = None if batches is None else batches * num_epochs
     sync = None

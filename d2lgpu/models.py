@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_bool, check_positive_int
 
 __all__ = ["MLPBlock", "Residual", "resnet18", "residual_mlp", "small_cnn"]
 
@@ -37,6 +37,7 @@ class Residual(nn.Module):
     ) -> None:
         super().__init__()
         _check_positive(in_channels=in_channels, out_channels=out_channels, strides=strides)
+        check_bool("use_1x1conv", use_1x1conv)
         if not use_1x1conv and (in_channels != out_channels or strides != 1):
             raise ValueError(
                 f"an identity shortcut cannot map {in_channels} channels at stride {strides} "

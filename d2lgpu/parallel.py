@@ -24,6 +24,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from d2lgpu.checks import (
+    check_positive_float,
+    check_sequence,
+    check_tensor,
+    check_training_loss,
+)
 from d2lgpu.report import require_cuda_device
 
 __all__ = [
@@ -56,12 +62,9 @@ def split_batch(
     different numbers of examples, and for fewer examples than devices (a
     device with an empty shard would have nothing to compute a gradient from).
     """
-    devices = [require_cuda_device(d, "split_batch") for d in devices]
-    if not devices:
-        raise ValueError(
-            "split_batch needs at least one device; pass e.g. d2lgpu.try_all_gpus(), "
-            "or [torch.device('cpu')] * 2 to simulate two devices on the CPU"
-        )
+    check_tensor("X", X)
+    check_tensor("y", y)
+    devices = [require_cuda_device(_device(d), "split_batch") for d in _devices(devices)]
     if X.dim() == 0 or y.dim() == 0:
         raise ValueError(
             f"X and y must have a batch dimension first; got shapes {tuple(X.shape)} "
@@ -100,8 +103,15 @@ def allreduce(tensors: Sequence[torch.Tensor]) -> None:
     Raises ``ValueError`` for an empty list, or for tensors whose shapes or
     dtypes differ (summing those would broadcast or round silently).
     """
-    if len(tensors) == 0:
-        raise ValueError("allreduce needs at least one tensor; got an empty list")
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError(
+            "allreduce takes a list of tensors, one per device, got one tensor: "
+            "pass e.g. [p.grad for p in params_of_each_replica]"
+        )
+    try:
+        tensors = check_sequence("tensors", tensors, of="tensors, one per device")
+    except ValueError:
+        raise ValueError("allreduce needs at least one tensor; got an empty list") from None
     first = tensors[0]
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -132,7 +142,10 @@ def replicate_params(
     The copies never share memory with the originals, even on the same device,
     so replicas on ``[cpu, cpu]`` behave like replicas on two GPUs.
     """
-    device = require_cuda_device(device, "replicate_params")
+    params = check_sequence("params", params, of="parameter tensors")
+    for i, p in enumerate(params):
+        check_tensor(f"params[{i}]", p)
+    device = require_cuda_device(_device(device), "replicate_params")
     return [p.detach().to(device, copy=True).requires_grad_(True) for p in params]
 
 
@@ -149,6 +162,11 @@ def max_abs_difference(
     values", and ``result < tolerance`` is False as it should be. Empty tensors are
     an error, because there is nothing in them to compare.
     """
+    tensors_a = check_sequence("tensors_a", tensors_a, of="tensors", allow_empty=True)
+    tensors_b = check_sequence("tensors_b", tensors_b, of="tensors", allow_empty=True)
+    for name, tensors in (("tensors_a", tensors_a), ("tensors_b", tensors_b)):
+        for i, t in enumerate(tensors):
+            check_tensor(f"{name}[{i}]", t)
     if len(tensors_a) != len(tensors_b):
         raise ValueError(f"the lists hold {len(tensors_a)} and {len(tensors_b)} tensors")
     if len(tensors_a) == 0:
@@ -169,6 +187,34 @@ def max_abs_difference(
             return math.inf
         worst = max(worst, gap)
     return worst
+
+
+def _device(device: object) -> torch.device:
+    """``device`` as a torch.device, or a TypeError that says what a device is."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        return torch.device(device)
+    raise TypeError(
+        f"a device must be a torch.device or a string such as 'cpu' or 'cuda:0', got "
+        f"{type(device).__name__} {device!r}"
+    )
+
+
+def _devices(devices: object) -> list[torch.device]:
+    """A non-empty list of devices, with the fix when it is not one."""
+    if isinstance(devices, (torch.device, str)):
+        raise TypeError(
+            f"devices must be a list of devices, got the single device {devices!r}: "
+            f"wrap it in a list, e.g. [{devices!r}]"
+        )
+    try:
+        return [_device(d) for d in check_sequence("devices", devices, of="devices")]
+    except ValueError:
+        raise ValueError(
+            "split_batch needs at least one device; pass e.g. d2lgpu.try_all_gpus(), "
+            "or [torch.device('cpu')] * 2 to simulate two devices on the CPU"
+        ) from None
 
 
 def _per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -198,15 +244,46 @@ def data_parallel_step(
 
     ``loss_fn(outputs, y)`` must return one loss per example (default: cross
     entropy with ``reduction="none"``). Returns the mean loss over the batch.
+
+    Before the update is applied, one host read checks what a training loop checks
+    (:func:`d2lgpu.checks.check_training_loss`): the replicas still agree, the inputs
+    and loss are finite (NaN in ``X`` is blamed on the data, not on ``lr``), and the
+    update is not absurdly large (more than :data:`MAX_UPDATE_RATIO` times the
+    size of the weights, plus one). On an error no replica has been changed.
     """
-    if len(replicas) == 0:
-        raise ValueError("data_parallel_step needs at least one replica; see replicate_params")
+    if not callable(forward):
+        raise TypeError(
+            f"forward must be a function forward(X, params) -> outputs, got "
+            f"{type(forward).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
+    lr = check_positive_float("lr", lr)
+    if isinstance(replicas, torch.Tensor):
+        raise TypeError("replicas must be a list of parameter lists (one per device), got a tensor")
+    try:
+        replicas = check_sequence("replicas", replicas, of="parameter lists (one per device)")
+        replicas = [
+            check_sequence(f"replicas[{d}]", r, of="parameter tensors") for d, r in
+            enumerate(replicas)
+        ]
+    except ValueError:
+        raise ValueError("data_parallel_step needs at least one replica with parameters; "
+                         "see replicate_params") from None
     num_params = len(replicas[0])
-    if num_params == 0 or any(len(r) != num_params for r in replicas):
+    if any(len(r) != num_params for r in replicas):
         raise ValueError(
             "every replica must hold the same, non-empty list of parameters; "
             f"got lengths {[len(r) for r in replicas]}"
         )
+    for d, params in enumerate(replicas):
+        for i, p in enumerate(params):
+            check_tensor(f"replicas[{d}][{i}]", p)
+            if not p.requires_grad:
+                raise ValueError(
+                    f"replicas[{d}][{i}] does not require grad: make replicas with "
+                    "d2lgpu.replicate_params(params, device)"
+                )
     devices = [r[0].device for r in replicas]
     X_shards, y_shards = split_batch(X, y, devices)
     batch_size = X.shape[0]
@@ -228,13 +305,89 @@ def data_parallel_step(
     for i in range(num_params):
         allreduce([params[i].grad for params in replicas])
 
+    # One host synchronisation, after all the work is queued: the loss, and what the
+    # checks need, before any replica changes.
+    loss = sum(loss.to(devices[0]) for loss in shard_losses)
+    health = _step_health(replicas, X, lr, devices[0])
+    value, bad_inputs, replica_gap, update, size = torch.stack([loss.float(), *health]).tolist()
+    try:
+        _check_step(value, bad_inputs, replica_gap, update, size, lr)
+    except (ValueError, FloatingPointError):
+        for params in replicas:  # as after a step: no gradient is left to add up with the next
+            for p in params:
+                p.grad = None
+        raise
     with torch.no_grad():
         for params in replicas:
             for p in params:
                 p -= lr * p.grad
                 p.grad = None
-    # One host synchronisation for the reported loss, after all the work is queued.
-    return sum(loss.to(devices[0]) for loss in shard_losses).item()
+    return value
+
+
+#: A step that would move the weights by more than this times their size (plus one) has
+#: diverged: SGD that learns moves them by a small fraction of it.
+MAX_UPDATE_RATIO = 1e3
+
+
+def _step_health(
+    replicas: Sequence[Sequence[torch.Tensor]], X: torch.Tensor, lr: float, device: torch.device
+) -> list[torch.Tensor]:
+    """On ``device``, without a host read: NaN/inf count in ``X``, the largest gap between
+    replica 0 and the others, and the norms of the update and of the weights."""
+    with torch.no_grad():
+        first = replicas[0]
+        if X.dtype.is_floating_point:
+            bad_inputs = (~torch.isfinite(X)).sum().float().to(device)
+        else:
+            bad_inputs = torch.zeros((), device=device)
+        gaps = [
+            (p.detach().to(device) - q.detach().to(device)).abs().max()
+            for other in replicas[1:] for p, q in zip(first, other, strict=True) if p.numel()
+        ]
+        replica_gap = torch.stack(gaps).max().float() if gaps else torch.zeros((), device=device)
+        update = lr * torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in first])
+        ).to(device)
+        size = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.detach().float()) for p in first])
+        ).to(device)
+    return [bad_inputs, replica_gap, update, size]
+
+
+def _check_step(
+    loss: float, bad_inputs: float, replica_gap: float, update: float, size: float, lr: float
+) -> None:
+    if not math.isfinite(size):
+        raise ValueError(
+            "the parameters of replica 0 hold NaN or inf: an earlier step diverged, or they "
+            "were made from broken weights. Start again from fresh parameters (with a "
+            "smaller lr if a step diverged)"
+        )
+    if not replica_gap <= 1e-6 * (size + 1):  # nan too
+        raise ValueError(
+            f"the replicas hold different values (largest gap {replica_gap:.3g}): every "
+            "replica must start equal. Make them with d2lgpu.replicate_params from one set "
+            "of parameters, and update them only through data_parallel_step"
+        )
+    if bad_inputs:
+        raise ValueError(
+            f"X holds {int(bad_inputs)} NaN or inf value(s): the data are broken, not the "
+            "training. Clean or drop those examples (e.g. torch.nan_to_num)"
+        )
+    if math.isfinite(loss) and math.isfinite(size) and not math.isfinite(update):
+        raise FloatingPointError(
+            f"the gradients hold NaN or inf at lr {lr:g} with a finite loss: the step was not "
+            "applied. Try a smaller lr, or check forward for operations that overflow"
+        )
+    check_training_loss(loss, when="this step", lr=lr,
+                        advice="(the step was not applied: the replicas are unchanged)")
+    if update > MAX_UPDATE_RATIO * (size + 1):
+        raise FloatingPointError(
+            f"this step would move the weights by {update:.3g}, {update / (size + 1):.3g} "
+            f"times their size ({size:.3g}) plus one: training diverges at lr {lr:g}. Try a "
+            "smaller lr (the step was not applied: the replicas are unchanged)"
+        )
 
 
 def nn_parallel_on_devices(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from d2lgpu.checks import check_finite_float, check_sequence, check_str_list
+
 if TYPE_CHECKING:
     from d2lgpu.precision import SweepRow
 
@@ -43,9 +45,12 @@ class LivePlot:
         title: str | None = None,
         figsize: tuple[float, float] = (5.0, 3.2),
     ) -> None:
-        if not legend:
+        _check_labels(xlabel=xlabel, ylabel=ylabel, title=title)
+        self.legend = check_str_list("legend", legend, fix="One name per line.")
+        if not self.legend:
             raise ValueError("legend must name at least one line")
-        self.legend = list(legend)
+        for name, value in (("xlim", xlim), ("ylim", ylim), ("figsize", figsize)):
+            _check_pair(name, value, allow_none=name != "figsize")
         self.xs: list[float] = []
         self.ys: list[list[float]] = [[] for _ in self.legend]
         import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
@@ -56,6 +61,8 @@ class LivePlot:
 
     def add(self, x: float, values: Sequence[float]) -> None:
         """Append one point to every line and redraw."""
+        check_finite_float("x", x)
+        values = check_sequence("values", values, of="numbers, one per line", allow_empty=True)
         if len(values) != len(self.legend):
             raise ValueError(f"got {len(values)} values for {len(self.legend)} lines {self.legend}")
         self.xs.append(x)
@@ -86,6 +93,30 @@ class LivePlot:
         import matplotlib.pyplot as plt
 
         plt.close(self.fig)
+
+
+def _check_labels(**labels: object) -> None:
+    """Axis labels and titles are text (or None): anything else would be drawn as its repr."""
+    for name, value in labels.items():
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string (or None), got {type(value).__name__} "
+                            f"{value!r}")
+
+
+def _check_ax(ax: object) -> None:
+    if ax is not None and not hasattr(ax, "plot"):
+        raise TypeError(f"ax must be a matplotlib Axes (e.g. from plt.subplots()) or None, got "
+                        f"{type(ax).__name__}")
+
+
+def _check_pair(name: str, value: object, *, allow_none: bool) -> None:
+    """Axis limits and figure sizes are two finite numbers: (low, high) or (width, height)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        raise TypeError(f"{name} must be a pair of numbers such as (0, 1), got {value!r}")
+    for item in value:
+        check_finite_float(f"each number in {name}", item)
 
 
 def _marker_size(points: int) -> float:
@@ -126,7 +157,12 @@ def plot_lines(
 
     Returns the axes; pass ``ax`` to draw into an existing one (e.g. a subplot).
     """
-    ys_list = list(ys)
+    _check_labels(xlabel=xlabel, ylabel=ylabel, title=title)
+    _check_ax(ax)
+    x = check_sequence("x", x, of="numbers")
+    ys_list = check_sequence("ys", ys, of="numbers (one line) or lists of numbers")
+    if legend is not None:
+        legend = check_str_list("legend", legend, fix="One name per line.")
     if ys_list and not isinstance(ys_list[0], (Sequence,)) and not hasattr(ys_list[0], "__len__"):
         ys_list = [ys_list]
     for y in ys_list:
@@ -149,6 +185,13 @@ def plot_lines(
 
 def plot_history(history, ax=None, title: str | None = None):
     """Train loss, train accuracy and test accuracy per epoch of a :class:`d2lgpu.History`."""
+    if not all(hasattr(history, f) for f in ("train_loss", "train_acc", "test_acc", "device")):
+        raise TypeError(
+            f"history must be the d2lgpu.History that d2lgpu.train returns, got "
+            f"{type(history).__name__}"
+        )
+    _check_labels(title=title)
+    _check_ax(ax)
     if not history.train_loss:
         raise ValueError("the history has no epochs to plot")
     epochs = list(range(1, len(history.train_loss) + 1))
@@ -171,8 +214,19 @@ def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
     peak statistic) there is no memory panel at all, and the time panel's title
     says that memory is measured on CUDA GPUs only. Returns the figure.
     """
+    _check_labels(title=title)
+    rows = check_sequence("rows", rows, of="SweepRow (from d2lgpu.precision_sweep)",
+                          allow_empty=True)
     if not rows:
         raise ValueError("no sweep rows to plot: run d2lgpu.precision_sweep first")
+    wrong = [r for r in rows if not all(
+        hasattr(r, f) for f in ("mode", "ok", "batch_size", "median_seconds", "peak_memory_bytes")
+    )]
+    if wrong:
+        raise TypeError(
+            f"rows must be the SweepRows that d2lgpu.precision_sweep returns, got "
+            f"{type(wrong[0]).__name__}"
+        )
     import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
 
     with_memory = any(r.ok and r.peak_memory_bytes is not None for r in rows)

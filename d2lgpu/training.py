@@ -32,7 +32,18 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from d2lgpu.checks import check_positive_int, check_seed
+from d2lgpu.checks import (
+    check_batch,
+    check_bool,
+    check_finite_float,
+    check_finite_tensors,
+    check_loader,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    check_training_loss,
+    find_non_finite_batch,
+)
 from d2lgpu.devices import as_device, num_gpus, try_all_gpus, try_gpu
 from d2lgpu.estimate import training_estimate
 from d2lgpu.fast import DeviceLoader, Techniques, as_device_loader, compile_model, make_sgd
@@ -78,6 +89,7 @@ def init_weights(net: nn.Module) -> None:
     running statistics cleared), then conv and linear weights get Xavier-uniform, as
     in d2l's training loops, and their biases zero. Nothing from an earlier run survives.
     """
+    check_module("net", net)
     for module in net.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -135,6 +147,11 @@ def resolve_devices(
         return try_all_gpus()
     if isinstance(devices, (str, torch.device, int)):
         devices = [devices]
+    if not isinstance(devices, (list, tuple)):
+        raise TypeError(
+            f"devices must be None (all GPUs, or the CPU), one device such as 'cuda:0', or a "
+            f"list of them, got {type(devices).__name__} {devices!r}"
+        )
     for d in devices:
         # torch reads an int as a GPU index; here it is more often a count or a typo.
         if isinstance(d, int):
@@ -195,7 +212,10 @@ def evaluate_accuracy(
     puts the model back in the mode it was in. ``device=None`` means where the model's
     parameters are. ``policy`` runs the forward pass under its autocast.
     """
-    device = _model_device(net) if device is None else torch.device(device)
+    check_module("net", net)
+    check_loader("data_iter", data_iter)
+    device = _model_device(net) if device is None else _one_device("device", device)
+    _check_policy(policy, none_ok=True)
     policy = policy or PrecisionPolicy(device.type, None, False)
     was_training = net.training
     net.eval()
@@ -203,7 +223,8 @@ def evaluate_accuracy(
     total = 0
     try:
         with torch.no_grad():
-            for X, y in data_iter:
+            for index, batch in enumerate(data_iter):
+                X, y = check_batch("data_iter", batch, index)
                 X = X.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)
                 with policy.autocast():
@@ -239,12 +260,26 @@ def train_epoch(
     ``scheduler`` is stepped after every batch; ``on_batch()`` is called after every
     batch (progress bars). Each step is a ``train_step`` range in profiler traces.
     """
+    check_module("net", net)
+    check_loader("train_iter", train_iter)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a loss such as nn.CrossEntropyLoss(), got "
+                        f"{type(loss_fn).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer over net's parameters, "
+                        f"got {type(optimizer).__name__}")
+    device = _one_device("device", device)
+    _check_policy(policy, none_ok=False)
+    if not (hasattr(scaler, "scale") and hasattr(scaler, "step")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (policy.make_scaler()), got "
+                        f"{type(scaler).__name__}")
     net.train()
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     loss_read, correct_read = 0.0, 0  # the per-step host copies when not no_sync
     count = 0
-    for X, y in train_iter:
+    for index, batch in enumerate(train_iter):
+        X, y = check_batch("train_iter", batch, index)
         with torch.profiler.record_function("train_step"):
             X = X.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
@@ -365,7 +400,8 @@ def run_epochs(
             techniques=techniques,
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
-        check_finite_loss(loss, epoch + 1, optimizer.defaults["lr"], policy)
+        check_finite_loss(loss, epoch + 1, optimizer.defaults["lr"], policy,
+                          first_loss=history.train_loss[0] if history.train_loss else None)
         with torch.profiler.record_function("evaluate"):
             test_acc = evaluate_accuracy(eval_model, test_iter, device, policy=policy)
         history.train_loss.append(loss)
@@ -379,38 +415,78 @@ def run_epochs(
             live.add(epoch + 1, [loss, train_acc, test_acc])
 
 
-def check_finite_loss(loss: float, epoch: int, lr: float, policy: PrecisionPolicy) -> None:
-    """Stop a run whose epoch loss is inf or NaN, saying when and what to change.
+def check_finite_loss(
+    loss: float, epoch: int, lr: float, policy: PrecisionPolicy, first_loss: float | None = None
+) -> None:
+    """Stop a run whose epoch loss is inf or NaN, or has blown up from ``first_loss``.
 
     An error, not a warning: once the loss is not a number the weights are too, and
     every further epoch is wasted. Called once per epoch on the loss that
     :func:`train_epoch` has already read, so it costs no extra host synchronisation.
+    The check itself is :func:`d2lgpu.checks.check_training_loss`, shared by every
+    function that trains; this adds the advice that fits the precision.
     """
-    if math.isfinite(loss):
-        return
     if policy.dtype == torch.float16:
         other = "or train in bf16 or fp32 (amp='bf16' or amp=False): fp16 overflows above 65504"
     else:
         other = "or ramp it up over the first epoch with warmup_epochs=1"
-    raise FloatingPointError(
-        f"the training loss became {loss} in epoch {epoch}: training diverged. Try a "
-        f"smaller lr (this run: {lr:g}), {other}."
+    check_training_loss(loss, when=f"epoch {epoch}", lr=lr, first_loss=first_loss, advice=other)
+
+
+def check_module(name: str, net: object) -> nn.Module:
+    """Return ``net`` if it is an ``nn.Module``; else a TypeError naming ``name`` and the fix."""
+    if not isinstance(net, nn.Module):
+        raise TypeError(
+            f"{name} must be a torch.nn.Module (e.g. d2lgpu.resnet18()), got "
+            f"{type(net).__name__}"
+        )
+    return net
+
+
+def _one_device(name: str, device: object) -> torch.device:
+    """One device (a torch.device or a string such as 'cuda:0'); a clear error otherwise."""
+    if device is None or isinstance(device, (list, tuple)):
+        raise TypeError(f"{name} must be one device such as 'cpu' or 'cuda:0', got {device!r}")
+    try:
+        return as_device(device)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{name}: {err}") from None
+
+
+def _check_policy(policy: object, *, none_ok: bool) -> None:
+    if (policy is None and none_ok) or isinstance(policy, PrecisionPolicy):
+        return
+    raise TypeError(
+        f"policy must be a d2lgpu.PrecisionPolicy (from d2lgpu.precision_policy(device, amp))"
+        f"{' or None' if none_ok else ''}, got {type(policy).__name__}"
     )
+
+
+def _blame_the_data(error: FloatingPointError, train_iter: Iterable) -> None:
+    """After a non-finite loss: raise the data's fault instead when a batch of
+    ``train_iter`` holds NaN or inf (the learning rate is not the cause then)."""
+    try:
+        found = find_non_finite_batch("train_iter", train_iter)
+    except Exception:  # a one-shot iterator or a loader that fails the second time
+        return
+    if found is not None:
+        raise ValueError(found) from error
 
 
 def check_hyperparameters(
     num_epochs: int, lr: float, weight_decay: float, momentum: float, warmup_epochs: float
 ) -> None:
-    """Reject training hyperparameters that cannot be meant, with the accepted range."""
-    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-        raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
-    if not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be at least 0 and below 1, got {momentum!r}")
-    if not 0 <= warmup_epochs <= num_epochs:
+    """Reject training hyperparameters that cannot be meant, with the accepted range.
+
+    An absurd but finite ``lr`` (say 1e6) is left to the divergence check of
+    :func:`check_finite_loss`: what is too large depends on the model.
+    """
+    check_positive_int("num_epochs", num_epochs)
+    check_positive_float("lr", lr)
+    check_finite_float("weight_decay", weight_decay, minimum=0)
+    check_finite_float("momentum", momentum, minimum=0, below=1)
+    check_finite_float("warmup_epochs", warmup_epochs, minimum=0)
+    if warmup_epochs > num_epochs:
         raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
 
 
@@ -462,8 +538,18 @@ def train(
     When ``compile`` or ``cuda_graphs`` is on, evaluation runs the eager module (a
     second, inference graph would cost another compilation for one pass per epoch),
     and the first epoch's time includes compiling.
+
+    Before training, the data loaders, switches and (with ``init=False``) the weights
+    are checked. A loss that turns NaN or inf stops the run: the error blames the
+    data when a training batch holds NaN or inf, and the learning rate otherwise.
     """
+    check_module("net", net)
+    check_loader("train_iter", train_iter)
+    check_loader("test_iter", test_iter)
     check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
+    for name, value in (("fast", fast), ("progress", progress), ("init", init)):
+        check_bool(name, value)
+    check_bool("plot", plot, none_means="plot only inside a notebook")
     if fast:
         if techniques is not None:
             raise ValueError("pass fast=True or techniques=..., not both")
@@ -506,6 +592,12 @@ def train(
             train_iter.manual_seed(seed)  # its own generator: restart its shuffling too
     if init:
         init_weights(net)
+    else:
+        check_finite_tensors(
+            "the model's weights (init=False keeps them)", net.parameters(),
+            fix="Pass init=True to start from fresh weights, or load a checkpoint saved "
+            "before the run that produced them.",
+        )
     if techniques.channels_last:
         net.to(device, memory_format=torch.channels_last)
     else:
@@ -559,6 +651,9 @@ def train(
             scaler, scheduler, history, bar, live, techniques=techniques,
             eval_model=net if compiled else model,
         )
+    except FloatingPointError as error:
+        _blame_the_data(error, train_iter)
+        raise
     finally:
         torch.backends.cudnn.benchmark = benchmark_before
         if bar is not None:
@@ -627,6 +722,9 @@ def train_fast(
     ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
     """
     check_positive_int("batch_size", batch_size)
+    check_bool("progress", progress)
+    check_bool("init", init)
+    check_bool("channels_last", channels_last, none_means="what Techniques.fast picks")
     if not isinstance(compile, (bool, str)):
         raise ValueError(
             f"compile must be False, True or a torch.compile mode such as 'max-autotune', "

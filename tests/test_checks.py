@@ -1,8 +1,26 @@
 import math
+import os
+from pathlib import Path
 
 import pytest
+import torch
 
-from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
+from d2lgpu.checks import (
+    DIVERGENCE_FACTOR,
+    check_batch,
+    check_bool,
+    check_finite_float,
+    check_finite_tensors,
+    check_loader,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    check_str_list,
+    check_tensor,
+    check_training_loss,
+    check_writable_path,
+    find_non_finite_batch,
+)
 
 
 @pytest.mark.parametrize("value", [1, 7, 2**40])
@@ -37,3 +55,102 @@ def test_positive_finite_numbers_pass_as_floats(value):
 def test_everything_else_is_refused_as_a_positive_finite_number(value):
     with pytest.raises(ValueError, match=r"^lr must be a positive finite number, got "):
         check_positive_float("lr", value)
+
+
+# --------------------------------------------------------------------------- #
+# The checks written once per kind of input
+# --------------------------------------------------------------------------- #
+
+@pytest.mark.parametrize("value", ["no", "false", 1, 0, None, 1.0])
+def test_booleans_are_real_booleans(value):
+    with pytest.raises(TypeError, match=r"^shuffle must be True or False, got "):
+        check_bool("shuffle", value)
+
+
+@pytest.mark.parametrize("value, low, below", [(None, 0, None), (math.nan, 0, None), (
+    math.inf, 0, None), ("0.5", 0, None), (True, 0, None), (-1e-9, 0, None), (1.0, 0, 1)])
+def test_finite_floats_name_the_range_and_what_was_given(value, low, below):
+    with pytest.raises(ValueError, match=r"^momentum must be a finite number >= 0") as info:
+        check_finite_float("momentum", value, minimum=low, below=below)
+    assert repr(value) in str(info.value)
+
+
+def test_a_lone_string_is_not_a_list_of_names():
+    with pytest.raises(TypeError, match=r"single string 'loss': wrap it in a list"):
+        check_str_list("legend", "loss")
+    with pytest.raises(TypeError, match="strings only"):
+        check_str_list("legend", ["loss", 3])
+    assert check_str_list("legend", ("a", "b")) == ["a", "b"]
+
+
+def test_tensors_are_checked_for_type_dtype_shape_and_content():
+    with pytest.raises(TypeError, match=r"X must be a torch.Tensor, got None: pass a tensor"):
+        check_tensor("X", None)
+    with pytest.raises(TypeError, match=r"y must be an integer tensor, got torch.float32.*long"):
+        check_tensor("y", torch.zeros(3), dtype="integer")
+    with pytest.raises(TypeError, match="floating-point"):
+        check_tensor("X", torch.zeros(3, dtype=torch.int64), dtype="floating")
+    with pytest.raises(ValueError, match=r"at least 1 dimension.*shape \(\)"):
+        check_tensor("X", torch.tensor(1.0), min_ndim=1)
+    with pytest.raises(ValueError, match=r"must have 2 dimension"):
+        check_tensor("X", torch.zeros(3), ndim=2)
+    with pytest.raises(ValueError, match="is on cpu, expected meta"):
+        check_tensor("X", torch.zeros(3), device="meta")
+    bad = torch.tensor([1.0, math.nan, math.inf, math.nan])
+    with pytest.raises(ValueError, match=r"^X hold 2 NaN and 1 inf value"):
+        check_tensor("X", bad, finite=True)
+    check_finite_tensors("ints", [torch.arange(3)])  # integers hold neither
+
+
+def test_loaders_and_batches():
+    for value in (None, "data", torch.zeros(4), 3):
+        with pytest.raises(TypeError, match=r"^train_iter must yield batches \(X, y\), got"):
+            check_loader("train_iter", value)
+    with pytest.raises(ValueError, match=r"train_iter is empty \(length 0\)"):
+        check_loader("train_iter", [])
+    X, y = torch.zeros(2, 3), torch.zeros(2)
+    assert check_batch("train_iter", (X, y), 0)[0] is X
+    with pytest.raises(TypeError, match=r"batch 4 of train_iter is Tensor"):
+        check_batch("train_iter", X, 4)
+    with pytest.raises(TypeError, match=r"holds \(list, Tensor\)"):
+        check_batch("train_iter", ([1, 2], y), 0)
+    with pytest.raises(ValueError, match=r"X of shape \(2, 3\) and y of shape \(3,\)"):
+        check_batch("train_iter", (X, torch.zeros(3)), 0)
+    broken = torch.ones(2, 3)
+    broken[1, 2] = math.nan
+    assert find_non_finite_batch("train_iter", [(X, y), (X, y)]) is None
+    assert find_non_finite_batch("train_iter", [(X, y), (broken, y)]).startswith(
+        "batch 1 of train_iter holds 1 NaN and 0 inf"
+    )
+
+
+def test_the_shared_loss_check_stops_nan_inf_and_blow_ups():
+    check_training_loss(2.3, when="step 1", lr=0.1, first_loss=2.3)
+    check_training_loss(2.3 * DIVERGENCE_FACTOR * 0.9, when="step 9", first_loss=2.3)
+    for loss in (math.nan, math.inf):
+        with pytest.raises(FloatingPointError, match=rf"loss became {loss} in step 3.*0\.5"):
+            check_training_loss(loss, when="step 3", lr=0.5)
+    with pytest.raises(FloatingPointError, match=r"grew to 1e\+34 from 2.3 in epoch 2"):
+        check_training_loss(1e34, when="epoch 2", lr=100.0, first_loss=2.3)
+
+
+def test_paths_that_cannot_be_written_are_refused_before_any_work(tmp_path):
+    assert check_writable_path("snapshot", tmp_path / "new" / "s.pt") == tmp_path / "new" / "s.pt"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=r"is a regular file, not a directory"):
+        check_writable_path("snapshot", a_file / "sub" / "s.pt")
+    with pytest.raises(ValueError, match=r"under /proc, a system file system"):
+        check_writable_path("snapshot", "/proc/self/snapshot.pt")
+    with pytest.raises(ValueError, match="is a directory: name a file"):
+        check_writable_path("snapshot", tmp_path)
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        check_writable_path("checkpoint_dir", a_file, kind="directory")
+    with pytest.raises(TypeError, match="must be a path"):
+        check_writable_path("snapshot", None)
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(PermissionError, match="not writable"):
+            check_writable_path("snapshot", locked / "s.pt")
+    assert not Path(tmp_path / "new").exists()  # nothing was created

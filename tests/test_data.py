@@ -342,3 +342,65 @@ def test_a_read_only_data_directory_is_named_as_the_cause(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="not writable") as info:
         fashion_mnist_tensors(quick=True)
     assert str(read_only) in str(info.value) and "internet" not in str(info.value)
+
+
+@needs_data
+def test_a_file_changed_in_place_with_its_mtime_restored_is_hashed_again(data_copy):
+    path = _damage(data_copy, "t10k-labels-idx1-ubyte", lambda b: b)  # a real copy, intact
+    fashion_mnist_tensors(train=False, quick=True)  # passes, and is stamped
+    before = path.stat()
+    content = bytearray(path.read_bytes())
+    content[100] = (content[100] + 1) % 10  # one label changed, size kept
+    with open(path, "r+b") as file:  # in place: same inode
+        file.write(content)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        before.st_size, before.st_mtime_ns, before.st_ino)
+    with pytest.raises(RuntimeError, match="is corrupt"):
+        fashion_mnist_tensors(train=False, quick=True)
+
+
+@needs_data
+@pytest.mark.parametrize("placed, under", [
+    ("t10k-images-idx3-ubyte", "train-images-idx3-ubyte"),
+    ("t10k-labels-idx1-ubyte", "train-labels-idx1-ubyte"),
+    ("train-labels-idx1-ubyte", "t10k-labels-idx1-ubyte"),
+])
+def test_a_file_under_another_files_name_is_named_as_that_file(data_copy, placed, under):
+    (data_copy / under).unlink()
+    (data_copy / under).symlink_to((data_copy / placed).resolve())
+    with pytest.raises(RuntimeError, match=rf"is the official {placed} .*under the wrong name"):
+        data_module.verify_fashion_mnist_file(data_copy / under)
+
+
+def test_verify_names_a_path_that_is_not_a_raw_file(tmp_path):
+    with pytest.raises(TypeError, match="path must be a path"):
+        data_module.verify_fashion_mnist_file(None)
+    with pytest.raises(ValueError, match=r"'notes.txt' is not one of the raw Fashion-MNIST"):
+        data_module.verify_fashion_mnist_file(tmp_path / "notes.txt")
+
+
+@pytest.mark.parametrize("quick", ["no", "false", 1, 0.0])
+def test_default_num_workers_takes_a_real_bool(quick):
+    with pytest.raises(TypeError, match=r"quick must be True or False \(or None"):
+        default_num_workers(quick=quick)
+
+
+def test_bad_roots_and_labels_are_named(tmp_path):
+    with pytest.raises(TypeError, match=r"root must be a directory path"):
+        fashion_mnist_tensors(root=5)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=r"is a file, not a directory"):
+        fashion_mnist_tensors(root=a_file)
+    with pytest.raises(RuntimeError, match=r"under /proc"):
+        fashion_mnist_tensors(root="/proc/d2lgpu-data")
+    with pytest.raises(TypeError, match=r"labels must be class numbers.*NoneType"):
+        get_fashion_mnist_labels(None)
+    with pytest.raises(ValueError, match=r"seed must be an int"):
+        synthetic_regression(4, 2, seed=None)
+    with pytest.raises(ValueError, match=r"noise is a standard deviation"):
+        synthetic_regression(4, 2, noise=None)
+    with pytest.raises(ValueError, match=r"num_workers"):
+        load_data_fashion_mnist(10, num_workers=True)

@@ -41,8 +41,14 @@ def test_format_duration_rounds_to_a_readable_unit(seconds, text):
 def test_format_duration_rejects_nonsense():
     with pytest.raises(ValueError, match=">= 0"):
         format_duration(-1.0)
-    with pytest.raises(ValueError, match=">= 0"):
+    # NaN is named as NaN: calling it negative would send the reader after a sign error.
+    with pytest.raises(ValueError, match="is NaN") as info:
         format_duration(float("nan"))
+    assert ">= 0" not in str(info.value)
+    with pytest.raises(ValueError, match="infinite"):
+        format_duration(float("inf"))
+    with pytest.raises(TypeError, match="number of seconds, got NoneType"):
+        format_duration(None)
 
 
 def test_the_message_names_the_run_the_duration_and_the_basis():
@@ -195,3 +201,27 @@ def test_calibration_is_a_positive_median():
     assert calibration_seconds(3, clock=lambda: next(ticks)) == 3
     with pytest.raises(ValueError, match="repeats"):
         calibration_seconds(0)
+
+
+def test_announce_names_what_is_wrong_with_its_seconds():
+    printed = []
+    with pytest.raises(ValueError, match="is NaN"):
+        announce("a run", float("nan"), "timed", out=printed.append)
+    with pytest.raises(TypeError, match="number of seconds, got str"):
+        announce("a run", "10", "timed", out=printed.append)
+    with pytest.raises(TypeError, match="what must be a string"):
+        estimate_message(None, 10, "timed")
+    assert printed == []
+
+
+@pytest.mark.parametrize("epochs", [0, -1, 1.5, None, True])
+def test_training_estimate_needs_a_positive_int_of_epochs(epochs):
+    with pytest.raises(ValueError, match=r"num_epochs must be a positive int"):
+        training_estimate([1, 2, 3], epochs, torch.device("cpu"))
+
+
+def test_training_estimate_needs_a_loader():
+    with pytest.raises(TypeError, match=r"train_iter must be the loader"):
+        training_estimate(None, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"total_steps must be an int >= 0 or None"):
+        StepEstimate("x", "ten")

@@ -82,3 +82,9 @@ def test_bad_input_is_rejected():
         small_cnn(in_channels=0)
     with pytest.raises(ValueError, match="strides"):
         Residual(4, 4, use_1x1conv=True, strides=0)
+
+
+@pytest.mark.parametrize("value", ["no", "false", 1, None])
+def test_residual_takes_a_real_bool_for_its_shortcut(value):
+    with pytest.raises(TypeError, match=r"use_1x1conv must be True or False"):
+        Residual(3, 6, use_1x1conv=value, strides=2)

@@ -336,3 +336,89 @@ def test_data_parallel_step_on_two_gpus_matches_one_device() -> None:
     two = _train([torch.device("cuda", 0), torch.device("cuda", 1)], batches)
     assert max_abs_difference(one[0], two[0]) < 1e-4
     assert max_abs_difference(two[0], two[1]) < 1e-6
+
+
+# --- bad input and silent results ---------------------------------------------
+
+
+def _linear(X: torch.Tensor, params) -> torch.Tensor:
+    return X @ params[0] + params[1]
+
+
+def _problem():
+    gen = torch.Generator().manual_seed(0)
+    W = [torch.randn(4, 3, generator=gen) * 0.1, torch.zeros(3)]
+    X = torch.randn(8, 4, generator=gen)
+    y = torch.randint(0, 3, (8,), generator=gen)
+    return W, X, y
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [(lambda X, y: split_batch(None, y, [CPU]), TypeError, r"X must be a torch.Tensor, got None"),
+     (lambda X, y: split_batch(X, y, None), TypeError, r"devices must be a list of devices"),
+     (lambda X, y: split_batch(X, y, "cpu"), TypeError, r"single device 'cpu'.*\['cpu'\]"),
+     (lambda X, y: split_batch(X, y, [3]), TypeError, r"a device must be a torch.device"),
+     (lambda X, y: allreduce(None), TypeError, r"tensors must be a list of tensors"),
+     (lambda X, y: allreduce(X), TypeError, r"got one tensor"),
+     (lambda X, y: replicate_params(None, CPU), TypeError, r"params must be a list"),
+     (lambda X, y: replicate_params([X], None), TypeError, r"a device must be"),
+     (lambda X, y: max_abs_difference(None, [X]), TypeError, r"tensors_a must be a list"),
+     (lambda X, y: max_abs_difference([X], [None]), TypeError, r"tensors_b\[0\] must be a"),
+     (lambda X, y: data_parallel_step(None, [[X]], X, y, 0.1), TypeError, r"forward must be"),
+     (lambda X, y: data_parallel_step(_linear, None, X, y, 0.1), TypeError,
+      r"replicas must be a list"),
+     (lambda X, y: data_parallel_step(_linear, [[X]], X, y, 0.1), ValueError,
+      r"does not require grad.*replicate_params")],
+)
+def test_bad_input_is_named(call, error, match) -> None:
+    _, X, y = _problem()
+    with pytest.raises(error, match=match):
+        call(X, y)
+
+
+@pytest.mark.parametrize("lr", [math.nan, math.inf, None, "0.1", True, -0.1])
+def test_data_parallel_step_refuses_a_learning_rate_that_is_not_one(lr) -> None:
+    W, X, y = _problem()
+    replicas = [replicate_params(W, CPU) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"^lr must be a positive finite number"):
+        data_parallel_step(_linear, replicas, X, y, lr)
+
+
+def _refused_and_unchanged(replicas, X, y, lr, error, match) -> None:
+    before = [[p.detach().clone() for p in r] for r in replicas]
+    with pytest.raises(error, match=match):
+        data_parallel_step(_linear, replicas, X, y, lr)
+    for params, saved in zip(replicas, before, strict=True):  # the step was not applied
+        for p, q in zip(params, saved, strict=True):
+            assert torch.allclose(p.detach(), q, rtol=0, atol=0, equal_nan=True)
+            assert p.grad is None
+
+
+def test_a_step_that_would_blow_the_weights_up_is_refused() -> None:
+    W, X, y = _problem()
+    replicas = [replicate_params(W, CPU) for _ in range(2)]
+    _refused_and_unchanged(replicas, X, y, 1e6, FloatingPointError,
+                           r"diverges at lr 1e\+06.*not applied")
+    data_parallel_step(_linear, replicas, X, y, 0.1)  # a sensible lr still trains
+
+
+def test_nan_in_the_inputs_is_blamed_on_the_data() -> None:
+    W, X, y = _problem()
+    X[3, 1] = math.nan
+    replicas = [replicate_params(W, CPU) for _ in range(2)]
+    _refused_and_unchanged(replicas, X, y, 0.1, ValueError, r"X holds 1 NaN or inf value")
+
+
+def test_unequal_replicas_are_refused() -> None:
+    W, X, y = _problem()
+    replicas = [replicate_params(W, CPU), replicate_params([W[0] + 0.5, W[1]], CPU)]
+    _refused_and_unchanged(replicas, X, y, 0.1, ValueError,
+                           r"replicas hold different values \(largest gap 0.5\)")
+
+
+def test_nan_weights_are_named_as_such() -> None:
+    W, X, y = _problem()
+    W[0][0, 0] = math.nan
+    replicas = [replicate_params(W, CPU) for _ in range(2)]
+    _refused_and_unchanged(replicas, X, y, 0.1, ValueError, r"parameters of replica 0 hold NaN")

@@ -77,3 +77,38 @@ def test_a_one_epoch_history_is_visible_because_every_line_has_markers():
     assert live.ax.get_lines()[0].get_marker() == "o"
     assert live.ax.get_lines()[0].get_markersize() < 5
     live.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [(dict(legend="loss"), TypeError, r"single string 'loss': wrap it in a list"),
+     (dict(legend=None), TypeError, r"legend must be a list of strings, got None"),
+     (dict(legend=[]), ValueError, r"at least one line"),
+     (dict(legend=["a"], xlim=5), TypeError, r"xlim must be a pair of numbers"),
+     (dict(legend=["a"], ylim=(0, float("nan"))), ValueError, r"each number in ylim")],
+)
+def test_live_plot_names_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LivePlot(xlabel="epoch", **kwargs)
+
+
+def test_live_plot_add_names_bad_values():
+    live = LivePlot(xlabel="epoch", legend=["loss"])
+    with pytest.raises(TypeError, match=r"values must be a list of numbers"):
+        live.add(1, None)
+    with pytest.raises(ValueError, match=r"x must be a finite number"):
+        live.add(None, [1.0])
+    live.close()
+
+
+def test_plot_functions_name_what_they_need():
+    with pytest.raises(TypeError, match=r"history must be the d2lgpu.History"):
+        plot_history(None)
+    with pytest.raises(TypeError, match=r"x must be a list of numbers, got None"):
+        plot_lines(None, [1.0])
+    with pytest.raises(TypeError, match=r"single string"):
+        plot_lines([1, 2], [[1, 2], [3, 4]], legend="ab")
+    from d2lgpu.plotting import plot_precision_sweep
+
+    with pytest.raises(TypeError, match=r"rows must be the SweepRows"):
+        plot_precision_sweep([1, 2])

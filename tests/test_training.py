@@ -170,8 +170,8 @@ def test_train_rejects_bad_input(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(lr=math.inf), "lr must be a finite number > 0"),
-     (dict(lr=math.nan), "lr must be a finite number > 0"),
+    [(dict(lr=math.inf), "lr must be a positive finite number, got inf"),
+     (dict(lr=math.nan), "lr must be a positive finite number, got nan"),
      (dict(lr=0.1, weight_decay=math.nan), "weight_decay must be a finite number >= 0"),
      (dict(lr=0.1, weight_decay=math.inf), "weight_decay"),
      (dict(lr=0.1, momentum=math.nan), "momentum"),
@@ -330,3 +330,80 @@ def test_data_parallel_replicas_run_in_the_policy_dtype(quick_loaders):
     train(net, train_iter, test_iter, 1, lr=0.1, devices=[d2lgpu.gpu(0), d2lgpu.gpu(1)],
           amp="bf16", progress=False, plot=False)
     assert seen == {torch.bfloat16}
+
+
+# --------------------------------------------------------------------------- #
+# Bad input is named before any work; the cause of a NaN loss is named right
+# --------------------------------------------------------------------------- #
+
+
+def linear_net():
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [(dict(train_iter=None), TypeError, r"train_iter must yield batches \(X, y\), got None"),
+     (dict(test_iter="data"), TypeError, r"test_iter must yield batches"),
+     (dict(train_iter=[]), ValueError, r"train_iter is empty"),
+     (dict(lr=None), ValueError, r"lr must be a positive finite number, got None"),
+     (dict(lr="0.1"), ValueError, r"lr must be a positive finite number, got '0.1'"),
+     (dict(momentum=None), ValueError, r"momentum must be a finite number >= 0"),
+     (dict(fast="no"), TypeError, r"fast must be True or False, got str 'no'"),
+     (dict(progress="false"), TypeError, r"progress must be True or False"),
+     (dict(init=1), TypeError, r"init must be True or False"),
+     (dict(net=None), TypeError, r"net must be a torch.nn.Module")],
+)
+def test_train_names_the_bad_argument_before_any_work(kwargs, error, match):
+    train_iter, test_iter = tiny_loaders()
+    args = dict(net=linear_net(), train_iter=train_iter, test_iter=test_iter, num_epochs=1,
+                lr=0.1, devices="cpu", progress=False, plot=False)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        train(**args)
+
+
+def test_a_loader_of_the_wrong_items_is_named_with_the_batch_number():
+    _, test_iter = tiny_loaders()
+    X = torch.rand(10, 1, 28, 28)
+    with pytest.raises(TypeError, match=r"batch 0 of train_iter is Tensor"):
+        train(linear_net(), [X], test_iter, 1, 0.1, "cpu", progress=False, plot=False)
+    with pytest.raises(TypeError, match=r"batch 0 of data_iter holds \(Tensor, list\)"):
+        evaluate_accuracy(linear_net(), [(X, [0] * 10)])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_inf_in_the_data_is_blamed_on_the_data_not_the_lr(bad):
+    gen = torch.Generator().manual_seed(0)
+    X = torch.rand(40, 1, 28, 28, generator=gen)
+    X[17, 0, 3, 3] = bad  # in the second batch
+    y = torch.randint(0, 10, (40,), generator=gen)
+    data = DataLoader(TensorDataset(X, y), batch_size=10)
+    with pytest.raises(ValueError, match=r"batch 1 of train_iter holds") as info:
+        train(linear_net(), data, data, 1, 0.1, "cpu", progress=False, plot=False)
+    assert "lr" not in str(info.value) and "the data are broken" in str(info.value)
+    assert isinstance(info.value.__cause__, FloatingPointError)
+
+
+def test_nan_weights_kept_by_init_false_are_named_before_training():
+    net = linear_net()
+    with torch.no_grad():
+        net[1].weight[0, 0] = math.nan
+    train_iter, test_iter = tiny_loaders()
+    with pytest.raises(ValueError, match=r"the model's weights \(init=False keeps them\) hold "
+                                         r"1 NaN value.*init=True"):
+        train(net, train_iter, test_iter, 1, 0.1, "cpu", progress=False, plot=False, init=False)
+
+
+def test_init_weights_and_evaluate_name_a_missing_model():
+    with pytest.raises(TypeError, match=r"net must be a torch.nn.Module.*got NoneType"):
+        init_weights(None)
+    with pytest.raises(TypeError, match=r"data_iter must yield batches"):
+        evaluate_accuracy(linear_net(), None)
+
+
+def test_train_fast_checks_its_switches():
+    pair = (torch.zeros(4, 1, 28, 28, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
+    for name in ("progress", "init", "channels_last"):
+        with pytest.raises(TypeError, match=rf"{name} must be True or False"):
+            d2lgpu.train_fast(linear_net(), pair, pair, 1, 0.1, "cpu", **{name: "no"})
