@@ -16,7 +16,8 @@ gives each rank a different slice of a shuffle that changes every epoch
 (``set_epoch``); DDP averages the gradients across ranks during ``backward``;
 losses and accuracies are summed over ranks with one all-reduce per epoch;
 rank 0 alone prints and writes the snapshot (model, optimizer, epochs done,
-history), atomically, after every epoch. With a snapshot path, a restarted job
+history, with a SHA-256 checksum verified on loading), atomically, after every
+epoch; its path is checked for writing before the first epoch. With a snapshot path, a restarted job
 (``torchrun --max-restarts=N`` restarts all workers after a failure) continues
 from the last completed epoch instead of starting over.
 
@@ -27,7 +28,7 @@ command trains the same model whatever the number of processes.
 A snapshot continues only the run that wrote it: resuming with another
 ``--model``, ``--batch-size``, ``--lr``, ``--seed`` or ``--quick``/``--full``,
 or with fewer ``--epochs`` than it holds, is refused (:class:`SnapshotError`),
-as is a file that is not a snapshot. ``--epochs`` is the total: with as many
+as is a file that is not a snapshot or does not match its checksum. ``--epochs`` is the total: with as many
 epochs as the snapshot holds there is nothing left to train, which it says,
 and exits 0. A training loss that is not finite (nan or inf) at the end of an
 epoch stops the run with ``FloatingPointError`` before that epoch is written to
