@@ -79,9 +79,28 @@ time.sleep(120)
 
 # Run in a child process too: before the fix the rendezvous blocked in native code,
 # deaf even to SIGALRM, so only an outside timeout could end it.
+#
+# The same child first checks end_process by repetition (it pays for one import of torch
+# for both): ten two-rank gloo jobs, forked while this process is still single-threaded,
+# each rank ending through end_process after its group is destroyed. Every rank must end
+# with status 0 and its unflushed output printed.
 _RENDEZVOUS_SCRIPT = """
-import sys, time
-from d2lgpu.distributed import find_free_port, process_group
+import os, sys, time
+from d2lgpu.distributed import all_reduce_sum, end_process, find_free_port, process_group
+jobs, statuses = 10, []
+for job in range(jobs):
+    port, children = find_free_port(), []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            with process_group(rank, 2, master_port=port, timeout_s=30) as ctx:
+                total = all_reduce_sum([1.0], ctx)[0]
+            print(f"job {job} rank {rank} done: {total:g}")  # not flushed: end_process must
+            end_process(0)
+        children.append(pid)
+    statuses += [os.waitpid(pid, 0)[1] for pid in children]
+print("statuses", sorted(set(statuses)), "of", len(statuses), flush=True)
+
 held = int(sys.argv[1])
 for name, rank, port, timeout_s in [
     ("held", 1, held, 3), ("held", 0, held, 3), ("unused", 1, find_free_port(), 1)
@@ -96,7 +115,8 @@ for name, rank, port, timeout_s in [
 """
 
 
-def test_rendezvous_on_a_port_held_by_another_program_ends_within_the_timeout():
+@pytest.fixture(scope="module")
+def rendezvous_child():
     holder = subprocess.Popen(
         [sys.executable, "-c", _PORT_HOLDER_SCRIPT], stdout=subprocess.PIPE, text=True
     )
@@ -107,11 +127,23 @@ def test_rendezvous_on_a_port_held_by_another_program_ends_within_the_timeout():
             env=CHILD_ENV,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=240,
         )
     finally:
         holder.kill()
         holder.wait()
+    return proc, port
+
+
+def test_end_process_ends_finished_jobs_cleanly_every_time(rendezvous_child):
+    proc, _ = rendezvous_child
+    assert "statuses [0] of 20" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("done: 2") == 20, proc.stdout
+    assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_rendezvous_on_a_port_held_by_another_program_ends_within_the_timeout(rendezvous_child):
+    proc, port = rendezvous_child
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {}
     for name, rank, seconds, message in re.findall(
@@ -294,41 +326,6 @@ def test_a_native_crash_is_blamed_before_the_peers_the_watchdog_aborted():
 
 
 # --- a clean exit for every command-line entry point --------------------------------------
-
-# Ten two-rank gloo jobs, each rank ending through end_process after the group is
-# destroyed: every one must end with status 0 and its (unflushed) output printed. One
-# process imports torch once and forks the ranks, so the repetition costs little.
-_EXIT_SCRIPT = """
-import os, sys
-import torch
-from d2lgpu.distributed import all_reduce_sum, end_process, find_free_port, process_group
-jobs, statuses = 10, []
-for job in range(jobs):
-    port, children = find_free_port(), []
-    for rank in range(2):
-        pid = os.fork()
-        if pid == 0:
-            with process_group(rank, 2, master_port=port, timeout_s=30) as ctx:
-                total = all_reduce_sum([1.0], ctx)[0]
-            print(f"job {job} rank {rank} done: {total:g}")  # not flushed: end_process must
-            end_process(0)
-        children.append(pid)
-    statuses += [os.waitpid(pid, 0)[1] for pid in children]
-print("statuses", sorted(set(statuses)), "of", len(statuses), flush=True)
-end_process(0)
-"""
-
-
-def test_end_process_ends_finished_jobs_cleanly_every_time():
-    proc = subprocess.run(
-        [sys.executable, "-c", _EXIT_SCRIPT], env=CHILD_ENV, capture_output=True, text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "statuses [0] of 20" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("done: 2") == 20, proc.stdout
-    assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
-
 
 @pytest.mark.parametrize("module", ["ddp_train", "healthcheck", "fsdp_train"])
 def test_every_entry_point_ends_through_end_process(module):
