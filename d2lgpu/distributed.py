@@ -1278,6 +1278,9 @@ def hogwild_train(
     memory, not a copy: when the call returns, ``model`` in the caller holds
     the result of everybody's updates. The updates race (no locks); for sparse
     or small updates that costs little accuracy, which is the point of Hogwild.
+    Like ``d2lgpu.training.train``, it refuses data or weights holding nan or inf, and
+    raises ``FloatingPointError`` when training diverged (the loss over the data is not
+    finite afterwards, or ten times what it was) instead of returning exploded weights.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
