@@ -32,7 +32,8 @@ as is a file that is not a snapshot or does not match its checksum.
 ``--epochs`` is the total: with as many epochs as the snapshot holds there is
 nothing left to train, which it says, and exits 0. A training loss that is not
 finite (nan or inf) at the end of an epoch stops the run with
-``FloatingPointError`` before that epoch is written to the snapshot. On the command line these errors print their message (no
+``FloatingPointError`` before that epoch is written to the snapshot. On the
+command line these errors print their message (no
 traceback) and exit with status 1; bad flag values are usage errors (status 2).
 """
 
