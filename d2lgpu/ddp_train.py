@@ -16,7 +16,8 @@ gives each rank a different slice of a shuffle that changes every epoch
 (``set_epoch``); DDP averages the gradients across ranks during ``backward``;
 losses and accuracies are summed over ranks with one all-reduce per epoch;
 rank 0 alone prints and writes the snapshot (model, optimizer, epochs done,
-history), atomically, after every epoch. With a snapshot path, a restarted job
+history, with a SHA-256 checksum verified on loading), atomically, after every
+epoch; its path is checked for writing before the first epoch. With a snapshot path, a restarted job
 (``torchrun --max-restarts=N`` restarts all workers after a failure) continues
 from the last completed epoch instead of starting over.
 
@@ -27,11 +28,12 @@ command trains the same model whatever the number of processes.
 A snapshot continues only the run that wrote it: resuming with another
 ``--model``, ``--batch-size``, ``--lr``, ``--seed`` or ``--quick``/``--full``,
 or with fewer ``--epochs`` than it holds, is refused (:class:`SnapshotError`),
-as is a file that is not a snapshot. ``--epochs`` is the total: with as many
-epochs as the snapshot holds there is nothing left to train, which it says,
-and exits 0. A training loss that is not finite (nan or inf) at the end of an
-epoch stops the run with ``FloatingPointError`` before that epoch is written to
-the snapshot. On the command line these errors print their message (no
+as is a file that is not a snapshot or does not match its checksum.
+``--epochs`` is the total: with as many epochs as the snapshot holds there is
+nothing left to train, which it says, and exits 0. A training loss that is not
+finite (nan or inf) at the end of an epoch stops the run with
+``FloatingPointError`` before that epoch is written to the snapshot. On the
+command line these errors print their message (no
 traceback) and exit with status 1; bad flag values are usage errors (status 2).
 """
 
@@ -39,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import io
 import math
 import os
 import sys
@@ -56,6 +60,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from d2lgpu.checks import (
+    check_bool,
     check_positive_float,
     check_positive_int,
     check_seed,
@@ -67,9 +72,12 @@ from d2lgpu.config import quick_mode
 from d2lgpu.devices import try_gpu
 from d2lgpu.distributed import (
     DEFAULT_TIMEOUT_S,
+    CollectiveTimeout,
     DistContext,
     add_job_flags,
     all_reduce_sum,
+    end_process,
+    mark_progress,
     process_group,
 )
 from d2lgpu.precision import tf32_matmuls
@@ -83,6 +91,7 @@ __all__ = [
     "command_line",
     "ddp_worker",
     "main",
+    "read_snapshot",
     "strip_batchnorm",
     "train_ddp",
 ]
@@ -136,6 +145,16 @@ class DDPConfig:
         for name in ("quick", "tf32"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+        check_bool("log", self.log)
+        for name in ("snapshot", "data_root"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(
+                    f"{name} must be a path (a str or pathlib.Path) or None, got "
+                    f"{type(value).__name__} {value!r}"
+                )
+            if isinstance(value, os.PathLike):
+                setattr(self, name, os.fspath(value))
 
 
 @dataclass
@@ -165,6 +184,8 @@ class DDPResult:
 
 def strip_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every batch-norm layer of ``module`` by ``nn.Identity``, in place; returns it."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     for name, child in module.named_children():
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             setattr(module, name, nn.Identity())
@@ -226,12 +247,72 @@ def _recorded_config(cfg: DDPConfig) -> dict:
     return asdict(cfg) | {"quick": quick_mode() if cfg.quick is None else cfg.quick}
 
 
+#: Marks a snapshot file: its state, serialised, and the SHA-256 of those bytes.
+_SNAPSHOT_FORMAT = "d2lgpu.ddp_train snapshot, sha256-checked"
+
+
 def _save_snapshot(path: Path, state: dict) -> None:
-    """Write to a temporary file and rename it: a crash mid-write leaves the old snapshot intact."""
+    """Write ``state`` with its checksum to a temporary file and rename it.
+
+    The rename means a crash mid-write leaves the old snapshot intact; the SHA-256
+    of the serialised state means a file damaged later (a disk, a copy, a hand) is
+    refused on loading instead of resuming from corrupt weights.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    torch.save(
+        {"format": _SNAPSHOT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(),
+         "state": payload},
+        tmp,
+    )
     os.replace(tmp, path)
+
+
+def read_snapshot(path: str | os.PathLike) -> dict:
+    """The state a ``ddp_train`` snapshot holds (model, optimizer, epochs_done, history, config),
+    after checking the file's checksum; a :class:`SnapshotError` names what is wrong."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or pathlib.Path, got {type(path).__name__}")
+    path = Path(path)
+    if not path.exists():
+        raise SnapshotError(f"there is no snapshot at {path}")
+    return _read_snapshot(path)
+
+
+def check_snapshot_path(path: Path) -> None:
+    """Fail now, before any training, when the snapshot cannot be written at ``path``.
+
+    The first snapshot is written after the first epoch; a path under a regular
+    file, in a read-only place or under ``/proc`` would otherwise fail only then.
+    Creates the missing directories and writes and removes a probe file.
+    """
+    if path.is_dir():
+        raise SnapshotError(
+            f"snapshot path {path} is a directory; --snapshot takes a file name (the file is "
+            "created after the first epoch): pass a file path, e.g. "
+            f"--snapshot {path / 'snapshot.pt'}"
+        )
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SnapshotError(
+                    f"cannot write snapshot {path}: {parent} is a file, not a directory; pass "
+                    "a --snapshot path in a directory"
+                )
+            break
+    probe = path.with_name(path.name + ".probe")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise SnapshotError(
+            f"cannot write snapshot {path} ({type(exc).__name__}: {exc.strerror or exc}): pass "
+            "a --snapshot path in a directory you can write to"
+        ) from None
 
 
 def _read_snapshot(path: Path) -> dict:
@@ -242,6 +323,8 @@ def _read_snapshot(path: Path) -> dict:
             "created after the first epoch): pass a file path, e.g. "
             f"--snapshot {path / 'snapshot.pt'}"
         )
+    if not path.is_file():
+        raise SnapshotError(f"snapshot path {path} is not a regular file; {_start_fresh(path)}")
     if path.stat().st_size == 0:
         raise SnapshotError(f"snapshot {path} is empty (0 bytes); {_start_fresh(path)}")
     try:
@@ -253,6 +336,27 @@ def _read_snapshot(path: Path) -> dict:
         raise SnapshotError(
             f"cannot read snapshot {path} ({type(exc).__name__}: {_first_line(reason)}): it is "
             f"damaged or was not written by d2lgpu.ddp_train; {_start_fresh(path)}"
+        ) from exc
+    if not isinstance(snapshot, dict) or snapshot.get("format") != _SNAPSHOT_FORMAT:
+        raise SnapshotError(
+            f"snapshot {path} is not a checksummed snapshot of d2lgpu.ddp_train (it holds a "
+            f"{type(snapshot).__name__}{' of other keys' if isinstance(snapshot, dict) else ''})"
+            f"; {_start_fresh(path)}"
+        )
+    payload = snapshot.get("state")
+    if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != snapshot.get(
+        "sha256"
+    ):
+        raise SnapshotError(
+            f"snapshot {path} is damaged: its contents do not match the SHA-256 checksum written "
+            f"with it; {_start_fresh(path)}"
+        )
+    try:
+        snapshot = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise SnapshotError(
+            f"cannot read the state in snapshot {path} ({type(exc).__name__}); "
+            f"{_start_fresh(path)}"
         ) from exc
     if not isinstance(snapshot, dict):
         raise SnapshotError(
@@ -277,7 +381,7 @@ def _first_line(text: str) -> str:
 
 
 def _load_snapshot(path: Path | None, ctx: DistContext | None) -> dict | None:
-    """Rank 0 reads the snapshot, if any, and sends it to every rank.
+    """Rank 0 reads the snapshot, if any, checks it can write there, and sends it to every rank.
 
     Only rank 0 needs to see the file, so it works when the other machines of a
     multi-node job have no shared file system. When the file is unusable, every
@@ -285,9 +389,11 @@ def _load_snapshot(path: Path | None, ctx: DistContext | None) -> dict | None:
     """
     snapshot: dict | None = None
     problem: str | None = None
-    if (ctx is None or ctx.is_main) and path is not None and path.exists():
+    if (ctx is None or ctx.is_main) and path is not None:
         try:
-            snapshot = _read_snapshot(path)
+            if path.exists() or path.is_symlink():
+                snapshot = _read_snapshot(path)
+            check_snapshot_path(path)  # writable: fail now, not after the first epoch
         except SnapshotError as exc:
             if ctx is None or ctx.world_size == 1:
                 raise
@@ -342,6 +448,17 @@ def train_ddp(
     that DDP must reproduce. ``data`` replaces Fashion-MNIST (tests use small
     synthetic tensors). ``device`` defaults to ``ctx.device`` (CPU without ctx).
     """
+    if not isinstance(cfg, DDPConfig):
+        raise TypeError(f"cfg must be a DDPConfig, got {type(cfg).__name__}")
+    if ctx is not None and not isinstance(ctx, DistContext):
+        raise TypeError(
+            f"ctx must be the DistContext that process_group() yields, or None, got "
+            f"{type(ctx).__name__}"
+        )
+    if device is not None and not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device or None, got {device!r}")
+    if data is not None:
+        _check_data(data)
     world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
     is_main = rank == 0
     device = device or (ctx.device if ctx is not None else torch.device("cpu"))
@@ -409,6 +526,7 @@ def train_ddp(
     with tf32:
         for epoch in range(start_epoch, cfg.epochs):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
+            mark_progress(f"epoch {epoch + 1} started")  # named if a peer times out waiting
             net.train()
             started = time.perf_counter()
             loss_sum = torch.zeros((), device=device)
@@ -463,6 +581,7 @@ def train_ddp(
                     },
                 )
             if ctx is not None:
+                mark_progress(f"barrier after epoch {epoch + 1}")
                 dist.barrier()  # nobody moves on (or fails, below) before the snapshot is on disk
             _maybe_fail(cfg, epoch + 1, rank, world_size)
 
@@ -473,6 +592,26 @@ def train_ddp(
         state_dict={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         **history,
     )
+
+
+def _check_data(data: object) -> None:
+    """``data`` must be (train images, train labels, test images, test labels), finite."""
+    if not (
+        isinstance(data, (tuple, list))
+        and len(data) == 4
+        and all(isinstance(t, torch.Tensor) for t in data)
+    ):
+        raise TypeError(
+            "data must be a tuple of 4 tensors (train images, train labels, test images, "
+            f"test labels), or None for Fashion-MNIST; got {type(data).__name__}"
+        )
+    for name, images, labels in (("train", data[0], data[1]), ("test", data[2], data[3])):
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} {name} images but {len(labels)} {name} labels")
+        if images.is_floating_point() and not torch.isfinite(images).all():
+            raise ValueError(f"the {name} images hold nan or inf: clean the data before training")
+        if labels.is_floating_point() or labels.is_complex():
+            raise TypeError(f"the {name} labels must be integer class indices, got {labels.dtype}")
 
 
 def _count_correct(net: nn.Module, loader: DataLoader, device: torch.device) -> tuple[int, int]:
@@ -595,7 +734,7 @@ def command_line(argv: Sequence[str] | None = None) -> int:
     """
     try:
         main(argv)
-    except (SnapshotError, FloatingPointError) as exc:
+    except (SnapshotError, FloatingPointError, CollectiveTimeout) as exc:
         print(f"d2lgpu.ddp_train: error: {exc}", file=sys.stderr, flush=True)
         return 1
     except Exception:
@@ -605,12 +744,4 @@ def command_line(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = command_line()
-    if status:
-        # End the process without interpreter teardown: an NCCL process group left
-        # after an error could wait there for peers that are stuck waiting for this
-        # rank, and torchrun would notice the failure (and restart the workers) only
-        # after the collective timeout.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+    end_process(command_line())  # never through interpreter teardown: see end_process

@@ -64,16 +64,19 @@ from d2lgpu.devices import num_gpus
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "CollectiveTimeout",
     "DistContext",
     "RemoteTraceback",
     "RankError",
     "add_job_flags",
     "all_reduce_sum",
     "choose_backend",
+    "end_process",
     "faulty_worker",
     "find_free_port",
     "hogwild_train",
     "launch",
+    "mark_progress",
     "process_group",
 ]
 
@@ -86,6 +89,10 @@ def add_job_flags(parser: argparse.ArgumentParser, *, crash_point: str) -> None:
     """The flags every torchrun trainer of the course shares: ``--data-root``,
     ``--quick``/``--full``, ``--timeout`` and ``--fail-after-epoch`` (the last rank
     crashes once after ``crash_point``, to try ``torchrun --max-restarts``)."""
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise TypeError(f"parser must be an argparse.ArgumentParser, got {parser!r}")
+    if not isinstance(crash_point, str):
+        raise TypeError(f"crash_point must be a str such as 'this epoch', got {crash_point!r}")
     parser.add_argument("--data-root", default=None, help="directory holding FashionMNIST/raw")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -114,6 +121,146 @@ LOOPBACK = "127.0.0.1"
 
 # When an exception last left a process_group() block in this process (time.time()).
 _failed_at: float | None = None
+
+# Where mark_progress() reports: the job's store (inside process_group), and the
+# launch() work directory (in a rank that launch started).
+_progress_store: dist.Store | None = None
+_progress_rank: int = 0
+_launch_dir: Path | None = None
+_progress_count = 0
+
+
+def mark_progress(label: str) -> None:
+    """Note that this rank has reached ``label`` (a step, a collective), for error messages.
+
+    Inside :func:`process_group` the count and label go to the job's rendezvous store,
+    where a rank that times out in a collective reads them to name the rank that never
+    arrived; in a rank started by :func:`launch` they also go to a file, so that
+    launch's own timeout can say where each rank was. Elsewhere it does nothing.
+    ``all_reduce_sum`` calls it; so can any worker, before each collective of its own.
+    """
+    global _progress_count
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str naming the step, got {label!r}")
+    _progress_count += 1
+    if _progress_store is not None:
+        try:
+            _progress_store.set(f"label/{_progress_rank}", f"{_progress_count} {label}")
+        except Exception:  # the store is gone (rank 0 ended): only a message is lost
+            pass
+    if _launch_dir is not None:
+        tmp = _launch_dir / f"progress-{_progress_rank}.tmp"
+        tmp.write_text(f"{_progress_count} {label}")
+        os.replace(tmp, _launch_dir / f"progress-{_progress_rank}.txt")
+
+
+def _parse_progress(text: str | None) -> tuple[int, str]:
+    if not text:
+        return 0, "nothing yet"
+    count, _, label = text.partition(" ")
+    return int(count), label
+
+
+def _laggards(progress: dict[int, tuple[int, str]]) -> list[int]:
+    """The ranks that reported fewer steps than the rank furthest ahead."""
+    furthest = max((count for count, _ in progress.values()), default=0)
+    return [rank for rank, (count, _) in sorted(progress.items()) if count < furthest]
+
+
+def _progress_lines(progress: dict[int, tuple[int, str]]) -> str:
+    return "; ".join(
+        f"rank {rank} at step {count} ({label})"
+        for rank, (count, label) in sorted(progress.items())
+    )
+
+
+#: Where to look when a collective times out on GPUs.
+NCCL_ADVICE = (
+    "On GPUs, run with NCCL_DEBUG=INFO to see what every rank's NCCL does; "
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING (torchrun sets 1; 0 turns it off) is what ends the "
+    "waiting ranks after the timeout (by SIGABRT) instead of letting them wait forever"
+)
+
+
+class CollectiveTimeout(TimeoutError):
+    """A rank waited in a collective longer than the process group's timeout.
+
+    ``laggards`` are the ranks that had reported fewer steps (:func:`mark_progress`)
+    than the others: the ones that never arrived. Empty when that is not known.
+    """
+
+    def __init__(self, message: str, rank: int, laggards: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.laggards = list(laggards)
+
+    def __reduce__(self):  # picklable, so launch can raise it in the caller
+        return (type(self), (str(self), self.rank, self.laggards))
+
+
+def _is_collective_timeout(exc: BaseException) -> bool:
+    # gloo: "Timed out waiting 30000ms for recv operation"; NCCL with blocking wait:
+    # "Watchdog caught collective operation timeout".
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _explain_timeout(
+    exc: BaseException, rank: int, world_size: int, timeout_s: float
+) -> CollectiveTimeout:
+    """The error of a rank that timed out in a collective, naming the ranks that never came."""
+    progress: dict[int, tuple[int, str]] = {}
+    store = _progress_store
+    if store is not None:
+        try:
+            keys = [f"label/{r}" for r in range(world_size)]
+            for r, key in enumerate(keys):
+                text = store.get(key).decode() if store.check([key]) else None
+                progress[r] = _parse_progress(text)
+        except Exception:
+            progress = {}  # the store went away with rank 0: no progress to show
+    laggards = _laggards(progress) if progress else []
+    if laggards:
+        who = ", ".join(map(str, laggards))
+        missing = (
+            f"rank{'s' if len(laggards) > 1 else ''} {who} never arrived "
+            f"({_progress_lines(progress)}): stuck before it (a loop, a deadlock, a slow "
+            "step), or it skipped a collective the others made"
+        )
+    elif progress:
+        missing = (
+            f"every rank had reached the same step ({_progress_lines(progress)}), so one of "
+            "them is stuck inside a collective or went a different way after it"
+        )
+    else:
+        missing = "which rank did not arrive is unknown (the job's store is gone)"
+    return CollectiveTimeout(
+        f"rank {rank} of {world_size} timed out in a collective after timeout_s={timeout_s:g} s: "
+        f"{missing}. {NCCL_ADVICE}. ({type(exc).__name__}: {_first_line(str(exc))})",
+        rank,
+        laggards,
+    )
+
+
+def end_process(status: int = 0) -> NoReturn:
+    """End a command-line entry point (``ddp_train``, ``healthcheck``, ``fsdp_train``) for sure.
+
+    Flushes the output, then leaves with ``os._exit(status)``, skipping the
+    interpreter's teardown. After a success, native libraries' destructors (gloo's
+    threads) have been seen to abort a finished process at exit ("terminate called
+    without an active exception", SIGABRT), turning a finished job into a failed one;
+    after a failure, an NCCL group torn down at exit can wait for peers that are stuck
+    waiting for this rank. Call it only when everything is written and closed.
+    """
+    if isinstance(status, bool) or not isinstance(status, int):
+        raise TypeError(f"status must be an int exit status, got {status!r}")
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
 
 
 # ---------------------------------------------------------------------------
@@ -166,9 +313,17 @@ def find_free_port(host: str = LOOPBACK) -> int:
     The operating system picks it (bind to port 0). Another program could take
     it before the job starts; that is unlikely, and it fails loudly if it happens.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"host must be a host name or address (a str), got {host!r}")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            return int(sock.getsockname()[1])
+    except OSError as exc:  # socket.gaierror for a name that does not resolve
+        raise ValueError(
+            f"cannot open a port on host {host!r} ({type(exc).__name__}: {exc}): pass an address "
+            f"of this machine, such as the default {LOOPBACK!r}"
+        ) from None
 
 
 def _env_int(name: str) -> int:
@@ -425,7 +580,7 @@ def process_group(
         )
 
     backend = choose_backend(local_world_size) if backend is None else backend
-    if backend not in ("nccl", "gloo"):
+    if not isinstance(backend, str) or backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo' (or None to choose), got {backend!r}")
     if backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -454,6 +609,9 @@ def process_group(
             fix="Choose a free port in the parent with d2lgpu.distributed.find_free_port() and "
             "pass the same one to every rank",
         )
+    global _progress_store, _progress_rank, _progress_count
+    progress = dist.PrefixStore("d2lgpu/progress", store)
+    _check_same_world_size(progress, rank, world_size)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -465,15 +623,19 @@ def process_group(
     )
     global _failed_at
     failed = False
+    _progress_store, _progress_rank, _progress_count = progress, rank, 0
     try:
         yield DistContext(rank, world_size, local_rank, local_world_size, backend, device)
-    except BaseException:
+    except BaseException as exc:
         # Remember when the error happened, before the teardown below makes the
         # peers fail too: launch() uses it to tell the cause from its echoes.
         _failed_at = time.time()
         failed = True
+        if _is_collective_timeout(exc):
+            raise _explain_timeout(exc, rank, world_size, timeout_s) from exc
         raise
     finally:
+        _progress_store = None
         # NCCL's orderly teardown flushes and destroys the communicator together
         # with the other ranks. After an error here they are still waiting in a
         # collective for this rank, so it would wait for them until the timeout
@@ -484,12 +646,39 @@ def process_group(
             dist.destroy_process_group()
 
 
+def _check_same_world_size(progress: dist.Store, rank: int, world_size: int) -> None:
+    """Refuse to join when this rank was given another world size than rank 0.
+
+    Otherwise the group waits for a rank that will never come (or never counts
+    one that did) and ends in the backend's raw timeout, which names nothing.
+    """
+    progress.set(f"world_size/{rank}", str(world_size))
+    if rank == 0:
+        return
+    theirs = int(progress.get("world_size/0").decode())
+    if theirs != world_size:
+        raise ValueError(
+            f"world-size mismatch: rank 0 was started with world_size={theirs}, rank {rank} with "
+            f"world_size={world_size}; give every rank the same world size (with launch: "
+            "launch(fn, nprocs, (nprocs, ...)); with torchrun it is --nnodes x --nproc_per_node)"
+        )
+
+
 def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
     """Sum a few numbers (losses, counts) over all ranks; every rank gets the totals.
 
     In float64 so that counts stay exact and sums of many losses lose nothing.
     """
-    totals = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
+    if not isinstance(ctx, DistContext):
+        raise TypeError(
+            f"ctx must be the DistContext that process_group() yields, got {type(ctx).__name__}"
+        )
+    try:
+        numbers = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise TypeError(f"values must be a sequence of numbers, got {values!r}") from None
+    mark_progress("all_reduce_sum")
+    totals = torch.tensor(numbers, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return totals.tolist()
 
@@ -571,10 +760,12 @@ def _run_rank(
     # A rank forked from the forkserver has the server's environment, from when the
     # server started; the caller's may have changed since (CUDA_VISIBLE_DEVICES, say).
     # The server never touched CUDA, so CUDA reads the variables set here.
+    global _launch_dir, _progress_rank
     os.environ.clear()
     os.environ.update(environment)
     torch.set_num_threads(threads)
     work = Path(workdir)
+    _launch_dir, _progress_rank = work, rank
     try:
         try:
             value = fn(rank, *args)
@@ -590,12 +781,12 @@ def _run_rank(
         # The parent rebuilds the error from the record. Exit at once, like a
         # finished rank below, so that no teardown (an NCCL communicator whose
         # peers are stuck waiting for this rank) can delay the failure.
-        _exit_now(1)
+        end_process(1)
     # The rank's work is done and recorded. Leave now rather than through the
     # interpreter's normal shutdown: native libraries' destructors (gloo's
     # threads among them) have been seen to abort a finished process there,
     # which would turn a successful job into a failed one.
-    _exit_now(0)
+    end_process(0)
 
 
 def _save_result(value: Any, workdir: Path) -> None:
@@ -636,20 +827,15 @@ def _record_error(rank: int, exc: BaseException, workdir: Path) -> None:
         pickle.dump(record, fh)
 
 
-def _exit_now(code: int) -> NoReturn:
-    """End this process with ``code`` after flushing its output, skipping interpreter teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 # What usually ends a process with these signals, for the error message.
 _LIKELY_CAUSES = {
     "SIGKILL": "running out of memory (the kernel's out-of-memory killer sends SIGKILL) or a "
     "`kill -9` from a user or a job scheduler",
     "SIGSEGV": "a crash in native code (a C++ or CUDA library or extension)",
     "SIGBUS": "a crash in native code, or shared memory (/dev/shm) running full",
-    "SIGABRT": "a native library aborting (a failed assertion or an uncaught C++ exception)",
+    "SIGABRT": "a native library aborting: NCCL's watchdog ends a rank that timed out in a "
+    "collective this way (a peer never arrived: look at the other ranks first, and run with "
+    "NCCL_DEBUG=INFO), or a failed assertion or uncaught C++ exception",
 }
 
 
@@ -686,6 +872,8 @@ class _Outcome:
     records: dict[int, dict[str, Any]]
     #: Where each rank that called sys.exit(0) did so, by rank.
     early_exits: dict[int, str]
+    #: The last step each rank reported with mark_progress: (count, label), by rank.
+    progress: dict[int, tuple[int, str]]
 
     @classmethod
     def read(
@@ -699,7 +887,55 @@ class _Outcome:
         early = {
             int(path.stem.split("-")[1]): path.read_text() for path in workdir.glob("exit-*.txt")
         }
-        return cls(exitcodes, first_seen, stopped, records, early)
+        progress = {
+            int(path.stem.split("-")[1]): _parse_progress(path.read_text())
+            for path in workdir.glob("progress-*.txt")
+        }
+        return cls(exitcodes, first_seen, stopped, records, early, progress)
+
+    def hang_summary(self) -> str:
+        """Which ranks were still running at launch's timeout, and where each one was."""
+        running = self.stopped
+        finished = [r for r, code in enumerate(self.exitcodes) if code == 0 and r not in running]
+        parts = []
+        if running:
+            parts.append(f"still running: rank{'s' if len(running) > 1 else ''} "
+                         f"{', '.join(map(str, running))}")
+        if finished:
+            parts.append(f"finished: {', '.join(map(str, finished))}")
+        if self.progress:
+            progress = {r: self.progress.get(r, (0, "nothing yet"))
+                        for r in range(len(self.exitcodes))}
+            laggards = _laggards(progress)
+            if laggards:
+                parts.append(
+                    f"rank{'s' if len(laggards) > 1 else ''} {', '.join(map(str, laggards))} "
+                    f"never arrived where the others were ({_progress_lines(progress)})"
+                )
+            else:
+                parts.append(f"all at the same step ({_progress_lines(progress)})")
+        else:
+            parts.append(
+                "no rank reported its progress (call d2lgpu.distributed.mark_progress before "
+                "each collective to see where each rank was)"
+            )
+        return "; ".join(parts) + ". Give them more time, or look for a rank that never reached "\
+            "a collective the others wait in"
+
+    def aborted_waiting(self) -> bool:
+        """True when every rank seen dead first was killed by SIGABRT while others still ran.
+
+        NCCL's watchdog ends a rank that timed out in a collective with SIGABRT: the
+        dead ranks are then the ones that waited, and the culprit is a rank that never
+        arrived, one that launch found still running (or that crashed later, quietly).
+        """
+        abort = -getattr(signal, "SIGABRT", 6)
+        silent = [r for r in self.first_seen if r not in self.records]
+        return (
+            bool(silent)
+            and all(self.exitcodes[r] == abort for r in silent)
+            and bool(self.stopped)
+        )
 
     def cause(self) -> int:
         """The rank that failed first.
@@ -710,6 +946,12 @@ class _Outcome:
         the rank whose exception came first, by the time it recorded.
         """
         silent = [r for r in self.first_seen if r not in self.records]
+        if self.aborted_waiting():
+            return self.stopped[0]  # the one that never arrived
+        # A rank killed by SIGABRT is often one that waited for a crashed peer (NCCL's
+        # watchdog); a peer dead of anything else is the likelier first failure.
+        abort = -getattr(signal, "SIGABRT", 6)
+        silent.sort(key=lambda r: self.exitcodes[r] == abort)
         if silent:
             return silent[0]
         return min(self.records.values(), key=lambda record: record["time"])["rank"]
@@ -748,6 +990,19 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
     cause = outcome.cause()
     aftermath = outcome.aftermath(cause)
     record = outcome.records.get(cause)
+    if outcome.aborted_waiting():
+        waiting = [r for r in outcome.first_seen if r not in outcome.records]
+        who = ", ".join(map(str, waiting))
+        lines = [
+            f"rank {cause} of {nprocs} never arrived: rank{'s' if len(waiting) > 1 else ''} "
+            f"{who} timed out in a collective waiting for it and "
+            f"{'were' if len(waiting) > 1 else 'was'} "
+            "killed by SIGABRT, which is how NCCL's watchdog ends a rank after a collective "
+            f"timeout, while rank {cause} was still running (stopped by launch). {NCCL_ADVICE}",
+        ]
+        if outcome.progress:
+            lines.append(f"last steps reported: {_progress_lines(outcome.progress)}")
+        raise RankError("\n  ".join(lines), cause, outcome.exitcodes[cause])
     if record is None:
         code = outcome.exitcodes[cause]
         assert code is not None  # it was seen failed
@@ -854,6 +1109,8 @@ def launch(
     ``TypeError`` naming its type). Each process gets an equal share of the CPU
     cores for its intra-op threads, so two ranks on two cores do not fight over them.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
     check_positive_int("nprocs", nprocs)
     _check_times(timeout_s, grace_s, poll_s)
     if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
@@ -864,16 +1121,21 @@ def launch(
             "or inside another function, so a spawned process cannot import it: move it into a "
             ".py module and import it from there"
         )
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    if "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_interface():
-        os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface() or ""
+    # The ranks' environment: this process's, plus the loopback interface for gloo
+    # (set for the ranks only, not in this process, whose later children inherit it).
+    environment = dict(os.environ)
+    if "GLOO_SOCKET_IFNAME" not in environment and _loopback_interface():
+        environment["GLOO_SOCKET_IFNAME"] = _loopback_interface() or ""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
     with tempfile.TemporaryDirectory(prefix="d2lgpu-launch-") as tmp:
         workdir = Path(tmp)
         context = mp.start_processes(
             _run_rank,
-            args=(fn, args, str(workdir), nprocs, threads, dict(os.environ)),
+            args=(fn, args, str(workdir), nprocs, threads, environment),
             nprocs=nprocs,
             join=False,
             start_method=_rank_start_method(),
@@ -918,14 +1180,13 @@ def launch(
         if first_seen:
             _raise_first_failure(_Outcome.read(workdir, exitcodes, first_seen, stopped))
         if timed_out:
-            early = _Outcome.read(workdir, exitcodes, [], stopped).early_exit_lines()
+            outcome = _Outcome.read(workdir, exitcodes, [], stopped)
             raise TimeoutError(
                 "\n  ".join(
                     [
-                        f"the {nprocs} processes did not finish within timeout_s={timeout_s} s "
-                        "and were stopped; give them more time, or look for a rank waiting on "
-                        "a collective the others never reached",
-                        *early,
+                        f"timed out: the {nprocs} ranks did not finish within "
+                        f"timeout_s={timeout_s} s and were stopped; {outcome.hang_summary()}",
+                        *outcome.early_exit_lines(),
                     ]
                 )
             )
@@ -1017,7 +1278,21 @@ def hogwild_train(
     memory, not a copy: when the call returns, ``model`` in the caller holds
     the result of everybody's updates. The updates race (no locks); for sparse
     or small updates that costs little accuracy, which is the point of Hogwild.
+    Like ``d2lgpu.training.train``, it refuses data or weights holding nan or inf, and
+    raises ``FloatingPointError`` when training diverged (the loss over the data is not
+    finite afterwards, or ten times what it was) instead of returning exploded weights.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, tensor in (("features", features), ("targets", targets)):
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point torch.Tensor, got "
+                f"{tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{name} hold nan or inf: clean the data before training")
+    check_positive_int("nprocs", nprocs)
     check_positive_int("epochs", epochs)
     check_positive_int("batch_size", batch_size)
     check_positive_float("lr", lr)
@@ -1027,8 +1302,12 @@ def hogwild_train(
         raise ValueError(
             "hogwild_train shares CPU memory between processes; move the model to the CPU first"
         )
+    if any(not torch.isfinite(p).all() for p in model.parameters()):
+        raise ValueError("the model's weights hold nan or inf before training: initialise it anew")
     if len(features) != len(targets):
         raise ValueError(f"{len(features)} feature rows but {len(targets)} targets")
+    with torch.no_grad():
+        before = nn.functional.mse_loss(model(features), targets).item()
     model.share_memory()
     launch(
         _hogwild_worker,
@@ -1036,6 +1315,15 @@ def hogwild_train(
         (model, features, targets, nprocs, epochs, batch_size, lr, seed),
         timeout_s=timeout_s,
     )
+    # The same rule as d2lgpu.training's: a loss that is not finite (or here, one that
+    # grew tenfold) is a diverged run, never a result.
+    with torch.no_grad():
+        after = nn.functional.mse_loss(model(features), targets).item()
+    if not math.isfinite(after) or after > 10 * before:
+        raise FloatingPointError(
+            f"hogwild training diverged: the loss went from {before:.4g} to {after:.4g}. Try a "
+            f"smaller lr (this run: {lr:g}) or a smaller batch_size"
+        )
     return model
 
 
@@ -1071,10 +1359,22 @@ def run_together(
     """
     import subprocess  # imported here: only this helper starts command-line programs
 
+    if isinstance(commands, str) or not isinstance(commands, Sequence) or any(
+        isinstance(c, str) or not isinstance(c, Sequence) for c in commands
+    ):
+        raise TypeError(
+            f"commands must be a list of commands, each a list of strings, got {commands!r}"
+        )
     if not commands or any(not command for command in commands):
         raise ValueError("commands must be a non-empty list of non-empty commands")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if any(not isinstance(part, str) for command in commands for part in command):
+        raise TypeError(f"every part of a command must be a str, got {commands!r}")
+    if env is not None and not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of environment variables or None, got {env!r}")
+    try:
+        check_positive_float("timeout_s", timeout_s)
+    except ValueError:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}") from None
     deadline = time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="d2lgpu-run-") as tmp:
         logs = [open(Path(tmp) / f"{i}.log", "w+", encoding="utf-8") for i in range(len(commands))]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import traceback
 from collections.abc import Sequence
 
@@ -150,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
 
 
 if __name__ == "__main__":
+    from d2lgpu.distributed import end_process
+
     try:
         main()
     except Exception:
@@ -158,6 +159,5 @@ if __name__ == "__main__":
         # waiting for this rank, and torchrun would notice the failure only after
         # the collective timeout.
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        end_process(1)
+    end_process(0)  # never through interpreter teardown: see end_process

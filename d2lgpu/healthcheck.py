@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from d2lgpu.distributed import DistContext, process_group
+from d2lgpu.checks import positive_number_flag
+from d2lgpu.distributed import DistContext, end_process, mark_progress, process_group
 from d2lgpu.report import nccl_version
 
 __all__ = ["health_check", "healthcheck_worker", "main"]
@@ -43,7 +44,12 @@ def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
     The lines are the same on every rank (gathered from all of them), so rank 0
     can print them and every rank can exit with the same status.
     """
+    if not isinstance(ctx, DistContext):
+        raise TypeError(
+            f"ctx must be the DistContext that process_group() yields, got {type(ctx).__name__}"
+        )
     expected = ctx.world_size * (ctx.world_size + 1) / 2
+    mark_progress("health check: all_reduce")
     total = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     got = total.item()
@@ -95,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=positive_number_flag,
         default=60.0,
         help="seconds to wait for the other ranks (default %(default)s)",
     )
@@ -118,11 +124,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    if status:
-        # After a failed collective, NCCL's teardown at interpreter exit can wait for
-        # peers that are gone; leave without it so the job ends now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    sys.exit(status)
+    end_process(main())  # never through interpreter teardown: see end_process

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from d2lgpu.distributed import process_group
+from d2lgpu.distributed import all_reduce_sum, process_group
 
 
 def return_rank(rank: int) -> int:
@@ -73,3 +73,29 @@ def exit_early_in_collective(rank: int, world_size: int, master_port: int) -> fl
         value = torch.ones(1)
         dist.all_reduce(value)
         return value.item()
+
+
+def read_env(rank: int, name: str) -> str | None:
+    """The value of environment variable ``name`` in the rank (None when unset)."""
+    return os.environ.get(name)
+
+
+def hang_before_the_collective(rank: int, world_size: int, master_port: int) -> list[float]:
+    """Rank 1 is stuck (a long sleep) while rank 0 waits for it in an all-reduce (timeout 3 s)."""
+    with process_group(rank, world_size, master_port=master_port, timeout_s=3) as ctx:
+        if rank == 1:
+            time.sleep(60)
+        return all_reduce_sum([1.0], ctx)
+
+
+def rank_1_never_ends(rank: int) -> int:
+    """Rank 0 returns at once; rank 1 sleeps far past launch's timeout."""
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+def mismatched_world_size(rank: int, master_port: int) -> None:
+    """Rank 0 is told the job has 2 ranks, rank 1 that it has 3."""
+    with process_group(rank, 2 if rank == 0 else 3, master_port=master_port, timeout_s=20):
+        pass

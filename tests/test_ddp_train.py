@@ -7,12 +7,13 @@ multi-process runs are in test_distributed.py.
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 
 from d2lgpu import ddp_train
-from d2lgpu.ddp_train import DDPConfig, main, train_ddp
+from d2lgpu.ddp_train import DDPConfig, SnapshotError, main, read_snapshot, train_ddp
 
 COMMON = dict(batch_size=32, lr=0.1, model="small_cnn", seed=0, quick=True, log=False)
 
@@ -96,24 +97,41 @@ def test_tf32_false_turns_tf32_off_during_training_and_restores_it(monkeypatch):
 # --- training that goes wrong -------------------------------------------------------------
 
 
-def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_snapshot(tmp_path):
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_snapshot(tmp_path, monkeypatch):
     snapshot = tmp_path / "snap.pt"
     good = _images()
     train_ddp(DDPConfig(epochs=1, snapshot=str(snapshot), **COMMON), None, good)
+    # NaN in the data is named as such, before training: not "diverged".
     poisoned = (good[0].float(), *good[1:])
     poisoned[0][5, 0, 3, 3] = math.nan
-    with pytest.raises(FloatingPointError, match=r"epoch 2.*(nan|inf)"):
+    with pytest.raises(ValueError, match=r"train images hold nan or inf"):
         train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **COMMON), None, poisoned)
-    assert torch.load(snapshot, weights_only=False)["epochs_done"] == 1
+    # A loss that stops being finite (a diverging run) stops training at that epoch.
+    class InfiniteLoss(torch.nn.CrossEntropyLoss):
+        def forward(self, logits, target):
+            return super().forward(logits, target) * math.inf
+
+    monkeypatch.setattr(ddp_train.nn, "CrossEntropyLoss", InfiniteLoss)
+    with pytest.raises(FloatingPointError, match=r"epoch 2.*(nan|inf)"):
+        train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **COMMON), None, good)
+    assert read_snapshot(snapshot)["epochs_done"] == 1
 
 
 # --- snapshots ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_epoch_snapshot(tmp_path):
-    path = tmp_path / "snap.pt"
+@pytest.fixture(scope="module")
+def _trained_once(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trained") / "snap.pt"
     train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
+    return path
+
+
+@pytest.fixture
+def one_epoch_snapshot(_trained_once, tmp_path):
+    """A fresh copy, per test, of a snapshot after one epoch (trained once per module)."""
+    path = tmp_path / "snap.pt"
+    shutil.copy(_trained_once, path)
     return path
 
 
@@ -163,8 +181,13 @@ def _empty(path):
 
 
 def _wrong_dict(path):
-    # Everything but the settings it was written with (an older format, or another program's).
-    torch.save({"model": {}, "optimizer": {}, "epochs_done": 1, "history": {}}, path)
+    # Checksummed, but everything except the settings it was written with.
+    ddp_train._save_snapshot(path, {"model": {}, "optimizer": {}, "epochs_done": 1, "history": {}})
+
+
+def _unchecked(path):
+    # A plain torch.save of the right keys: an older format, or another program's file.
+    torch.save({"model": {}, "optimizer": {}, "epochs_done": 1, "history": {}, "config": {}}, path)
 
 
 def _directory(path):
@@ -177,6 +200,7 @@ def _directory(path):
         (_garbage, "cannot read"),
         (_empty, "is empty"),
         (_wrong_dict, "lacks 'config'"),
+        (_unchecked, "not a checksummed snapshot"),
         (_directory, "is a directory"),
     ],
 )
@@ -197,3 +221,54 @@ def test_snapshot_errors_on_the_command_line_print_the_message_and_exit_1(tmp_pa
     err = capsys.readouterr().err
     assert status == 1
     assert f"error: cannot read snapshot {path}" in err and "Traceback" not in err, err
+
+
+def test_a_snapshot_with_flipped_bytes_is_refused_naming_the_file(one_epoch_snapshot):
+    path = one_epoch_snapshot
+    raw = bytearray(path.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SnapshotError) as info:
+        train_ddp(DDPConfig(epochs=2, snapshot=str(path), **COMMON), None, _images())
+    message = str(info.value)
+    assert str(path) in message and ("damaged" in message or "cannot read" in message), message
+    assert "to start fresh" in message, message
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "under_proc"])
+def test_an_unwritable_snapshot_path_fails_before_training(where, tmp_path, monkeypatch):
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before checking the snapshot path")
+
+    monkeypatch.setattr(ddp_train, "build_model", no_training)
+    if where == "under_a_file":
+        (tmp_path / "file").write_text("x")
+        path, what = tmp_path / "file" / "snap.pt", "is a file, not a directory"
+    else:
+        path, what = "/proc/d2lgpu/snap.pt", "cannot write snapshot"
+    with pytest.raises(SnapshotError, match=what) as info:
+        train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [({"snapshot": 3}, "snapshot"), ({"data_root": 1.5}, "data_root"), ({"log": "no"}, "log")],
+)
+def test_settings_of_the_wrong_type_are_refused_by_name(change, name):
+    with pytest.raises(TypeError, match=rf"^{name} must be"):
+        DDPConfig(**{**COMMON, **change})
+
+
+def test_train_ddp_refuses_wrong_arguments_naming_them():
+    with pytest.raises(TypeError, match="cfg must be a DDPConfig"):
+        train_ddp(None)
+    with pytest.raises(TypeError, match="ctx must be the DistContext"):
+        train_ddp(DDPConfig(**COMMON), "gloo")
+    with pytest.raises(TypeError, match="data must be a tuple of 4 tensors"):
+        train_ddp(DDPConfig(**COMMON), None, [1, 2])
+    with pytest.raises(TypeError, match="module must be"):
+        ddp_train.strip_batchnorm(None)
+    with pytest.raises(TypeError, match="path must be"):
+        read_snapshot(None)

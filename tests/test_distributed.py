@@ -6,15 +6,21 @@ import of torch in every new process). Every launch and subprocess has a timeout
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from _torchrun import CHILD_ENV, TORCHRUN, two_node_torchrun
+from _torchrun import CHILD_ENV, two_node_torchrun
 
-from d2lgpu.ddp_train import DDPConfig, ddp_worker, strip_batchnorm, train_ddp
+from d2lgpu.ddp_train import (
+    DDPConfig,
+    build_model,
+    ddp_worker,
+    read_snapshot,
+    strip_batchnorm,
+    train_ddp,
+)
 from d2lgpu.distributed import (
     DistContext,
     RemoteTraceback,
@@ -119,7 +125,7 @@ def test_resume_from_snapshot_continues_the_epoch_count(tmp_path):
     common = dict(batch_size=32, lr=0.1, model="small_cnn", log=False)
     first = train_ddp(DDPConfig(epochs=1, snapshot=str(snapshot), **common), None, data)
     assert first.epochs_done == 1 and first.resumed_from_epoch == 0
-    saved = torch.load(snapshot, weights_only=False)
+    saved = read_snapshot(snapshot)
     assert saved["epochs_done"] == 1 and not snapshot.with_name("snap.pt.tmp").exists()
 
     resumed = train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **common), None, data)
@@ -129,7 +135,7 @@ def test_resume_from_snapshot_continues_the_epoch_count(tmp_path):
     assert resumed.train_loss[0] == first.train_loss[0]
     # Interrupted + resumed training is the same computation as uninterrupted training.
     assert _max_abs_diff(resumed.state_dict, straight.state_dict) < 1e-6
-    assert torch.load(snapshot, weights_only=False)["epochs_done"] == 2
+    assert read_snapshot(snapshot)["epochs_done"] == 2
 
     with pytest.raises(ValueError, match="--model small_cnn in the snapshot, resnet18 now"):
         train_ddp(
@@ -167,8 +173,8 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch(monkeypatch):
     diff = _max_abs_diff(two.state_dict, one.state_dict)
     assert diff < 1e-5, f"DDP and single-process weights differ by {diff}"
     # The parameters moved (otherwise equality would prove nothing).
-    init = DDPConfig(epochs=1, batch_size=32, lr=1e-12, model="small_cnn_nobn", log=False)
-    assert _max_abs_diff(train_ddp(init, None, data).state_dict, one.state_dict) > 1e-3
+    torch.manual_seed(cfg.seed)  # the initial weights, built as train_ddp builds them
+    assert _max_abs_diff(build_model(cfg.model).state_dict(), one.state_dict) > 1e-3
     assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
 
 
@@ -224,46 +230,32 @@ def test_hogwild_refuses_mismatched_data():
 # --- torchrun --------------------------------------------------------------------------
 
 
-def test_torchrun_two_processes_restart_and_resume(tmp_path):
+def test_torchrun_on_two_nodes_restarts_and_resumes_from_the_snapshot(tmp_path):
+    # One job covers both: two pretend machines (c10d rendezvous on the loopback), and
+    # a restart after the last rank crashes once (--fail-after-epoch 1, --max-restarts 1)
+    # that resumes from rank 0's snapshot. Every process start costs seconds, so the two
+    # behaviours share the processes.
     snapshot = tmp_path / "snapshot.pt"
-    cmd = TORCHRUN + [
-        "--standalone",
-        "--nproc_per_node=2",
-        "--max-restarts=1",
-        "-m",
-        "d2lgpu.ddp_train",
-        "--quick",
-        "--epochs=2",
-        "--batch-size=64",
-        f"--snapshot={snapshot}",
-        "--fail-after-epoch=1",
-        "--timeout=60",
-    ]
-    proc = subprocess.run(cmd, env=CHILD_ENV, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    assert "simulated failure of rank 1 after epoch 1" in out  # the first attempt crashed
-    assert f"resuming from {snapshot} after epoch 1" in proc.stdout  # the restart resumed
-    assert "epoch 1/2" in proc.stdout and "epoch 2/2" in proc.stdout
-    assert "2 ranks, backend gloo" in proc.stdout
-    saved = torch.load(snapshot, weights_only=False)
-    assert saved["epochs_done"] == 2 and len(saved["history"]["train_loss"]) == 2
-    assert saved["config"]["model"] == "small_cnn"  # quick mode picks the small model
-
-
-def test_two_nodes_on_loopback(tmp_path):
     port = find_free_port()
     nodes = run_together(
         [
             two_node_torchrun(node, port)
-            + ["-m", "d2lgpu.ddp_train", "--quick", "--epochs=1", "--batch-size=64", "--timeout=60"]
+            + ["--max-restarts=1", "-m", "d2lgpu.ddp_train", "--quick", "--epochs=2",
+               "--batch-size=64", f"--snapshot={snapshot}", "--fail-after-epoch=1",
+               "--timeout=60"]
             for node in (0, 1)
         ],
         env=CHILD_ENV,
+        timeout_s=300,
     )
     outputs = [node.output for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)[-4000:]
     combined = "".join(outputs)
-    # One job of two ranks (one per "node"); only global rank 0 logs, whichever node it is on.
-    assert combined.count("2 ranks, backend gloo") == 1
-    assert combined.count("done: 1 epochs") == 1
+    assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)[-4000:]
+    assert "simulated failure of rank 1 after epoch 1" in combined  # the first attempt crashed
+    assert f"resuming from {snapshot} after epoch 1" in combined  # the restart resumed
+    # One job of two ranks (one per "node"), started twice; only global rank 0 logs.
+    assert combined.count("2 ranks, backend gloo") == 2, combined[-3000:]
+    assert combined.count("epoch 2/2") == 1 and combined.count("done: 2 epochs") == 1
+    saved = read_snapshot(snapshot)
+    assert saved["epochs_done"] == 2 and len(saved["history"]["train_loss"]) == 2
+    assert saved["config"]["model"] == "small_cnn"  # quick mode picks the small model

@@ -10,14 +10,33 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import _fault_workers as workers
 import pytest
 import torch
 
-from d2lgpu.distributed import RankError, find_free_port, hogwild_train, launch, process_group
+from d2lgpu import distributed
+from d2lgpu.distributed import (
+    CollectiveTimeout,
+    DistContext,
+    RankError,
+    _Outcome,
+    _raise_first_failure,
+    add_job_flags,
+    all_reduce_sum,
+    end_process,
+    find_free_port,
+    hogwild_train,
+    launch,
+    mark_progress,
+    process_group,
+    run_together,
+)
+from d2lgpu.healthcheck import health_check
 
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
@@ -60,9 +79,28 @@ time.sleep(120)
 
 # Run in a child process too: before the fix the rendezvous blocked in native code,
 # deaf even to SIGALRM, so only an outside timeout could end it.
+#
+# The same child first checks end_process by repetition (it pays for one import of torch
+# for both): ten two-rank gloo jobs, forked while this process is still single-threaded,
+# each rank ending through end_process after its group is destroyed. Every rank must end
+# with status 0 and its unflushed output printed.
 _RENDEZVOUS_SCRIPT = """
-import sys, time
-from d2lgpu.distributed import find_free_port, process_group
+import os, sys, time
+from d2lgpu.distributed import all_reduce_sum, end_process, find_free_port, process_group
+jobs, statuses = 10, []
+for job in range(jobs):
+    port, children = find_free_port(), []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            with process_group(rank, 2, master_port=port, timeout_s=30) as ctx:
+                total = all_reduce_sum([1.0], ctx)[0]
+            print(f"job {job} rank {rank} done: {total:g}")  # not flushed: end_process must
+            end_process(0)
+        children.append(pid)
+    statuses += [os.waitpid(pid, 0)[1] for pid in children]
+print("statuses", sorted(set(statuses)), "of", len(statuses), flush=True)
+
 held = int(sys.argv[1])
 for name, rank, port, timeout_s in [
     ("held", 1, held, 3), ("held", 0, held, 3), ("unused", 1, find_free_port(), 1)
@@ -77,7 +115,8 @@ for name, rank, port, timeout_s in [
 """
 
 
-def test_rendezvous_on_a_port_held_by_another_program_ends_within_the_timeout():
+@pytest.fixture(scope="module")
+def rendezvous_child():
     holder = subprocess.Popen(
         [sys.executable, "-c", _PORT_HOLDER_SCRIPT], stdout=subprocess.PIPE, text=True
     )
@@ -88,11 +127,23 @@ def test_rendezvous_on_a_port_held_by_another_program_ends_within_the_timeout():
             env=CHILD_ENV,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=240,
         )
     finally:
         holder.kill()
         holder.wait()
+    return proc, port
+
+
+def test_end_process_ends_finished_jobs_cleanly_every_time(rendezvous_child):
+    proc, _ = rendezvous_child
+    assert "statuses [0] of 20" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("done: 2") == 20, proc.stdout
+    assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_rendezvous_on_a_port_held_by_another_program_ends_within_the_timeout(rendezvous_child):
+    proc, port = rendezvous_child
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {}
     for name, rank, seconds, message in re.findall(
@@ -211,3 +262,147 @@ def test_an_early_sys_exit_0_is_named_when_its_peers_fail_for_want_of_it():
 def test_hogwild_refuses_bad_settings_before_starting_processes(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name} must be"):
         hogwild_train(torch.nn.Linear(2, 1), torch.zeros(4, 2), torch.zeros(4, 1), **kwargs)
+
+
+# --- launch: whom to blame when ranks hang or abort ---------------------------------------
+
+
+def test_the_ranks_get_the_loopback_interface_and_the_caller_keeps_its_environment(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    seen = launch(workers.read_env, 1, ("GLOO_SOCKET_IFNAME",), timeout_s=60)
+    if sys.platform == "linux":
+        assert seen == "lo"
+    assert "GLOO_SOCKET_IFNAME" not in os.environ  # not leaked to this process's children
+
+
+def test_a_rank_that_never_reaches_the_collective_is_named_and_it_says_timed_out():
+    with pytest.raises(CollectiveTimeout) as info:
+        launch(workers.hang_before_the_collective, 2, (2, find_free_port()), timeout_s=60)
+    message = str(info.value)
+    assert "rank 0 of 2 timed out in a collective" in message, message
+    assert "rank 1 never arrived" in message, message
+    assert info.value.laggards == [1]
+    assert "NCCL_DEBUG=INFO" in message and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in message
+
+
+def test_launch_timeout_names_the_rank_still_running():
+    with pytest.raises(TimeoutError) as info:
+        launch(workers.rank_1_never_ends, 2, timeout_s=2.0, grace_s=1.0)
+    message = str(info.value)
+    assert message.startswith("timed out") and "still running: rank 1" in message, message
+    assert "finished: 0" in message, message
+
+
+def test_a_world_size_mismatch_is_named():
+    with pytest.raises(ValueError, match=r"world-size mismatch: rank 0 .*world_size=2, rank 1 "):
+        launch(workers.mismatched_world_size, 2, (find_free_port(),), timeout_s=60)
+
+
+def _outcome(exitcodes, first_seen, stopped, progress=None):
+    return _Outcome(exitcodes, first_seen, stopped, {}, {}, progress or {})
+
+
+def test_ranks_aborted_by_the_nccl_watchdog_blame_the_rank_that_never_arrived():
+    # Rank 0 died by SIGABRT (NCCL's watchdog after a collective timeout) while rank 1
+    # was still running: rank 1 is the one to look at, not rank 0.
+    outcome = _outcome([-signal.SIGABRT, -signal.SIGTERM], [0], [1], {0: (3, "all_reduce_sum")})
+    assert outcome.cause() == 1
+    with pytest.raises(RankError) as info:
+        _raise_first_failure(outcome)
+    message = str(info.value)
+    assert info.value.rank == 1 and "rank 1 of 2 never arrived" in message, message
+    assert "rank 0 timed out in a collective" in message and "SIGABRT" in message, message
+    assert "NCCL_DEBUG=INFO" in message and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in message
+
+
+def test_a_native_crash_is_blamed_before_the_peers_the_watchdog_aborted():
+    outcome = _outcome([-signal.SIGABRT, -signal.SIGSEGV], [0, 1], [])
+    assert outcome.cause() == 1
+    with pytest.raises(RankError, match=r"rank 1 of 2 was killed by signal SIGSEGV"):
+        _raise_first_failure(outcome)
+    # Alone, SIGABRT is described with the watchdog as one likely cause.
+    with pytest.raises(RankError, match=r"SIGABRT.*NCCL's watchdog"):
+        _raise_first_failure(_outcome([-signal.SIGABRT, 0], [0], []))
+
+
+# --- a clean exit for every command-line entry point --------------------------------------
+
+@pytest.mark.parametrize("module", ["ddp_train", "healthcheck", "fsdp_train"])
+def test_every_entry_point_ends_through_end_process(module):
+    import ast
+    import importlib.util
+
+    # Read, not imported: importing fsdp_train alone would cost seconds.
+    source = Path(importlib.util.find_spec(f"d2lgpu.{module}").origin).read_text()
+    main_guard = next(
+        node for node in ast.parse(source).body
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+    )
+    text = ast.unparse(main_guard)
+    assert "end_process(" in text and "os._exit" not in text and "sys.exit" not in text, text
+
+
+def test_end_process_refuses_a_status_that_is_not_an_int():
+    with pytest.raises(TypeError, match="status"):
+        end_process(True)
+
+
+# --- bad input to the public helpers names the fix -------------------------------------------
+
+
+def test_find_free_port_names_a_host_it_cannot_use():
+    with pytest.raises(ValueError, match=r"cannot open a port on host 'no-such-host\.invalid'"):
+        find_free_port("no-such-host.invalid")
+    with pytest.raises(TypeError, match="host must be"):
+        find_free_port(None)
+
+
+def test_helpers_refuse_wrong_types_naming_what_they_take():
+    ctx = DistContext(0, 1, 0, 1, "gloo", torch.device("cpu"))
+    with pytest.raises(TypeError, match="values must be a sequence of numbers"):
+        all_reduce_sum(None, ctx)
+    with pytest.raises(TypeError, match="ctx must be the DistContext"):
+        all_reduce_sum([1.0], None)
+    with pytest.raises(TypeError, match="fn must be a function"):
+        launch(None, 2)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        launch(workers.return_rank, 1, [1])
+    with pytest.raises(TypeError, match="commands must be a list"):
+        run_together("echo hi")
+    with pytest.raises(TypeError, match="label must be a str"):
+        mark_progress(None)
+    with pytest.raises(TypeError, match="parser must be"):
+        add_job_flags(None, crash_point="x")
+    with pytest.raises(TypeError, match="ctx must be the DistContext"):
+        health_check(None)
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((None, torch.zeros(4, 2), torch.zeros(4, 1)), TypeError, "model must be"),
+        ((torch.nn.Linear(2, 1), None, torch.zeros(4, 1)), TypeError, "features must be"),
+        ((torch.nn.Linear(2, 1), torch.full((4, 2), math.nan), torch.zeros(4, 1)), ValueError,
+         "features hold nan"),
+    ],
+)
+def test_hogwild_refuses_bad_input_naming_it(args, error, match):
+    with pytest.raises(error, match=match):
+        hogwild_train(*args)
+
+
+def test_hogwild_that_diverges_raises_instead_of_returning_exploded_weights(monkeypatch):
+    # The ranks run one after the other in this process: the check after training is
+    # what is tested, not the processes (test_distributed.py starts real ones).
+    def in_process(fn, nprocs, args, **_):
+        for rank in range(nprocs):
+            fn(rank, *args)
+
+    monkeypatch.setattr(distributed, "launch", in_process)
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(64, 2, generator=gen)
+    y = X @ torch.tensor([[2.0], [-3.0]])
+    with pytest.raises(FloatingPointError, match=r"diverged.*smaller lr \(this run: 1e\+06\)"):
+        hogwild_train(torch.nn.Linear(2, 1), X, y, lr=1e6)
+    model = hogwild_train(torch.nn.Linear(2, 1), X, y, lr=0.1, epochs=10, batch_size=8)  # sane
+    assert torch.allclose(model.weight.detach(), torch.tensor([[2.0, -3.0]]), atol=0.1)
