@@ -321,6 +321,7 @@ class ChapterClock:
         self._start = self._clock()
         self.calibration = calibration
         self.expected: float | None = None
+        self.elapsed: float | None = None
         self._announce()
 
     def _announce(self) -> None:
@@ -342,14 +343,16 @@ class ChapterClock:
         self._out(f"This process runs {self.mode} mode. A calibration step ran {speed} on the "
                   f"reference machine here, so expect about {format_duration(self.expected)}.")
 
-    def finish(self) -> float:
-        """Print and return how long the chapter took in this process since it started."""
-        elapsed = self._clock() - self._start
+    def finish(self) -> None:
+        """Print how long the chapter took in this process (also kept as ``elapsed``).
+
+        It returns nothing, so that a notebook's last cell shows the sentence alone.
+        """
+        elapsed = self.elapsed = self._clock() - self._start
         expected = ("" if self.expected is None else
                     f" (expected about {format_duration(self.expected)})")
         self._out(f"This chapter took {format_duration(elapsed)} here in {self.mode} mode"
                   f"{expected}.")
-        return elapsed
 
 
 def start_chapter(
