@@ -36,7 +36,6 @@ from d2lgpu.data import (
     load_data_fashion_mnist,
     synthetic_regression,
 )
-from d2lgpu.estimate import ChapterClock, start_chapter
 from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
 from d2lgpu.distributed import (
     choose_backend,
@@ -45,6 +44,7 @@ from d2lgpu.distributed import (
     launch,
     process_group,
 )
+from d2lgpu.estimate import ChapterClock, start_chapter
 from d2lgpu.fast import (
     DeviceLoader,
     Techniques,

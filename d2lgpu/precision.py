@@ -803,7 +803,7 @@ def explain_comparison(
         meaning = f"This CPU {offers}, and the automatic choice here is " + (
             "bf16." if cpu_native_bf16 else "fp32.")
         if verdict == "slower" and cpu_native_bf16:
-            meaning += " For this model the conversions cost more than the faster matmuls save."
+            meaning += " For this model, on this machine, bf16 did not pay."
         elif verdict == "faster" and not cpu_native_bf16:
             meaning += " Unusually, bf16 still won for this model."
     elif verdict == "slower":
@@ -834,13 +834,13 @@ def estimate_sweep_seconds(
 
     Every mode that can run on ``device`` is probed at the smallest and the
     largest batch size (the next smaller one where the largest does not fit), each
-    with a whole row of one warm-up and two timed steps. A probe gives two costs:
+    with a whole row of one warm-up and one timed step. A probe gives two costs:
     the row's fixed cost (building the model, the batch, the first step, which
     pays one-off costs) from its wall-clock time, and the steady step time. Both
     are interpolated linearly in the batch size between the two probes, since a
     small batch uses the hardware less well than a proportional share of a large
     one. A row then costs ``fixed + (warmup - 1 + steps) * step``, times ``repeats``.
-    The probes themselves cost four short rows per mode.
+    The probes themselves cost four steps per mode, and a row each.
     """
     _check_sweep_arguments(model_fn, make_batch, modes, batch_sizes, steps, warmup, lr, loss_fn,
                            seed, repeats)
@@ -850,7 +850,7 @@ def estimate_sweep_seconds(
         """(fixed seconds, step seconds) of one short row, or None when it does not fit."""
         start = time.perf_counter()
         try:
-            row = _measure_one(model_fn, make_batch, mode, batch_size, device, 2, 1, lr,
+            row = _measure_one(model_fn, make_batch, mode, batch_size, device, 1, 1, lr,
                                loss_fn, seed)
         except RuntimeError as exc:
             if not _is_out_of_memory(exc):
@@ -859,7 +859,7 @@ def estimate_sweep_seconds(
             return None
         _release_memory(device)
         step = row.median_seconds
-        return max(time.perf_counter() - start - 2 * step, step), step
+        return max(time.perf_counter() - start - step, step), step
 
     total = 0.0
     smallest = min(batch_sizes)
