@@ -391,7 +391,10 @@ def _measure_one(
         scaler.update()
         losses.append(loss.detach())
 
-    with tf32_matmuls(mode == "tf32"):
+    # The TF32 switches act on CUDA only; elsewhere they are left alone (torch 2.9 warns
+    # about the old flags when they are read).
+    switch = tf32_matmuls(mode == "tf32") if on_cuda else contextlib.nullcontext()
+    with switch:
         timing = time_fn(train_step, device, warmup=warmup, repeats=steps)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     last_loss = float(losses[-1])
