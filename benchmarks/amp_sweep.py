@@ -2,11 +2,14 @@
 
 For a matmul-heavy MLP and for ResNet-18, every mode trains a fresh copy of the
 model (same seed) for a few SGD steps at each batch size and reports the median
-step time (synchronised), the peak GPU memory and the loss after the steps. A
-batch that does not fit is reported as OOM; modes the device cannot run say
-why. Below the table: at the largest batch size where both ran, the speed-up of
-the device's automatic mixed precision (bf16 from compute capability 8.0 and on
-the CPU, fp16 + GradScaler below) over strict FP32, and its peak-memory saving.
+step time (synchronised), the peak GPU memory and the loss after the steps. With
+--repeats N (default 3) every row is measured N times, the modes of one batch size
+taking turns, and a row's time is the median of its repeats. A batch that does not
+fit is reported as OOM; modes the device cannot run say why. Below the table: at
+the largest batch size where both ran, the speed-up of the device's automatic mixed
+precision (bf16 from compute capability 8.0, fp16 + GradScaler below; bf16 on a
+CPU) over strict FP32, the range of the paired repeats, a verdict (faster, slower,
+or unclear when the repeats disagree) and the peak-memory saving.
 
     python benchmarks/amp_sweep.py           # real sizes, for a GPU
     python benchmarks/amp_sweep.py --quick   # tiny sizes, seconds on a CPU
@@ -33,7 +36,11 @@ def parse_args() -> argparse.Namespace:
                         default=list(d2lgpu.PRECISION_MODES), help="precision modes to compare")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per row")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="measurements per row, modes interleaved (default 3; quick: 1)")
     args = parser.parse_args()
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.warmup is not None and args.warmup < 0:
@@ -53,6 +60,7 @@ def main() -> None:
     device = torch.device(args.device) if args.device else d2lgpu.try_gpu()
     steps = args.steps if args.steps is not None else pick(10, 2)
     warmup = args.warmup if args.warmup is not None else pick(3, 1)
+    repeats = args.repeats if args.repeats is not None else pick(3, 1)
 
     # The same sizes as notebooks/06_mixed_precision.ipynb in full and quick mode.
     width, depth = pick(4096, 64), pick(8, 2)
@@ -75,12 +83,13 @@ def main() -> None:
     name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     sizes = "quick" if quick else "full"
     print(f"torch {torch.__version__}; device {device}{name}; {sizes} sizes; "
-          f"{warmup} warm-up + {steps} timed steps per row\n")
+          f"{repeats} x ({warmup} warm-up + {steps} timed steps) per row\n")
     results = {}
     for key in args.models:
         label, model_fn, make_batch, batch_sizes = sweeps[key]
         results[label] = d2lgpu.precision_sweep(
-            model_fn, make_batch, args.modes, batch_sizes, device, steps=steps, warmup=warmup
+            model_fn, make_batch, args.modes, batch_sizes, device, steps=steps, warmup=warmup,
+            repeats=repeats,
         )
 
     label_width = max(len(label) for label in results)

@@ -4,19 +4,25 @@ Tensor Cores run fp16 from compute capability 7.0 (Volta, Turing) and bf16
 and tf32 from 8.0 (Ampere, Ada, Hopper). ``torch.cuda.is_bf16_supported()``
 is not enough to decide: on a 7.x GPU such as Kaggle's T4 it can say True
 because bf16 is *emulated*, which is correct but slow. The policy here goes
-by compute capability instead.
+by compute capability instead. On a CPU it goes by the instructions the CPU
+reports (:func:`cpu_has_native_bf16`): bf16 where it has bf16 instructions, fp32
+where bf16 would be emulated.
 
 The second half of the module is the precision sweep of chapter 6: the same
 model trained for a few steps in strict FP32, TF32, fp16 autocast with a
 GradScaler and bf16 autocast, over a range of batch sizes, recording step
 time, peak memory and the loss reached. A batch size that does not fit is
-recorded as ``"OOM"`` and the sweep goes on.
+recorded as ``"OOM"`` and the sweep goes on. Repeats, with the modes taking
+turns, let :func:`compare_sweep_modes` tell a difference from the machine's noise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import math
+import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -25,15 +31,18 @@ import torch
 from torch import nn
 
 from d2lgpu.benchmarking import time_fn
+from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_seed
 from d2lgpu.devices import as_device
 
 __all__ = [
+    "CPU_BF16_FLAGS",
     "PRECISION_MODES",
     "PrecisionPolicy",
     "SweepComparison",
     "SweepRow",
     "amp_sweep_mode",
     "compare_sweep_modes",
+    "cpu_flags",
     "cpu_has_native_bf16",
     "format_sweep_table",
     "mode_unavailable_reason",
@@ -64,6 +73,20 @@ class PrecisionPolicy:
     device_type: str
     dtype: torch.dtype | None
     use_scaler: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_type, str) or not self.device_type:
+            raise TypeError(
+                "device_type must be a device type such as 'cuda' or 'cpu', "
+                f"got {self.device_type!r}"
+            )
+        if self.dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(
+                "PrecisionPolicy.dtype must be torch.float16, torch.bfloat16 or None (plain "
+                f"fp32), got {self.dtype!r}; autocast has no other dtype. "
+                "d2lgpu.precision_policy(device, amp) builds a valid policy"
+            )
+        check_bool("use_scaler", self.use_scaler)
 
     @property
     def name(self) -> str:
@@ -99,23 +122,47 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 natively on this CPU (AVX512-BF16 or AMX instructions).
+#: The /proc/cpuinfo flags of bf16 arithmetic instructions: x86's AVX512-BF16 (AMD Zen 4 and
+#: later, Intel Cooper Lake and Sapphire Rapids) and AMX-BF16 (Intel Sapphire Rapids and later),
+#: and ``bf16`` in an Arm CPU's Features line (Armv8.6-A: Graviton 3, Neoverse V1 and later).
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
-    Without them bf16 autocast on a CPU converts operands back and forth and runs
-    slower than fp32 (chapter 6's sweep measures it); with AVX512-BF16 a ResNet-18
-    step ran about 2.5x faster in bf16 than in fp32 (``benchmarks/RESULTS.md``).
-    """
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The instruction-set flags the CPU advertises (Linux), or None where they cannot be read."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: no fast bf16 path
-        return False
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:  # not Linux (macOS, Windows), or a sandbox without /proc
+        return None
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):  # x86 says flags, Arm says Features
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 arithmetic instructions (AVX512-BF16, AMX-BF16, Arm BF16).
+
+    The rule for ``amp="auto"`` on a CPU: bf16 where the CPU *offers* bf16
+    instructions, read from the flags the kernel reports in ``/proc/cpuinfo``, and
+    fp32 elsewhere. Without them bf16 autocast converts every operand and runs
+    slower than fp32; with them oneDNN's bf16 matmuls and convolutions beat fp32.
+    Where the flags cannot be read (macOS, Windows) the answer is False: fp32 is
+    never the slow choice. Chapter 6 measures how the two compare on the machine
+    that runs it.
+    """
+    flags = cpu_flags(cpuinfo)
+    return flags is not None and bool(flags & CPU_BF16_FLAGS)
 
 
 def precision_policy(
     device: torch.device | str,
     amp: bool | str | torch.dtype | None = "auto",
     capability: tuple[int, int] | None = None,
+    cpu_native_bf16: bool | None = None,
 ) -> PrecisionPolicy:
     """Choose the precision for training on ``device``.
 
@@ -129,10 +176,17 @@ def precision_policy(
     bf16 is emulated and slower than fp32. On other device types it means fp32,
     because there is no rule here for what they run fast. This is the one rule
     for "auto" in the course: :func:`d2lgpu.train` and the fast path use it too.
-    ``capability`` overrides the one read from the device (for tests and for
-    tables of GPUs you do not have).
+    ``capability`` overrides the one read from the device, and ``cpu_native_bf16``
+    what :func:`cpu_has_native_bf16` says about this CPU (for tests, and for
+    tables of machines you do not have).
     """
     device = as_device(device)
+    if capability is not None and not (
+        isinstance(capability, tuple) and len(capability) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
+    ):
+        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
+    check_bool("cpu_native_bf16", cpu_native_bf16, none_means="ask this CPU")
     fp32 = PrecisionPolicy(device.type, None, False)
     if amp is None or amp is False or amp is torch.float32:
         return fp32
@@ -150,7 +204,8 @@ def precision_policy(
             else:
                 return fp32
         elif device.type == "cpu":
-            if not cpu_has_native_bf16():
+            native = cpu_has_native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
+            if not native:
                 return fp32
             dtype = torch.bfloat16
         else:
@@ -215,6 +270,9 @@ class SweepRow:
     ``peak_memory_bytes`` is None on the CPU, where PyTorch keeps no peak statistic;
     on a GPU it also counts whatever else the process held there during the row.
     ``loss`` is the training loss of the last step, after ``steps_run`` steps.
+    ``repeat_seconds`` holds the median step time of each repeat (the sweep runs
+    the modes of one batch size in turn, repeat after repeat); ``median_seconds``
+    is their median.
     """
 
     mode: str
@@ -224,6 +282,7 @@ class SweepRow:
     loss: float | None
     steps_run: int
     status: str
+    repeat_seconds: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -302,9 +361,23 @@ def _measure_one(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(seed)  # every mode starts from the same weights
-    model = model_fn().to(device)
+    model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn() must return an nn.Module, got {type(model).__name__}")
+    model = model.to(device)
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise ValueError("model_fn() returned a model whose weights hold NaN or inf: fix its "
+                         "initialisation before measuring it")
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    features, labels = make_batch(batch_size, device)
+    batch = make_batch(batch_size, device)
+    if not (isinstance(batch, tuple) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise TypeError("make_batch(batch_size, device) must return a (features, labels) tuple of "
+                        f"tensors, got {type(batch).__name__}; d2lgpu.random_batch_maker makes one")
+    features, labels = batch
+    if features.is_floating_point() and not torch.isfinite(features).all():
+        raise ValueError(f"the batch of {batch_size} from make_batch holds NaN or inf: the data "
+                         "is broken, not the precision; clean it before measuring")
     policy = _mode_policy(mode, device)
     scaler = policy.make_scaler()  # disabled (a pass-through) unless the mode is fp16
     losses: list[torch.Tensor] = []
@@ -318,17 +391,30 @@ def _measure_one(
         scaler.update()
         losses.append(loss.detach())
 
-    with tf32_matmuls(mode == "tf32"):
+    # The TF32 switches act on CUDA only; elsewhere they are left alone (torch 2.9 warns
+    # about the old flags when they are read).
+    switch = tf32_matmuls(mode == "tf32") if on_cuda else contextlib.nullcontext()
+    with switch:
         timing = time_fn(train_step, device, warmup=warmup, repeats=steps)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
+    last_loss = float(losses[-1])
+    if not math.isfinite(last_loss):
+        other = ("or use bf16 or fp32: fp16 overflows above 65504" if mode == "fp16"
+                 else "or check that the model trains in fp32 at all")
+        raise FloatingPointError(
+            f"the {mode} run at batch {batch_size} ended with loss {last_loss} after "
+            f"{len(losses)} steps: training diverged. Try a smaller lr (this sweep: {lr:g}), "
+            f"{other}."
+        )
     return SweepRow(
         mode=mode,
         batch_size=batch_size,
         median_seconds=timing.median,
         peak_memory_bytes=peak,
-        loss=float(losses[-1]),
+        loss=last_loss,
         steps_run=len(losses),
         status="ok",
+        repeat_seconds=(timing.median,),
     )
 
 
@@ -368,6 +454,43 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _check_sweep_arguments(
+    model_fn: object,
+    make_batch: object,
+    modes: object,
+    batch_sizes: object,
+    steps: object,
+    warmup: object,
+    lr: object,
+    loss_fn: object,
+    seed: object,
+    repeats: object,
+) -> None:
+    """Refuse what cannot be a sweep, naming the argument and what it takes."""
+    for name, fn in (("model_fn", model_fn), ("make_batch", make_batch), ("loss_fn", loss_fn)):
+        if not callable(fn):
+            raise TypeError(f"{name} must be a function, got {type(fn).__name__} {fn!r}")
+    if isinstance(modes, str) or not isinstance(modes, Sequence):
+        raise TypeError(f"modes must be a list of mode names such as {list(PRECISION_MODES)}, "
+                        f"got {modes!r}")
+    unknown = [m for m in modes if m not in PRECISION_MODES]
+    if not modes or unknown:
+        raise ValueError(
+            f"modes must be a non-empty list; unknown: {unknown}; choose from {PRECISION_MODES}"
+        )
+    if (isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence) or not batch_sizes
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes)):
+        raise ValueError(
+            f"batch_sizes must be a non-empty list of positive ints, got {batch_sizes!r}"
+        )
+    if (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+            or isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    check_positive_float("lr", lr)
+    check_seed(seed)
+    check_positive_int("repeats", repeats)
+
+
 def precision_sweep(
     model_fn: Callable[[], nn.Module],
     make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
@@ -380,6 +503,7 @@ def precision_sweep(
     lr: float = 0.01,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
     seed: int = 0,
+    repeats: int = 1,
 ) -> list[SweepRow]:
     """Train ``model_fn()`` briefly in each mode at each batch size and measure it.
 
@@ -392,62 +516,106 @@ def precision_sweep(
     failing to allocate a workspace or handle) becomes an ``"OOM"`` row, the memory
     is released, and the sweep goes on; modes the device cannot run become rows
     whose status says why (see :func:`mode_unavailable_reason`).
-    """
-    device = torch.device(device)
-    unknown = [m for m in modes if m not in PRECISION_MODES]
-    if not modes or unknown:
-        raise ValueError(
-            f"modes must be a non-empty list; unknown: {unknown}; choose from {PRECISION_MODES}"
-        )
-    if not batch_sizes or any(
-        isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes
-    ):
-        raise ValueError(
-            f"batch_sizes must be a non-empty list of positive ints, got {batch_sizes!r}"
-        )
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
 
+    With ``repeats`` > 1 every row is measured that many times, and the modes of
+    one batch size take turns (fp32, bf16, fp32, bf16, ...), so a burst of other
+    work on the machine hits every mode alike. A row's time is then the median of
+    its repeats, and :func:`compare_sweep_modes` can tell a difference from noise.
+    A loss that becomes NaN or inf stops the sweep with a ``FloatingPointError``,
+    as in :func:`d2lgpu.train`; so do NaN in the batch or the initial weights.
+    """
+    _check_sweep_arguments(model_fn, make_batch, modes, batch_sizes, steps, warmup, lr, loss_fn,
+                           seed, repeats)
+    device = as_device(device)
+    reasons = {mode: mode_unavailable_reason(mode, device) for mode in modes}
+    measured: dict[tuple[str, int], SweepRow] = {}
+    for batch_size in batch_sizes:
+        for _ in range(repeats):
+            for mode in modes:
+                if reasons[mode] is not None:
+                    continue
+                previous = measured.get((mode, batch_size))
+                if previous is not None and not previous.ok:
+                    continue  # out of memory once: it will not fit the next time either
+                try:
+                    row = _measure_one(model_fn, make_batch, mode, batch_size, device, steps,
+                                       warmup, lr, loss_fn, seed)
+                except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
+                    # Only running out of memory is expected; any other error is a bug.
+                    if not _is_out_of_memory(exc):
+                        raise
+                    row = SweepRow(mode, batch_size, None, None, None, 0, "OOM")
+                # Outside the except block the traceback (and the tensors its frames hold) is gone.
+                _release_memory(device)
+                if previous is not None and row.ok:
+                    times = previous.repeat_seconds + row.repeat_seconds
+                    peak = row.peak_memory_bytes
+                    if previous.peak_memory_bytes is not None and peak is not None:
+                        peak = max(peak, previous.peak_memory_bytes)
+                    row = SweepRow(mode, batch_size, statistics.median(times), peak, row.loss,
+                                   row.steps_run, "ok", times)
+                measured[(mode, batch_size)] = row
     rows = []
     for mode in modes:
-        reason = mode_unavailable_reason(mode, device)
         for batch_size in batch_sizes:
+            reason = reasons[mode]
             if reason is not None:
                 rows.append(SweepRow(mode, batch_size, None, None, None, 0, reason))
-                continue
-            try:
-                row = _measure_one(
-                    model_fn, make_batch, mode, batch_size, device, steps, warmup, lr, loss_fn, seed
-                )
-            except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
-                # Only running out of memory is expected; any other error is a bug and propagates.
-                if not _is_out_of_memory(exc):
-                    raise
-                row = SweepRow(mode, batch_size, None, None, None, 0, "OOM")
-            # Outside the except block the traceback (and the tensors its frames hold) is gone.
-            _release_memory(device)
-            rows.append(row)
+            else:
+                rows.append(measured[(mode, batch_size)])
     return rows
 
 
 @dataclass(frozen=True)
 class SweepComparison:
-    """A reduced-precision mode against a baseline at the largest batch where both ran."""
+    """A reduced-precision mode against a baseline at the largest batch where both ran.
+
+    ``speedup`` is the ratio of the two rows' median step times; ``repeat_speedups``
+    pairs the repeats (repeat i of the baseline against repeat i of the candidate,
+    measured one after the other), so their spread shows how far the machine's noise
+    moves the ratio.
+    """
 
     baseline: str
     candidate: str
     batch_size: int
     speedup: float
     memory_ratio: float | None  # candidate peak / baseline peak; None where not measured
+    repeat_speedups: tuple[float, ...] = ()
+
+    @property
+    def verdict(self) -> str:
+        """``"faster"`` or ``"slower"`` when every paired repeat agrees, else ``"unclear"``.
+
+        A single repeat gives no spread, so it decides nothing either: with fewer than
+        three repeats the verdict is ``"unclear"``. A ratio within 5% of 1 counts as a tie.
+        """
+        ratios = self.repeat_speedups
+        if len(ratios) < MIN_REPEATS_FOR_A_VERDICT:
+            return "unclear"
+        if min(ratios) > 1 + TIE_TOLERANCE:
+            return "faster"
+        if max(ratios) < 1 / (1 + TIE_TOLERANCE):
+            return "slower"
+        return "unclear"
 
     def describe(self) -> str:
         text = (
             f"{self.candidate} vs {self.baseline} at batch {self.batch_size}: "
             f"{self.speedup:.2f}x speed-up"
         )
+        if self.repeat_speedups:
+            text += (f" (repeats {min(self.repeat_speedups):.2f}x-{max(self.repeat_speedups):.2f}x,"
+                     f" {self.verdict})")
         if self.memory_ratio is None:
             return text + "; peak memory not measured on this device"
         return text + f", peak memory {100 * (1 - self.memory_ratio):.0f}% lower"
+
+
+#: A comparison needs this many paired repeats before it says "faster" or "slower".
+MIN_REPEATS_FOR_A_VERDICT = 3
+#: Paired ratios within this fraction of 1 count as "no difference".
+TIE_TOLERANCE = 0.05
 
 
 def compare_sweep_modes(
@@ -457,6 +625,14 @@ def compare_sweep_modes(
 
     Returns None when no batch size ran in both modes (e.g. the candidate needs CUDA).
     """
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not all(
+        isinstance(r, SweepRow) for r in rows
+    ):
+        raise TypeError(f"rows must be the list of SweepRow that precision_sweep returns, "
+                        f"got {type(rows).__name__}")
+    for name, mode in (("baseline", baseline), ("candidate", candidate)):
+        if mode not in PRECISION_MODES:
+            raise ValueError(f"{name}={mode!r} is not a sweep mode; choose from {PRECISION_MODES}")
     times = {
         m: {r.batch_size: r for r in rows if r.mode == m and r.ok} for m in (baseline, candidate)
     }
@@ -467,8 +643,10 @@ def compare_sweep_modes(
     memory_ratio = None
     if base.peak_memory_bytes and cand.peak_memory_bytes is not None:
         memory_ratio = cand.peak_memory_bytes / base.peak_memory_bytes
+    paired = tuple(b / c for b, c in zip(base.repeat_seconds, cand.repeat_seconds, strict=False))
     return SweepComparison(
-        baseline, candidate, shared[-1], base.median_seconds / cand.median_seconds, memory_ratio
+        baseline, candidate, shared[-1], base.median_seconds / cand.median_seconds, memory_ratio,
+        paired,
     )
 
 
@@ -586,45 +764,58 @@ def explain_comparison(
 ) -> str:
     """The headline of a sweep: what was measured, and what it means on this device.
 
-    A ratio below 1 is stated as a slow-down, not as a "0.35x speed-up", and on a
-    CPU the text says why: without native bf16 instructions (AMX or AVX512-BF16;
-    pass ``cpu_native_bf16``) autocast converts every operand, and mixed precision
-    costs time there, the opposite of what it does on Tensor Cores. Lines are
-    wrapped at 100 characters.
+    A ratio below 1 is stated as a slow-down, not as a "0.35x speed-up". The
+    verdict comes from the paired repeats (:attr:`SweepComparison.verdict`): when
+    they do not all agree, the text says that the spread is too wide to judge
+    instead of naming a winner. On a CPU it adds what the CPU offers (pass
+    ``cpu_native_bf16``, from :func:`cpu_has_native_bf16`). Lines are wrapped at
+    100 characters.
     """
     import textwrap
 
-    device = torch.device(device)
+    device = as_device(device)
+    check_bool("cpu_native_bf16", cpu_native_bf16)
     if comparison is None:
         return f"no batch size ran in both modes on {device}: nothing to compare"
+    if not isinstance(comparison, SweepComparison):
+        raise TypeError(f"comparison must be what compare_sweep_modes returns, "
+                        f"got {type(comparison).__name__}")
     ratio, b = comparison.speedup, comparison.batch_size
     cand, base = comparison.candidate, comparison.baseline
-    if ratio >= 1:
-        measured = f"{cand} ran {ratio:.2f}x as fast as {base} at batch {b}"
+    paired = comparison.repeat_speedups
+    spread = f" (repeats: {min(paired):.2f}x to {max(paired):.2f}x)" if paired else ""
+    verdict = comparison.verdict
+    if verdict == "unclear":
+        if len(paired) < MIN_REPEATS_FOR_A_VERDICT:
+            why = f"{len(paired)} repeat(s) are too few to judge; measure with repeats=3 or more"
+        else:
+            why = ("the repeats disagree, so the spread is too wide to say which is faster "
+                   "here; run it again on a quiet machine")
+        measured = f"{cand} against {base} at batch {b}: median ratio {ratio:.2f}x{spread}; {why}"
+    elif verdict == "faster":
+        measured = f"{cand} ran {ratio:.2f}x as fast as {base} at batch {b}{spread}"
     else:
-        measured = f"{cand} ran {1 / ratio:.2f}x slower than {base} at batch {b}"
+        measured = f"{cand} ran {1 / ratio:.2f}x slower than {base} at batch {b}{spread}"
     if comparison.memory_ratio is None:
         measured += "; peak memory is measured on CUDA GPUs only."
     else:
         measured += f", with {100 * (1 - comparison.memory_ratio):.0f}% less peak memory."
-    if device.type == "cpu" and not cpu_native_bf16:
-        meaning = (
-            "This CPU has no native bf16 instructions (AMX or AVX512-BF16), so autocast "
-            "converts every operand: here mixed precision costs time. Tensor Core GPUs "
-            "are where it pays."
-        )
-    elif device.type == "cpu":
-        meaning = (
-            "This CPU computes bf16 natively (AMX or AVX512-BF16)."
-            if ratio > 1 else "This CPU computes bf16 natively, but this model gains nothing here."
-        )
-    elif ratio > 1:
-        meaning = ""
-    else:
+    if device.type == "cpu":
+        offers = ("has bf16 instructions (AVX512-BF16, AMX or Arm BF16)" if cpu_native_bf16
+                  else "has no bf16 instructions, so autocast converts every operand")
+        meaning = f"This CPU {offers}, and the automatic choice here is " + (
+            "bf16." if cpu_native_bf16 else "fp32.")
+        if verdict == "slower" and cpu_native_bf16:
+            meaning += " For this model, on this machine, bf16 did not pay."
+        elif verdict == "faster" and not cpu_native_bf16:
+            meaning += " Unusually, bf16 still won for this model."
+    elif verdict == "slower":
         meaning = (
             "At this size kernel launches, not arithmetic, take the time; "
             "larger batches show the Tensor Cores' gain."
         )
+    else:
+        meaning = ""
     return "\n".join(textwrap.fill(text, 100) for text in (measured, meaning) if text)
 
 
@@ -640,37 +831,60 @@ def estimate_sweep_seconds(
     lr: float = 0.01,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
     seed: int = 0,
+    repeats: int = 1,
 ) -> float:
     """How many seconds :func:`precision_sweep` with these arguments will take, measured.
 
-    Every mode that can run on ``device`` trains one warm-up step and one timed step
-    at the largest batch size (the next smaller one when it does not fit); a row
-    at batch ``b`` is then counted as ``warmup + steps`` such steps scaled by
-    ``b / largest``. Small batches use the hardware less well, so their rows take
-    somewhat longer than this, but they are the cheap rows. The probe itself costs
-    two steps per mode.
+    Every mode that can run on ``device`` is probed at the smallest and the
+    largest batch size (the next smaller one where the largest does not fit), each
+    with a whole row of one warm-up and one timed step. A probe gives two costs:
+    the row's fixed cost (building the model, the batch, the first step, which
+    pays one-off costs) from its wall-clock time, and the steady step time. Both
+    are interpolated linearly in the batch size between the two probes, since a
+    small batch uses the hardware less well than a proportional share of a large
+    one. A row then costs ``fixed + (warmup - 1 + steps) * step``, times ``repeats``.
+    The probes themselves cost four steps per mode, and a row each.
     """
-    device = torch.device(device)
+    _check_sweep_arguments(model_fn, make_batch, modes, batch_sizes, steps, warmup, lr, loss_fn,
+                           seed, repeats)
+    device = as_device(device)
+
+    def probe(mode: str, batch_size: int) -> tuple[float, float] | None:
+        """(fixed seconds, step seconds) of one short row, or None when it does not fit."""
+        start = time.perf_counter()
+        try:
+            row = _measure_one(model_fn, make_batch, mode, batch_size, device, 1, 1, lr,
+                               loss_fn, seed)
+        except RuntimeError as exc:
+            if not _is_out_of_memory(exc):
+                raise
+            _release_memory(device)
+            return None
+        _release_memory(device)
+        step = row.median_seconds
+        return max(time.perf_counter() - start - step, step), step
+
     total = 0.0
+    smallest = min(batch_sizes)
     for mode in modes:
         if mode_unavailable_reason(mode, device) is not None:
             continue
-        step_seconds, reference = None, None
-        for batch_size in sorted(batch_sizes, reverse=True):
-            try:
-                row = _measure_one(model_fn, make_batch, mode, batch_size, device, 1, 1, lr,
-                                   loss_fn, seed)
-            except RuntimeError as exc:
-                if not _is_out_of_memory(exc):
-                    raise
-                _release_memory(device)
-                continue
-            _release_memory(device)
-            step_seconds, reference = row.median_seconds, batch_size
-            break
-        if step_seconds is None or reference is None:
+        large, large_size = None, None
+        for batch_size in sorted(set(batch_sizes), reverse=True):
+            large = probe(mode, batch_size)
+            if large is not None:
+                large_size = batch_size
+                break
+        if large is None or large_size is None:
             continue  # nothing fits: every row will be a quick "OOM"
+        small = probe(mode, smallest) if smallest < large_size else None
         for batch_size in batch_sizes:
-            if batch_size <= reference:
-                total += (warmup + steps) * step_seconds * batch_size / reference
+            if batch_size > large_size:
+                continue
+            if small is None:  # one probe only: scale it by the batch size
+                fixed, step = (cost * batch_size / large_size for cost in large)
+            else:
+                share = (batch_size - smallest) / (large_size - smallest)
+                fixed, step = (s + share * (lg - s) for s, lg in zip(small, large, strict=True))
+            total += repeats * (fixed + (max(warmup - 1, 0) + steps) * step)
     return total

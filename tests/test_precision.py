@@ -591,3 +591,239 @@ def test_mixed_precision_training_on_cpu_converges(amp):
 )
 def test_amp_sweep_mode_follows_the_auto_policy(device, capability, mode):
     assert P.amp_sweep_mode(device, capability) == mode
+
+
+# ---------------------------------------------------------------------------
+# The CPU rule: decided from the flags the CPU reports, both branches tested
+# ---------------------------------------------------------------------------
+
+_X86_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+_X86_PLAIN = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
+_X86_AMX = "processor\t: 0\nflags\t\t: fpu avx512f amx_tile amx_bf16 amx_int8\n"
+_ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve i8mm bf16\n"
+_ARM_PLAIN = "processor\t: 0\nFeatures\t: fp asimd\n"
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "native"),
+    [(_X86_BF16, True), (_X86_AMX, True), (_ARM_BF16, True), (_X86_PLAIN, False),
+     (_ARM_PLAIN, False)],
+)
+def test_cpu_bf16_is_read_from_the_flags_the_cpu_reports(tmp_path, cpuinfo, native):
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    assert P.cpu_has_native_bf16(str(path)) is native
+
+
+def test_cpu_bf16_is_false_where_the_flags_cannot_be_read(tmp_path):
+    missing = str(tmp_path / "no-such-file")
+    assert P.cpu_flags(missing) is None
+    assert P.cpu_has_native_bf16(missing) is False
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_policy_on_cpu_follows_the_flags_and_the_override(monkeypatch, tmp_path, native):
+    path = tmp_path / "cpuinfo"
+    path.write_text(_X86_BF16 if native else _X86_PLAIN)
+    real = P.cpu_has_native_bf16
+    monkeypatch.setattr(P, "cpu_has_native_bf16", lambda: real(str(path)))
+    expected = torch.bfloat16 if native else None
+    assert P.precision_policy("cpu", "auto").dtype == expected
+    # The override gives both rows of chapter 6's table on any machine.
+    assert P.precision_policy("cpu", "auto", cpu_native_bf16=True).name == "bf16"
+    assert P.precision_policy("cpu", "auto", cpu_native_bf16=False).name == "fp32"
+    assert P.precision_policy("cpu", "bf16", cpu_native_bf16=False).name == "bf16"  # forced
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"cpu_native_bf16": "yes"}, TypeError, "cpu_native_bf16"),
+     ({"capability": "8.0"}, TypeError, "capability"),
+     ({"capability": (8,)}, TypeError, "capability")],
+)
+def test_policy_refuses_bad_overrides(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        P.precision_policy("cpu", "auto", **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Nonsense refused with the fix named
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [(("cpu", torch.int8, False), ValueError, "float16, torch.bfloat16 or None"),
+     (("cpu", torch.float64, False), ValueError, "precision_policy"),
+     (("cpu", torch.bfloat16, "no"), TypeError, "use_scaler"),
+     ((None, torch.bfloat16, False), TypeError, "device_type"),
+     (("", None, False), TypeError, "device_type")],
+)
+def test_precision_policy_constructor_refuses_nonsense(args, error, match):
+    with pytest.raises(error, match=match):
+        P.PrecisionPolicy(*args)
+
+
+def _tiny_sweep(**kwargs):
+    args = dict(model_fn=lambda: P.sweep_mlp(16, 8, 1, num_classes=3),
+                make_batch=P.random_batch_maker((16,), num_classes=3), modes=["fp32"],
+                batch_sizes=[4], device="cpu", steps=2, warmup=1)
+    args.update(kwargs)
+    return P.precision_sweep(**args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"model_fn": None}, TypeError, "model_fn must be a function"),
+     ({"make_batch": "batch"}, TypeError, "make_batch must be a function"),
+     ({"loss_fn": 3}, TypeError, "loss_fn must be a function"),
+     ({"modes": "fp32"}, TypeError, "list of mode names"),
+     ({"modes": None}, TypeError, "list of mode names"),
+     ({"batch_sizes": None}, ValueError, "positive ints"),
+     ({"lr": float("nan")}, ValueError, "lr must be a positive finite"),
+     ({"lr": None}, ValueError, "lr must be a positive finite"),
+     ({"lr": "0.1"}, ValueError, "lr must be a positive finite"),
+     ({"seed": -1}, ValueError, "seed"),
+     ({"repeats": 0}, ValueError, "repeats"),
+     ({"steps": 1.5}, ValueError, "steps >= 1"),
+     ({"device": None}, TypeError, "not a device"),
+     ({"model_fn": lambda: "a model"}, TypeError, "nn.Module"),
+     ({"make_batch": lambda b, d: torch.zeros(b, 16)}, TypeError, "random_batch_maker")],
+)
+def test_sweep_refuses_bad_input_naming_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _tiny_sweep(**kwargs)
+
+
+def test_sweep_stops_when_training_diverges_like_train_does():
+    with pytest.raises(FloatingPointError, match=r"diverged\. Try a smaller lr \(this sweep: 1e"):
+        _tiny_sweep(lr=1e6, steps=5)
+
+
+def test_sweep_blames_nan_in_the_data_not_the_lr():
+    def nan_batch(batch_size, device):
+        features, labels = P.random_batch_maker((16,), num_classes=3)(batch_size, device)
+        features[0, 0] = float("nan")
+        return features, labels
+
+    with pytest.raises(ValueError, match="holds NaN or inf: the data is broken"):
+        _tiny_sweep(make_batch=nan_batch)
+
+
+def test_sweep_blames_nan_in_the_initial_weights():
+    def broken() -> nn.Module:
+        model = P.sweep_mlp(16, 8, 1, num_classes=3)
+        with torch.no_grad():
+            model[1].weight[0, 0] = float("nan")
+        return model
+
+    with pytest.raises(ValueError, match="weights hold NaN"):
+        _tiny_sweep(model_fn=broken)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"baseline": "fp64"}, ValueError, "not a sweep mode"),
+     ({"candidate": "int8"}, ValueError, "not a sweep mode"),
+     ({"rows": None}, TypeError, "SweepRow"),
+     ({"rows": ["fp32"]}, TypeError, "SweepRow")],
+)
+def test_compare_refuses_unknown_modes_and_wrong_rows(kwargs, error, match):
+    args = {"rows": [], "baseline": "fp32", "candidate": "bf16"} | kwargs
+    with pytest.raises(error, match=match):
+        P.compare_sweep_modes(**args)
+
+
+# ---------------------------------------------------------------------------
+# Repeats: the modes take turns, and the verdict comes from the paired repeats
+# ---------------------------------------------------------------------------
+
+
+def test_repeats_interleave_the_modes_of_each_batch_size(monkeypatch):
+    order = []
+    times = iter([0.10, 0.05, 0.30, 0.05, 0.11, 0.04,  # batch 8: fp32, bf16 x 3 repeats
+                  0.20, 0.10, 0.21, 0.09, 0.19, 0.11])  # batch 16
+
+    def fake_measure(model_fn, make_batch, mode, batch_size, *rest):
+        order.append((mode, batch_size))
+        t = next(times)
+        return P.SweepRow(mode, batch_size, t, None, 1.0, 3, "ok", (t,))
+
+    monkeypatch.setattr(P, "_measure_one", fake_measure)
+    rows = P.precision_sweep(lambda: None, lambda b, d: None, ["fp32", "tf32", "bf16"], [8, 16],
+                             "cpu", repeats=3)
+    assert order == [("fp32", 8), ("bf16", 8)] * 3 + [("fp32", 16), ("bf16", 16)] * 3
+    assert [(r.mode, r.batch_size, r.status) for r in rows] == [
+        ("fp32", 8, "ok"), ("fp32", 16, "ok"), ("tf32", 8, "needs CUDA"),
+        ("tf32", 16, "needs CUDA"), ("bf16", 8, "ok"), ("bf16", 16, "ok")]
+    fp32_8 = rows[0]
+    assert fp32_8.repeat_seconds == (0.10, 0.30, 0.11)
+    assert fp32_8.median_seconds == 0.11  # the median: the 0.30 burst does not move it
+    comparison = P.compare_sweep_modes(rows, "fp32", "bf16")
+    assert comparison.batch_size == 16
+    assert comparison.repeat_speedups == pytest.approx((2.0, 0.21 / 0.09, 0.19 / 0.11))
+    assert comparison.speedup == pytest.approx(0.20 / 0.10)
+    assert comparison.verdict == "faster"
+
+
+def test_a_row_out_of_memory_once_is_not_measured_again(monkeypatch):
+    calls = []
+
+    def fake_measure(model_fn, make_batch, mode, batch_size, *rest):
+        calls.append((mode, batch_size))
+        if mode == "bf16":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return P.SweepRow(mode, batch_size, 0.1, None, 1.0, 3, "ok", (0.1,))
+
+    monkeypatch.setattr(P, "_measure_one", fake_measure)
+    rows = P.precision_sweep(lambda: None, lambda b, d: None, ["fp32", "bf16"], [8], "cpu",
+                             repeats=3)
+    assert calls == [("fp32", 8), ("bf16", 8), ("fp32", 8), ("fp32", 8)]
+    assert [r.status for r in rows] == ["ok", "OOM"]
+    assert rows[0].repeat_seconds == (0.1, 0.1, 0.1)
+
+
+# ---------------------------------------------------------------------------
+# The torch.amp recipe written out equals the package's sweep step
+# ---------------------------------------------------------------------------
+
+
+def _recipe_problem():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    generator = torch.Generator().manual_seed(1)
+    return net, torch.randn(16, 16, generator=generator), torch.randint(0, 5, (16,),
+                                                                        generator=generator)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_plain_autocast_recipe_and_the_sweep_reach_the_same_loss(mode):
+    net, x, y = _recipe_problem()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
+            loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+    rows = P.precision_sweep(lambda: _recipe_problem()[0], lambda b, d: _recipe_problem()[1:],
+                             [mode], [16], "cpu", steps=3, warmup=1, lr=0.1)
+    assert rows[0].steps_run == 4
+    assert rows[0].loss == pytest.approx(loss.item(), abs=1e-6)
+
+
+def test_plain_fp16_grad_scaler_recipe_trains_on_the_cpu():
+    net, x, y = _recipe_problem()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    losses = []
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(net(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert scaler.get_scale() == 2.0**16  # no overflow in this small problem: no back-off

@@ -15,6 +15,11 @@ from d2lgpu.precision import (
 )
 
 
+def _flat(text):
+    """The headline without its line wrapping."""
+    return " ".join(text.split())
+
+
 def _row(mode, batch, seconds=0.01, peak=None, loss=2.3, status="ok"):
     ok = status == "ok"
     return SweepRow(mode, batch, seconds if ok else None, peak if ok else None,
@@ -58,47 +63,126 @@ def test_sweep_checks_pass_for_a_sound_cpu_sweep_and_name_what_breaks():
 
 
 def test_a_cpu_slow_down_is_stated_as_one_with_its_reason():
-    slower = SweepComparison("fp32", "bf16", 1024, 0.35, None)
+    slower = SweepComparison("fp32", "bf16", 1024, 0.35, None, (0.34, 0.35, 0.37))
+    assert slower.verdict == "slower"
     text = explain_comparison(slower, "cpu", cpu_native_bf16=False)
-    assert "bf16 ran 2.86x slower than fp32 at batch 1024" in text
-    assert "speed-up" not in text and "no native bf16" in text
+    assert "bf16 ran 2.86x slower than fp32 at batch 1024 (repeats: 0.34x to 0.37x)" in text
+    assert "speed-up" not in text and "no bf16 instructions" in text
     assert all(len(line) <= 100 for line in text.splitlines())
+    assert "automatic choice here is fp32" in _flat(text)
 
-    native = explain_comparison(SweepComparison("fp32", "bf16", 64, 2.5, None), "cpu", True)
-    assert "2.50x as fast" in native and "natively" in native
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_cpu_headline_follows_the_measurement_on_both_kinds_of_cpu(native):
+    # The same words must be true whichever way the measurement came out, on either CPU.
+    faster = SweepComparison("fp32", "bf16", 64, 2.5, None, (2.4, 2.5, 2.7))
+    slower = SweepComparison("fp32", "bf16", 64, 0.5, None, (0.4, 0.5, 0.6))
+    fast_text = _flat(explain_comparison(faster, "cpu", native))
+    slow_text = _flat(explain_comparison(slower, "cpu", native))
+    assert "2.50x as fast" in fast_text and "2.00x slower" in slow_text
+    auto = "bf16" if native else "fp32"
+    for text in (fast_text, slow_text):
+        assert f"automatic choice here is {auto}." in text
+        assert ("has bf16 instructions" in text) is native
+    if native:
+        assert "did not pay" in slow_text and "did not pay" not in fast_text
+    else:
+        assert "bf16 still won" in fast_text and "still won" not in slow_text
+
+
+@pytest.mark.parametrize(
+    ("repeats", "verdict"),
+    [((2.0, 2.1, 1.9), "faster"), ((0.5, 0.6, 0.55), "slower"), ((0.8, 1.3, 1.1), "unclear"),
+     ((1.02, 1.01, 1.03), "unclear"), ((3.0, 3.0), "unclear"), ((), "unclear")],
+)
+def test_a_verdict_needs_three_paired_repeats_that_agree(repeats, verdict):
+    comparison = SweepComparison("fp32", "bf16", 64, 1.0, None, repeats)
+    assert comparison.verdict == verdict
+    text = _flat(explain_comparison(comparison, "cuda"))
+    if verdict == "unclear":
+        assert "faster" not in text.replace("which is faster", "") and "slower" not in text
+        assert ("too few" in text) is (len(repeats) < 3)
+        assert ("too wide" in text) is (len(repeats) >= 3)
 
 
 def test_a_gpu_comparison_reports_speed_and_memory():
-    text = explain_comparison(SweepComparison("fp32", "bf16", 4096, 3.0, 0.55), "cuda")
-    assert text == "bf16 ran 3.00x as fast as fp32 at batch 4096, with 45% less peak memory."
-    small = explain_comparison(SweepComparison("fp32", "fp16", 16, 0.9, 1.0), "cuda")
+    comparison = SweepComparison("fp32", "bf16", 4096, 3.0, 0.55, (3.0,) * 3)
+    text = _flat(explain_comparison(comparison, "cuda"))
+    assert text == ("bf16 ran 3.00x as fast as fp32 at batch 4096 (repeats: 3.00x to 3.00x), "
+                    "with 45% less peak memory.")
+    small = explain_comparison(SweepComparison("fp32", "fp16", 16, 0.9, 1.0, (0.9,) * 3), "cuda")
     assert "slower" in small and "kernel launches" in small
     assert "nothing to compare" in explain_comparison(None, "cpu")
 
 
-def test_sweep_estimate_scales_one_timed_step_by_batch_and_steps(monkeypatch):
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [(("not a comparison", "cpu"), TypeError, "compare_sweep_modes"),
+     ((None, "gpu0"), ValueError, "not a device"),
+     ((None, "cpu", "yes"), TypeError, "cpu_native_bf16")],
+)
+def test_explain_comparison_refuses_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        explain_comparison(*args)
+
+
+def _fake_probe(monkeypatch, fixed, step, out_of_memory_above=None):
+    """_measure_one that takes ``fixed(b) + 2 * step(b)`` seconds of (fake) clock per row."""
+    clock = [0.0]
     calls = []
 
     def fake_measure(model_fn, make_batch, mode, batch_size, device, steps, warmup, *rest):
         calls.append((mode, batch_size, steps, warmup))
-        if batch_size > 16:
+        if out_of_memory_above is not None and batch_size > out_of_memory_above:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return _row(mode, batch_size, seconds=0.1)
+        clock[0] += fixed(batch_size) + (steps + warmup) * step(batch_size)
+        return _row(mode, batch_size, seconds=step(batch_size))
 
     monkeypatch.setattr(P, "_measure_one", fake_measure)
-    seconds = estimate_sweep_seconds(
-        None, None, ["fp32", "tf32", "bf16"], [8, 16, 32], "cpu", steps=2, warmup=1
-    )
-    # tf32 cannot run on a CPU; fp32 and bf16 fit at 16 (32 is out of memory): per mode
-    # rows 8 and 16 cost (1 + 2) steps of 0.1 s scaled by 8/16 and 16/16.
-    assert seconds == pytest.approx(2 * 3 * 0.1 * (8 + 16) / 16)
-    assert calls == [("fp32", 32, 1, 1), ("fp32", 16, 1, 1), ("bf16", 32, 1, 1),
-                     ("bf16", 16, 1, 1)]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    return calls
+
+
+def _estimate(**kwargs):
+    args = dict(model_fn=lambda: None, make_batch=lambda b, d: None, modes=["fp32", "tf32", "bf16"],
+                batch_sizes=[8, 16, 32], device="cpu", steps=2, warmup=1)
+    args.update(kwargs)
+    return estimate_sweep_seconds(**args)
+
+
+def test_sweep_estimate_interpolates_fixed_cost_and_step_time_in_the_batch(monkeypatch):
+    # A row costs 1 s to set up plus 0.01 s per example per step: small batches are not
+    # a proportional share of a large one, which is what made a purely linear estimate low.
+    calls = _fake_probe(monkeypatch, fixed=lambda b: 1.0, step=lambda b: 0.1 + 0.01 * b)
+    seconds = _estimate(repeats=3)
+    # tf32 cannot run on a CPU; fp32 and bf16 are probed at 32 (largest) and 8 (smallest).
+    assert calls == [("fp32", 32, 1, 1), ("fp32", 8, 1, 1), ("bf16", 32, 1, 1), ("bf16", 8, 1, 1)]
+    # The probe's warm-up step is part of its fixed cost: fixed = 1 + step.
+    per_row = [(1.0 + (0.1 + 0.01 * b)) + (0 + 2) * (0.1 + 0.01 * b) for b in (8, 16, 32)]
+    assert seconds == pytest.approx(2 * 3 * sum(per_row))
+
+
+def test_sweep_estimate_probes_the_next_size_when_the_largest_does_not_fit(monkeypatch):
+    calls = _fake_probe(monkeypatch, fixed=lambda b: 0.0, step=lambda b: 0.1,
+                        out_of_memory_above=16)
+    seconds = _estimate(modes=["fp32"], warmup=2)
+    assert calls == [("fp32", 32, 1, 1), ("fp32", 16, 1, 1), ("fp32", 8, 1, 1)]
+    # Rows 8 and 16 fit; 32 is a quick OOM. Each: fixed 0.1 (the probe's warm-up) + 3 steps.
+    assert seconds == pytest.approx(2 * (0.1 + 3 * 0.1))
 
 
 def test_sweep_estimate_measures_a_real_model_on_the_cpu():
+    import math
+
     seconds = estimate_sweep_seconds(
         lambda: P.sweep_mlp(16, 32, 2), P.random_batch_maker((16,)), ["fp32"], [4, 8], "cpu",
         steps=2, warmup=1,
     )
-    assert 0 < seconds < 5
+    # (The first training step in a process pays one-off costs, seconds on a busy machine.)
+    assert 0 < seconds and math.isfinite(seconds)
+
+
+def test_sweep_estimate_refuses_what_the_sweep_refuses():
+    with pytest.raises(ValueError, match="lr"):
+        estimate_sweep_seconds(lambda: None, lambda b, d: None, ["fp32"], [4], "cpu",
+                               lr=float("nan"))
