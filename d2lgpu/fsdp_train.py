@@ -21,6 +21,10 @@ every epoch all ranks write a distributed checkpoint together (each its own
 shards; a temporary directory renamed when complete). A job started again with
 the same ``--checkpoint-dir``, by hand or by ``torchrun --max-restarts``,
 continues from the latest complete checkpoint, with any number of ranks.
+Every checkpoint records its settings and the checksums of its files: resuming
+with another learning rate, batch size, model or mixed precision, or from a
+damaged checkpoint, is refused with the reason. A loss that stops being finite,
+or rises to ten times the first step's, stops the job (training diverged).
 """
 
 from __future__ import annotations
@@ -30,10 +34,21 @@ import os
 import traceback
 from collections.abc import Sequence
 
+import torch
+
 from d2lgpu.checks import positive_int_flag, positive_number_flag
 from d2lgpu.config import quick_mode
 from d2lgpu.distributed import add_job_flags, process_group
-from d2lgpu.sharding import FSDPResult, FSDPRun, MLPShape, TrainPlan, train_fsdp
+from d2lgpu.sharding import (
+    CheckpointError,
+    FSDPResult,
+    FSDPRun,
+    MLPShape,
+    TrainPlan,
+    fsdp_param_dtype,
+    prepare_checkpoint_root,
+    train_fsdp,
+)
 
 __all__ = ["main"]
 
@@ -51,7 +66,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="global batch size, split evenly over the ranks (default %(default)s)",
     )
     parser.add_argument(
-        "--lr", type=positive_number_flag, default=1e-3, help="Adam's learning rate"
+        "--lr",
+        type=positive_number_flag,
+        default=1e-3,
+        help="Adam's learning rate (default %(default)s)",
     )
     parser.add_argument("--width", type=positive_int_flag, default=MLPShape.width)
     parser.add_argument("--hidden", type=positive_int_flag, default=MLPShape.hidden)
@@ -66,7 +84,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--mixed-precision",
         action="store_true",
-        help="compute in bf16, reduce gradients in fp32 (MixedPrecisionPolicy)",
+        help="compute in the device's low precision (bf16; fp16 on GPUs before sm80; on a CPU "
+        "bf16 where it runs natively, else fp32) and reduce gradients in fp32 "
+        "(MixedPrecisionPolicy)",
     )
     parser.add_argument(
         "--keep-gathered",
@@ -77,6 +97,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.fail_after_epoch is not None and args.checkpoint_dir is None:
         parser.error("--fail-after-epoch needs --checkpoint-dir, to resume from after the crash")
+    if args.checkpoint_dir is not None:
+        try:  # before any work: not after the first epoch
+            prepare_checkpoint_root(args.checkpoint_dir)
+        except CheckpointError as exc:
+            parser.error(f"argument --checkpoint-dir: {exc}")
     return args
 
 
@@ -138,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
                 f"{plan.steps_per_epoch} steps per epoch, {plan.steps} in all",
                 flush=True,
             )
+            if args.mixed_precision:
+                dtype = fsdp_param_dtype(ctx.device, True)
+                print(f"mixed precision: layers compute in {dtype or torch.float32}", flush=True)
         result = train_fsdp(run, ctx)
         if ctx.is_main:
             print(

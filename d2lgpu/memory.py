@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from d2lgpu.benchmarking import format_table, time_fn
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_float, check_positive_int
 
 __all__ = [
     "OPTIMIZERS",
@@ -53,6 +53,8 @@ __all__ = [
     "accumulated_gradients",
     "checkpoint_stages",
     "checkpointing_tradeoff",
+    "check_module",
+    "check_tensor",
     "format_mib",
     "gradient_bytes",
     "make_optimizer",
@@ -72,8 +74,37 @@ OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2}
 _MIB = 2**20
 
 
+def check_module(name: str, value: object) -> nn.Module:
+    """Return ``value`` if it is an ``nn.Module``; otherwise a TypeError naming ``name``."""
+    if not isinstance(value, nn.Module):
+        raise TypeError(
+            f"{name} must be a torch.nn.Module (a model or a layer), got "
+            f"{type(value).__name__} {value!r:.60}"
+        )
+    return value
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    """Return ``value`` if it is a tensor; otherwise a TypeError naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(value).__name__} {value!r:.60}; "
+            "convert it with torch.as_tensor"
+        )
+    return value
+
+
+def _check_batch(X: object, y: object) -> None:
+    check_tensor("X", X)
+    check_tensor("y", y)
+    if len(X) != len(y):  # type: ignore[arg-type]
+        raise ValueError(f"X holds {len(X)} examples but y {len(y)} labels")  # type: ignore[arg-type]
+
+
 def format_mib(nbytes: float) -> str:
     """Bytes as MiB with one decimal, the unit ``torch.cuda`` memory reports are read in."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)):
+        raise TypeError(f"nbytes must be a number of bytes, got {type(nbytes).__name__} {nbytes!r}")
     return f"{nbytes / _MIB:.1f} MiB"
 
 
@@ -89,26 +120,38 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``: views of one tensor count once."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
+        raise TypeError(
+            "tensors must be an iterable of tensors (a list, or model.parameters()), got "
+            f"{type(tensors).__name__}; for one tensor pass [tensor]"
+        )
     seen: dict[tuple[str, int], int] = {}
     for tensor in tensors:
         if tensor is None:
             continue
+        check_tensor("each of tensors", tensor)
         seen.setdefault(_storage_key(tensor), tensor.untyped_storage().nbytes())
     return sum(seen.values())
 
 
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes held by ``model``'s parameters."""
+    check_module("model", model)
     return storage_bytes(model.parameters())
 
 
 def gradient_bytes(model: nn.Module) -> int:
     """Bytes held by the ``.grad`` tensors of ``model``'s parameters (0 before backward)."""
+    check_module("model", model)
     return storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state`` (created by the first ``step()``)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     return storage_bytes(
         value
         for state in optimizer.state.values()
@@ -121,6 +164,12 @@ def make_optimizer(
     name: str, params: Iterable[nn.Parameter], lr: float = 0.01
 ) -> torch.optim.Optimizer:
     """One of :data:`OPTIMIZERS` by name: ``"sgd"``, ``"sgd_momentum"`` (0.9) or ``"adam"``."""
+    check_positive_float("lr", lr)
+    if isinstance(params, (nn.Module, torch.Tensor)):
+        raise TypeError(
+            f"params must be an iterable of parameters: pass model.parameters(), not the "
+            f"{type(params).__name__} itself"
+        )
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "sgd_momentum":
@@ -136,7 +185,7 @@ def optimizer_state_formula(name: str, model: nn.Module) -> int:
     Adam also keeps a step counter per parameter tensor (a 4-byte scalar), which
     the formula leaves out: it is the difference the count shows.
     """
-    if name not in OPTIMIZERS:
+    if not isinstance(name, str) or name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
     return OPTIMIZERS[name] * parameter_bytes(model)
 
@@ -207,9 +256,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
         inputs = {
-            _storage_key(t)
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
+            _storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         }
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
@@ -283,6 +330,8 @@ def resnet18_activation_bytes(
 
 def measure_activations(model: nn.Module, X: torch.Tensor) -> int:
     """Bytes ``model`` saves for backward on the batch ``X`` (forward only, training mode)."""
+    check_module("model", model)
+    check_tensor("X", X)
     model.train()
     exclude = [*model.parameters(), *model.buffers()]
     with SavedActivations(exclude) as saved:
@@ -365,6 +414,8 @@ def measure_training_memory(
     ``step()``. The second step is watched by :class:`LiveTensorBytes` (and by the
     CUDA allocator on a GPU) for the peak. ``model`` is trained by the two steps.
     """
+    check_module("model", model)
+    _check_batch(X, y)
     model.train()
     opt = make_optimizer(optimizer, model.parameters(), lr=lr)
     opt.zero_grad(set_to_none=True)
@@ -418,6 +469,8 @@ def accumulated_gradients(
     a time. ``micro_batches=1`` is the ordinary full-batch gradient. Returns
     copies, in ``model.parameters()`` order.
     """
+    check_module("model", model)
+    _check_batch(X, y)
     check_positive_int("micro_batches", micro_batches)
     if micro_batches > len(X):
         raise ValueError(
@@ -448,7 +501,7 @@ class Checkpointed(nn.Module):
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner = check_module("inner", inner)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
@@ -458,6 +511,13 @@ class Checkpointed(nn.Module):
 
 def checkpoint_stages(model: nn.Module, names: Sequence[str]) -> nn.Module:
     """Wrap the child modules ``names`` of ``model`` in :class:`Checkpointed`, in place."""
+    check_module("model", model)
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"names must be a list of child module names, e.g. [{names!r}], got "
+            f"{type(names).__name__} {names!r}"
+        )
+    names = list(names)
     children = dict(model.named_children())
     for name in names:
         if name not in children:
@@ -480,6 +540,17 @@ class CheckpointRow:
     #: Seconds of forward + backward: the fastest of the timed steps, the one least
     #: slowed down by whatever else the machine was doing.
     step_seconds: float
+
+
+def _seconds_since(started: float, device: torch.device) -> float:
+    """Seconds from ``started`` (a ``time.perf_counter()``) until ``device`` has finished.
+
+    CUDA kernels run asynchronously: without waiting for them, the host clock
+    reads how long it took to queue the work, not to do it.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def _counted_step(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
@@ -510,6 +581,12 @@ def checkpointing_tradeoff(
     the largest difference between the two variants' gradients (checkpointing
     recomputes the same numbers, so it should be zero or rounding).
     """
+    if not callable(make_model) or isinstance(make_model, nn.Module):
+        raise TypeError(
+            "make_model must be a function that builds the model (seeded inside), e.g. "
+            f"lambda: resnet18(); got {type(make_model).__name__}"
+        )
+    _check_batch(X, y)
     check_positive_int("repeats", repeats)
     on_cuda = X.device.type == "cuda"
     models, counted, grads = {}, {}, []
@@ -522,12 +599,17 @@ def checkpointing_tradeoff(
             torch.cuda.synchronize(X.device)
             torch.cuda.reset_peak_memory_stats(X.device)
         started = time.perf_counter()
-        held, peak = _counted_step(model, X, y)
+        # cuDNN may pick convolution algorithms whose sums run in another order on every
+        # call: deterministic ones make "the same gradients" a check of exact equality.
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            held, peak = _counted_step(model, X, y)
         if progress and models:
             # The second counted step is warm; a plain step costs about 3/4 of it.
-            seconds = time.perf_counter() - started
-            print(f"a checkpointed step took {seconds:.1f} s; about "
-                  f"{repeats * seconds * 7 / 4:.0f} s more for {repeats} timed rounds")
+            seconds = _seconds_since(started, X.device)
+            print(
+                f"a checkpointed step took {seconds:.1f} s; about "
+                f"{repeats * seconds * 7 / 4:.0f} s more for {repeats} timed rounds"
+            )
         cuda_peak = torch.cuda.max_memory_allocated(X.device) if on_cuda else None
         counted[variant] = (held, peak, cuda_peak)
         grads.append([p.grad.detach().clone() for p in model.parameters()])
@@ -542,9 +624,6 @@ def checkpointing_tradeoff(
                 _loss(model, X, y).backward()
 
             times[variant].append(time_fn(step, X.device, warmup=0, repeats=1).median)
-    rows = [
-        CheckpointRow(variant, *counted[variant], min(times[variant]))
-        for variant in models
-    ]
+    rows = [CheckpointRow(variant, *counted[variant], min(times[variant])) for variant in models]
     diff = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
     return rows, diff

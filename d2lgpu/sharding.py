@@ -31,6 +31,7 @@ them, so N ranks train with N times the learning rate
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -49,10 +50,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
-from d2lgpu.memory import make_optimizer, storage_bytes
+from d2lgpu.memory import OPTIMIZERS, check_module, check_tensor, make_optimizer, storage_bytes
 from d2lgpu.models import MLPBlock, residual_mlp
+from d2lgpu.precision import precision_policy
 
 try:  # public from torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -71,6 +73,7 @@ __all__ = [
     "ACCUMULATION_VARIANTS",
     "FSDP2_CPU_MIN_TORCH",
     "AccumulationResult",
+    "CheckpointError",
     "CollectiveCounter",
     "CommStats",
     "FSDPResult",
@@ -85,6 +88,8 @@ __all__ = [
     "AccumulationRun",
     "describe_shards",
     "fsdp2_unavailable_reason",
+    "fsdp_param_dtype",
+    "prepare_checkpoint_root",
     "sharding_worker",
     "latest_checkpoint",
     "load_checkpoint",
@@ -136,6 +141,10 @@ class MLPShape:
     in_features: int = 784
     num_classes: int = 10
 
+    def __post_init__(self) -> None:
+        for name in ("width", "hidden", "depth", "in_features", "num_classes"):
+            check_positive_int(name, getattr(self, name))
+
     def build(self, seed: int = 0) -> nn.Sequential:
         """The model with the initial weights of ``seed``: the same on every rank."""
         torch.manual_seed(seed)
@@ -172,8 +181,27 @@ class TrainPlan:
     test_labels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shape, MLPShape):
+            raise TypeError(f"shape must be an MLPShape, got {type(self.shape).__name__}")
+        check_tensor("images", self.images)
+        check_tensor("labels", self.labels)
         check_positive_int("batch_size", self.batch_size)
         check_positive_int("steps", self.steps)
+        check_positive_float("lr", self.lr)
+        check_seed(self.seed)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        if not isinstance(self.shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, got {self.shuffle!r}")
+        for name in ("images", "test_images"):
+            value = getattr(self, name)
+            if value is not None and value.is_floating_point() and not value.isfinite().all():
+                raise ValueError(
+                    f"{name} hold nan or inf: training on them can only give nan; "
+                    "find the broken examples with (~images.isfinite()).flatten(1).any(1)"
+                )
         if len(self.images) != len(self.labels):
             raise ValueError(f"{len(self.images)} images but {len(self.labels)} labels")
         if (self.test_images is None) != (self.test_labels is None):
@@ -230,6 +258,8 @@ class SingleResult:
 
 def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleResult:
     """``plan`` in this one process on the whole batch: the baseline sharded runs must match."""
+    if not isinstance(plan, TrainPlan):
+        raise TypeError(f"plan must be a TrainPlan, got {type(plan).__name__}")
     device = torch.device(device)
     model = plan.shape.build(plan.seed).to(device)
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
@@ -241,6 +271,7 @@ def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleR
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        _check_losses(losses, step, plan)
     return SingleResult(losses, _cpu_state(model))
 
 
@@ -255,26 +286,60 @@ def _require_fsdp2(device_type: str) -> None:
         raise RuntimeError(reason)
 
 
+def fsdp_param_dtype(
+    device: torch.device | str,
+    mixed_precision: bool | str | torch.dtype,
+    capability: tuple[int, int] | None = None,
+) -> torch.dtype | None:
+    """The dtype FSDP2 computes in on ``device`` for ``mixed_precision``; None for plain fp32.
+
+    False: fp32. True or ``"auto"``: the course's one rule,
+    :func:`d2lgpu.precision.precision_policy` (bf16 from compute capability 8.0,
+    fp16 on 7.x, where bf16 is emulated and slow; on a CPU bf16 where it runs
+    natively, fp32 elsewhere). ``"bf16"``/``"fp16"`` or the dtype force one.
+    ``capability`` overrides the GPU's own (for tests and GPUs you do not have).
+    """
+    if isinstance(mixed_precision, bool) or mixed_precision is None:
+        if mixed_precision is None:
+            raise TypeError(
+                "mixed_precision must be True, False, 'auto', 'bf16' or 'fp16', got None"
+            )
+        mixed_precision = "auto" if mixed_precision else False
+    return precision_policy(device, mixed_precision, capability=capability).dtype
+
+
 def shard_model(
     model: nn.Module,
     mesh: Any,
     *,
     reshard_after_forward: bool = True,
-    mixed_precision: bool = False,
+    mixed_precision: bool | str | torch.dtype = False,
 ) -> nn.Module:
     """``fully_shard`` every :class:`~d2lgpu.models.MLPBlock`, then the whole model, in place.
 
     Bottom-up, as FSDP2 requires: each block becomes one communication group
     (one all-gather, one reduce-scatter), and the root call takes the
     parameters left over (the first and last linear layers). ``mixed_precision``
-    computes with bf16 copies of the parameters and reduces gradients in fp32;
-    the sharded parameters and the optimizer stay fp32.
+    (see :func:`fsdp_param_dtype`: True follows the device) computes with bf16 or
+    fp16 copies of the parameters and reduces gradients in fp32; the sharded
+    parameters and the optimizer stay fp32.
     """
+    check_module("model", model)
+    if not hasattr(mesh, "device_type"):
+        raise TypeError(
+            "mesh must be a DeviceMesh: init_device_mesh(device_type, (world_size,)), "
+            f"got {type(mesh).__name__}"
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be True or False, got {reshard_after_forward!r}"
+        )
     _require_fsdp2(mesh.device_type)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mixed_precision:
+    param_dtype = fsdp_param_dtype(mesh.device_type, mixed_precision)
+    if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            param_dtype=param_dtype, reduce_dtype=torch.float32
         )
     for module in model.modules():
         if isinstance(module, MLPBlock):
@@ -295,6 +360,7 @@ class ShardInfo:
 
 def describe_shards(model: nn.Module) -> list[ShardInfo]:
     """Name, full shape, this rank's shape and the placement of every parameter."""
+    check_module("model", model)
     rows = []
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
@@ -311,6 +377,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(tensors: Sequence[torch.Tensor] | Iterator[torch.Tensor]) -> int:
     """Bytes this rank stores for ``tensors``: the local shard of a DTensor, padding included."""
+    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__"):
+        raise TypeError(
+            f"tensors must be an iterable of tensors (e.g. model.parameters()), got "
+            f"{type(tensors).__name__}"
+        )
     return storage_bytes(_local(t) for t in tensors if t is not None)
 
 
@@ -320,6 +391,7 @@ def unsharded_parameter_bytes(model: nn.Module) -> int:
     Between forward and backward that is what ``reshard_after_forward=False``
     keeps: the full parameters of every group, ready for backward.
     """
+    check_module("model", model)
     return storage_bytes(p for p in model.parameters() if not isinstance(p, DTensor))
 
 
@@ -330,6 +402,7 @@ def padded_parameter_bytes(model: nn.Module, world_size: int) -> int:
     rows (the last ones may be shorter or empty), and each rank's chunk is
     padded to that size so that all-gathers move equal pieces.
     """
+    check_module("model", model)
     check_positive_int("world_size", world_size)
     total = 0
     for p in model.parameters():
@@ -451,6 +524,98 @@ counting_allreduce_hook.__annotations__.update(
 # ---------------------------------------------------------------------------
 
 _STEP_PREFIX = "step-"
+_CHECKSUMS = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, trusted, or continued from under this run's settings."""
+
+
+def _start_fresh(root: Path) -> str:
+    return f"to start fresh, delete {root} or pass another checkpoint directory"
+
+
+def prepare_checkpoint_root(root: str | Path) -> Path:
+    """Create ``root`` if needed and make sure files can be written there; return it.
+
+    Called before training, so that a directory under a regular file, or on a
+    file system that takes no files (``/proc``), fails at once and not after the
+    first epoch's work.
+    """
+    if not isinstance(root, (str, os.PathLike)) or str(root) == "":
+        raise TypeError(f"the checkpoint directory must be a path, got {root!r}")
+    root = Path(root)
+    for ancestor in (root, *root.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise CheckpointError(
+                    f"cannot write checkpoints to {root}: {ancestor} is a file, not a "
+                    "directory; pass a checkpoint directory elsewhere"
+                )
+            break
+    probe = root / f".write-test-{os.uname().nodename}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"d2lgpu")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write checkpoints to {root} ({exc.strerror or exc}); pass a checkpoint "
+            "directory on a file system you can write to"
+        ) from None
+    return root
+
+
+def _file_digests(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file in a checkpoint directory but the list of digests itself."""
+    digests = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != _CHECKSUMS:
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            digests[path.name] = digest.hexdigest()
+    return digests
+
+
+def _verify_checkpoint(path: Path) -> None:
+    """Compare every file of a checkpoint with the digests written with it."""
+    fresh = _start_fresh(path.parent)
+    if not (path / ".metadata").exists():
+        raise CheckpointError(
+            f"checkpoint {path} has no .metadata (the map of its shards): it was damaged after "
+            f"it was written. Delete {path} to resume from an earlier checkpoint; or, {fresh}"
+        )
+    listed = path / _CHECKSUMS
+    if not listed.exists():
+        raise CheckpointError(
+            f"checkpoint {path} has no {_CHECKSUMS}, so its files cannot be checked: it was not "
+            f"written by save_checkpoint, or was damaged. Delete {path} to resume from an "
+            f"earlier checkpoint; or, {fresh}"
+        )
+    try:
+        expected = json.loads(listed.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(
+            f"{listed} is not readable JSON: the checkpoint was damaged; {fresh}"
+        ) from None
+    actual = _file_digests(path)
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            problem = "is missing"
+        elif name not in expected:
+            problem = "was not part of the checkpoint when it was written"
+        elif actual[name] != expected[name]:
+            problem = "does not match the checksum written with it (corrupt or changed)"
+        else:
+            continue
+        raise CheckpointError(
+            f"checkpoint file {path / name} {problem}. Delete {path} to resume from an earlier "
+            f"checkpoint; or, {fresh}"
+        )
+
+
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is .*(unavailable|uninitialized)"
 
 
@@ -494,11 +659,20 @@ def save_checkpoint(
     Everything goes to a hidden temporary directory first, which rank 0 renames
     to its final name once every rank has finished writing: a directory called
     ``step-*`` is always complete, and a crash mid-write leaves only a
-    temporary directory that :func:`latest_checkpoint` ignores. Across
-    machines, ``root`` must be on a file system they share.
+    temporary directory that :func:`latest_checkpoint` ignores. Rank 0 also
+    writes the SHA-256 of every file (``checksums.json``), which
+    :func:`load_checkpoint` verifies. Across machines, ``root`` must be on a file
+    system they share.
     """
+    check_module("model", model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
     dcp, get_state_dict, _ = _dcp()
-    root = Path(root)
+    root = prepare_checkpoint_root(root) if _is_main() else Path(root)
     final = root / f"{_STEP_PREFIX}{step:06d}"
     tmp = root / f".{final.name}.tmp"
     if _is_main():
@@ -510,6 +684,7 @@ def save_checkpoint(
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     if _is_main():
         (tmp / "extra.json").write_text(json.dumps({"step": step, **(extra or {})}))
+        (tmp / _CHECKSUMS).write_text(json.dumps(_file_digests(tmp), indent=1))
         if final.exists():  # the same step saved again after a restart: replace it
             old = root / f".{final.name}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -523,15 +698,30 @@ def save_checkpoint(
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint of the highest step under ``root``, or None."""
+    """The checkpoint of the highest step under ``root``, or None when there is none.
+
+    Temporary directories (a save that crashed) do not count. A ``step-*``
+    directory without ``.metadata`` is an error, not a missing checkpoint: such
+    a name appears only once the save is complete, so it was damaged later, and
+    silently starting over would throw the training away.
+    """
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root must be a path, got {type(root).__name__} {root!r}")
     root = Path(root)
     if not root.is_dir():
         return None
     done = [
         p
         for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_STEP_PREFIX) and (p / ".metadata").exists()
+        if p.is_dir() and p.name.startswith(_STEP_PREFIX) and p.name[len(_STEP_PREFIX) :].isdigit()
     ]
+    for p in done:
+        if not (p / ".metadata").exists():
+            raise CheckpointError(
+                f"checkpoint {p} has no .metadata (the map of its shards): it was damaged after "
+                f"it was written. Delete {p} to resume from an earlier checkpoint; or, "
+                f"{_start_fresh(root)}"
+            )
     return max(done, key=lambda p: int(p.name[len(_STEP_PREFIX) :]), default=None)
 
 
@@ -543,13 +733,23 @@ def load_checkpoint(
     ``model`` may be sharded over any number of ranks, or be a plain module in
     a process without a process group: DCP reads, for each tensor, the pieces
     of the saved shards that overlap what this rank holds (resharding).
+    The files are first checked against the checksums written with them
+    (:class:`CheckpointError` names the damaged file).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a checkpoint directory, got {type(path).__name__} {path!r}")
+    check_module("model", model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     dcp, get_state_dict, set_state_dict = _dcp()
     path = Path(path)
-    if not (path / ".metadata").exists():
+    if not path.is_dir():
         raise FileNotFoundError(
-            f"{path} is not a complete checkpoint (no .metadata): pick one with latest_checkpoint()"
+            f"{path} is no checkpoint directory: pick one with latest_checkpoint()"
         )
+    _verify_checkpoint(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     with _single_process_quietly():
@@ -571,7 +771,9 @@ class FSDPRun:
 
     plan: TrainPlan
     reshard_after_forward: bool = True
-    mixed_precision: bool = False
+    #: False for fp32; True follows the device's rule (:func:`fsdp_param_dtype`);
+    #: "bf16" or "fp16" force one.
+    mixed_precision: bool | str = False
     #: Where to write checkpoints (see :func:`save_checkpoint`), every ``save_every`` steps.
     checkpoint_root: str | None = None
     save_every: int | None = None
@@ -589,6 +791,24 @@ class FSDPRun:
         return train_fsdp(self, ctx)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.plan, TrainPlan):
+            raise TypeError(f"plan must be a TrainPlan, got {type(self.plan).__name__}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"
+            )
+        if not (
+            isinstance(self.mixed_precision, bool)
+            or self.mixed_precision in ("auto", "bf16", "fp16")
+        ):
+            raise ValueError(
+                "mixed_precision must be False, True (the device's rule), 'bf16' or 'fp16', "
+                f"got {self.mixed_precision!r}"
+            )
+        for name in ("checkpoint_root", "resume_from"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise TypeError(f"{name} must be a directory path or None, got {value!r}")
         if self.save_every is not None and self.checkpoint_root is None:
             raise ValueError("save_every needs checkpoint_root, the directory to write to")
         for name in ("save_every", "log_every"):
@@ -639,6 +859,8 @@ class FSDPResult:
     comm_formula: dict[str, int]
     #: Checkpoints written by this run.
     saved: list[str] = field(default_factory=list)
+    #: The dtype the layers computed in ("float32" without mixed precision).
+    param_dtype: str = "float32"
 
 
 def _gather(value: Any, ctx: DistContext) -> list[Any]:
@@ -652,7 +874,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _watched_step(
-    model: nn.Module, X: torch.Tensor, y: torch.Tensor, fail: str | None
+    model: nn.Module,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    fail: str | None,
+    scaler: Any = None,
 ) -> tuple[torch.Tensor, StepWatch]:
     """Forward and backward of one step, with the collectives counted and memory measured."""
     watch = StepWatch()
@@ -671,7 +897,7 @@ def _watched_step(
             if fail:
                 raise RuntimeError(fail)
             loss = nn.functional.cross_entropy(out.float(), y)
-            loss.backward()
+            (loss if scaler is None else scaler.scale(loss)).backward()
     finally:
         hook.remove()
     watch.comm = counter.stats
@@ -699,20 +925,115 @@ def _test_accuracy(model: nn.Module, plan: TrainPlan, ctx: DistContext) -> float
     return total.item() / n
 
 
+#: What a checkpoint records of its run and a resumed run must repeat, with the words
+#: that name each setting.
+_MUST_MATCH = {
+    "shape": "model shape (width, hidden, depth, in, classes)",
+    "batch_size": "global batch size",
+    "lr": "learning rate",
+    "optimizer": "optimizer",
+    "seed": "seed",
+    "shuffle": "shuffle",
+    "examples": "training examples",
+    "param_dtype": "compute dtype (mixed precision)",
+}
+
+
+def _recorded_config(plan: TrainPlan, param_dtype: torch.dtype | None) -> dict[str, Any]:
+    shape = plan.shape
+    return {
+        "shape": [shape.width, shape.hidden, shape.depth, shape.in_features, shape.num_classes],
+        "batch_size": plan.batch_size,
+        "lr": plan.lr,
+        "optimizer": plan.optimizer,
+        "seed": plan.seed,
+        "shuffle": plan.shuffle,
+        "examples": len(plan.labels),
+        "param_dtype": _dtype_name(param_dtype or torch.float32),
+    }
+
+
+def _check_resumable(extra: dict[str, Any], config: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint written under other settings, naming every difference."""
+    old = extra.get("config")
+    if not isinstance(old, dict):
+        raise CheckpointError(
+            f"checkpoint {path} does not record the settings it was trained with, so a resumed "
+            f"run cannot be checked against them; {_start_fresh(path.parent)}"
+        )
+    differences = [
+        f"{words} {old.get(key)} in the checkpoint, {config[key]} now"
+        for key, words in _MUST_MATCH.items()
+        if old.get(key) != config[key]
+    ]
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} was written with other settings ({'; '.join(differences)}); "
+            "resuming would continue its model and optimizer under the new ones. Rerun with the "
+            f"checkpoint's settings; or, {_start_fresh(path.parent)}"
+        )
+
+
 def _resume(
-    run: FSDPRun, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
+    run: FSDPRun,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: DistContext,
+    config: dict[str, Any],
 ) -> tuple[int, list[float]]:
     if run.resume_from is None:
         return 0, []
     path: Path | None = Path(run.resume_from)
+    assert path is not None
+    looks_like_one = path.name.startswith(_STEP_PREFIX) or any(path.glob("*.distcp"))
     if not (path / ".metadata").exists():
+        if looks_like_one:
+            _verify_checkpoint(path)  # raises: no .metadata
         path = latest_checkpoint(path)
     if path is None:
         return 0, []
+    _verify_checkpoint(path)
+    extra = json.loads((path / "extra.json").read_text())
+    _check_resumable(extra, config, path)
+    if extra["step"] >= run.plan.steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {extra['step']} and this run ends at step "
+            f"{run.plan.steps}: nothing left to train. Ask for more steps (more epochs: they "
+            f"count from the start, not from the checkpoint); or, {_start_fresh(path.parent)}"
+        )
     extra = load_checkpoint(path, model, optimizer)
     if ctx.is_main and run.log_every:
         print(f"resuming from {path} (step {extra['step']})", flush=True)
     return extra["step"], list(extra.get("losses", []))
+
+
+#: A loss this many times the first step's means training diverged (cross-entropy
+#: starts near log(classes) and only goes down while training works).
+DIVERGED_FACTOR = 10.0
+
+
+def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
+    """Stop on a loss that is not finite, or far above the first step's: training diverged."""
+    for step in range(first_new, len(losses)):
+        loss = losses[step]
+        if not math.isfinite(loss):
+            if step == 0:
+                raise FloatingPointError(
+                    f"the loss of the very first step is {loss}: before any update, so the "
+                    "initial weights hold nan or inf (the data were checked)"
+                )
+            raise FloatingPointError(
+                f"the training loss became {loss} in step {step + 1}: training diverged "
+                f"(lr={plan.lr} may be too large: try {plan.lr / 10:g}). Stopped before "
+                "writing a checkpoint"
+            )
+        if step > 0 and loss > DIVERGED_FACTOR * losses[0]:
+            raise FloatingPointError(
+                f"the training loss rose to {loss:.4g} in step {step + 1}, more than "
+                f"{DIVERGED_FACTOR:g} times the first step's {losses[0]:.4g}: training diverged "
+                f"(lr={plan.lr} may be too large: try {plan.lr / 10:g}). Stopped before writing "
+                "a checkpoint"
+            )
 
 
 def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
@@ -723,22 +1044,31 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     (:class:`StepWatch`): collectives counted, full parameters held after
     forward measured, the CUDA peak read on GPUs.
     """
+    if not isinstance(run, FSDPRun):
+        raise TypeError(f"run must be an FSDPRun, got {type(run).__name__}")
     plan = run.plan
     _require_fsdp2(ctx.device.type)
+    if run.checkpoint_root is not None:
+        prepare_checkpoint_root(run.checkpoint_root)  # before any training
+    param_dtype = fsdp_param_dtype(ctx.device, run.mixed_precision)
     model = shard_model(
         plan.shape.build(plan.seed),
         _device_mesh(ctx),
         reshard_after_forward=run.reshard_after_forward,
-        mixed_precision=run.mixed_precision,
+        mixed_precision=param_dtype or False,
     )
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
-    start, losses = _resume(run, model, optimizer, ctx)
-    if start >= plan.steps:
-        raise ValueError(
-            f"the checkpoint is at step {start} and the plan ends at step {plan.steps}: "
-            "nothing left to train; ask for more steps"
-        )
+    scaler = None
+    if param_dtype == torch.float16:
+        # fp16's narrow range lets small gradients underflow: scale the loss (chapter 6).
+        # The sharded scaler agrees over all ranks whether any gradient shard overflowed.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(ctx.device.type)
+    config = _recorded_config(plan, param_dtype)
+    start, losses = _resume(run, model, optimizer, ctx, config)
     pending: list[torch.Tensor] = []  # local losses not yet averaged over the ranks
+    start_check = start  # losses before this index were checked already
     test_acc: list[tuple[int, float]] = []
     saved: list[str] = []
     watch = StepWatch()
@@ -749,11 +1079,15 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
         if run.fail_rank == ctx.rank and step == run.fail_at_step:
             fail = f"rank {ctx.rank} failed on purpose in step {step} (the others wait in backward)"
         if step == plan.steps - 1 or fail:
-            loss, watch = _watched_step(model, X, y, fail)
+            loss, watch = _watched_step(model, X, y, fail, scaler)
         else:
             loss = nn.functional.cross_entropy(model(X).float(), y)
-            loss.backward()
-        optimizer.step()
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            optimizer.step()
+        else:  # skips the step where a gradient overflowed, on every rank alike
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         pending.append(loss.detach())
 
@@ -763,6 +1097,9 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
         if log_now or save_now:
             losses += _mean_over_ranks(pending, ctx)
             pending = []
+            # On the means every rank shares, so all ranks stop together, before a save.
+            _check_losses(losses, start_check, plan)
+            start_check = len(losses)
         if log_now:
             line = f"step {done}/{plan.steps}: loss {losses[-1]:.4f}"
             if plan.test_images is not None:
@@ -773,12 +1110,13 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
             if ctx.is_main:
                 print(line, flush=True)
         if save_now:
-            extra = {"losses": losses, "world_size": ctx.world_size}
+            extra = {"losses": losses, "world_size": ctx.world_size, "config": config}
             path = save_checkpoint(run.checkpoint_root or "", done, model, optimizer, extra)
             saved.append(str(path))
             if ctx.is_main and run.log_every:
                 print(f"saved checkpoint {path}", flush=True)
     losses += _mean_over_ranks(pending, ctx)
+    _check_losses(losses, start_check, plan)
 
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     per_rank = _gather((local_bytes(model.parameters()), local_bytes(state), watch), ctx)
@@ -797,9 +1135,10 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
             plan.shape.build(),
             ctx.world_size,
             reshard_after_forward=run.reshard_after_forward,
-            mixed_precision=run.mixed_precision,
+            mixed_precision=param_dtype is not None,
         ),
         saved=saved,
+        param_dtype=_dtype_name(param_dtype or torch.float32),
     )
 
 
@@ -895,6 +1234,8 @@ class AccumulationRun:
     micro_batches: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.plan, TrainPlan):
+            raise TypeError(f"plan must be a TrainPlan, got {type(self.plan).__name__}")
         check_positive_int("micro_batches", self.micro_batches)
 
     def run(self, ctx: DistContext) -> AccumulationResult:

@@ -8,6 +8,7 @@ from torch import nn
 
 from d2lgpu.memory import (
     OPTIMIZERS,
+    Checkpointed,
     LiveTensorBytes,
     SavedActivations,
     accumulated_gradients,
@@ -153,3 +154,62 @@ def test_checkpointing_keeps_the_gradients_and_holds_less_after_forward():
     assert isinstance(model[3].inner, MLPBlock)
     with pytest.raises(ValueError, match="no child module 'nine'"):
         checkpoint_stages(_mlp(), ["nine"])
+
+
+def test_the_step_time_estimate_waits_for_the_gpu(monkeypatch):
+    from d2lgpu import memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    cuda = torch.device("cuda", 0)  # a device object needs no GPU
+    memory._seconds_since(0.0, cuda)
+    assert calls == [cuda]  # CUDA kernels queue asynchronously: wait before reading the clock
+    memory._seconds_since(0.0, torch.device("cpu"))
+    assert calls == [cuda]
+
+
+def test_checkpointing_compares_gradients_with_deterministic_cudnn():
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)  # the same model for both variants
+            self.stage = nn.Linear(784, 10)
+
+        def forward(self, X: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.backends.cudnn.deterministic)
+            return self.stage(X.flatten(1))
+
+    X, y = _batch(4)
+    assert torch.backends.cudnn.deterministic is False
+    _, diff = checkpointing_tradeoff(Probe, X, y, ["stage"], repeats=1)
+    assert diff == 0.0
+    # the counted steps, whose gradients are compared, ran deterministically; the timed ones not
+    assert seen[:2] == [True, True] and seen[-1] is False
+    assert torch.backends.cudnn.deterministic is False
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: checkpoint_stages(_mlp(), "fc"), r"names must be a list .*\['fc'\]"),
+        (lambda: Checkpointed(None), "inner must be a torch.nn.Module"),
+        (lambda: parameter_bytes(None), "model must be a torch.nn.Module"),
+        (lambda: storage_bytes(None), "tensors must be an iterable"),
+        (lambda: storage_bytes(torch.zeros(3)), r"pass \[tensor\]"),
+        (lambda: storage_bytes(["x"]), "must be a torch.Tensor"),
+        (lambda: format_mib("12"), "nbytes must be a number"),
+        (lambda: make_optimizer("sgd", _mlp(), lr=0.1), "model.parameters()"),
+        (lambda: make_optimizer("sgd", _mlp().parameters(), lr=float("nan")), "lr must be"),
+        (lambda: optimizer_state_formula(None, _mlp()), "optimizer must be one of"),
+        (lambda: measure_activations(_mlp(), None), "X must be a torch.Tensor"),
+        (lambda: measure_training_memory(None, *_batch(2)), "model must be"),
+        (lambda: measure_training_memory(_mlp(), _batch(2)[0], None), "y must be"),
+        (lambda: accumulated_gradients(_mlp(), _batch(4)[0], _batch(3)[1], 2), "4 examples"),
+        (lambda: checkpointing_tradeoff(_mlp(), *_batch(2), ["0"]), "make_model must be"),
+    ],
+)
+def test_bad_input_to_memory_names_the_fix(call, words):
+    with pytest.raises((TypeError, ValueError), match=words):
+        call()

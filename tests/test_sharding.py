@@ -8,6 +8,7 @@ Every launch and subprocess has a timeout.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -59,7 +60,8 @@ def _plan(steps: int = 4, batch_size: int = 12, **kw) -> TrainPlan:
     # whatever the gradient's size, so rounding differences between a sharded and an
     # unsharded run (another reduction order) can flip a step; momentum keeps them tiny.
     kw.setdefault("optimizer", "sgd_momentum")
-    return TrainPlan(SHAPE, X, y, batch_size=batch_size, steps=steps, lr=1e-2, **kw)
+    kw.setdefault("lr", 1e-2)
+    return TrainPlan(SHAPE, X, y, batch_size=batch_size, steps=steps, **kw)
 
 
 def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -117,7 +119,6 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
         optimizer.zero_grad()
     # A crash in the middle of writing leaves a temporary directory; it never counts.
     (tmp_path / ".step-000009.tmp").mkdir()
-    (tmp_path / "step-000008").mkdir()  # no .metadata: incomplete, ignored as well
     path = save_checkpoint(tmp_path, 3, model, optimizer, {"note": "three steps"})
     assert path.name == "step-000003" and latest_checkpoint(tmp_path) == path
     assert not list(tmp_path.glob(".step-000003*"))
@@ -132,7 +133,7 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizer.state[p][key], fresh_optimizer.state[q][key])
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
         load_checkpoint(tmp_path / "step-000008", fresh, fresh_optimizer)
 
 
@@ -232,22 +233,50 @@ def test_fsdp_on_two_ranks_shards_and_matches_one_process(two_ranks):
 
 
 @needs_fsdp2_on_cpu
-def test_three_ranks_and_one_process_resume_the_two_rank_checkpoint(two_ranks):
+def test_three_ranks_resume_the_two_rank_checkpoint_and_a_failing_rank_ends_the_job(
+    two_ranks, tmp_path
+):
+    """One three-rank launch: resume from the two-rank checkpoint (saved again at its end),
+    then a job in which rank 1 fails while the others wait for it in a collective."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     plan, checkpoints, _, (_, full, _, _) = two_ranks
     one = train_single(plan)
-    resume = FSDPRun(plan, resume_from=str(checkpoints / "step-000002"))
+    resume = FSDPRun(
+        plan,
+        resume_from=str(checkpoints / "step-000002"),
+        checkpoint_root=str(tmp_path),
+        save_every=2,
+    )
+    failing = FSDPRun(_plan(steps=3), fail_rank=1, fail_at_step=1)
+    started = time.monotonic()
+    # A process-group timeout far longer than any launch on a loaded machine: a job that
+    # ended only by timing out would take 300 s; launch must end it at once.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CUDA_VISIBLE_DEVICES", "")
-        (three,) = launch(sharding_worker, 3, (3, find_free_port(), [resume], 60.0), timeout_s=240)
-    assert three.world_size == 3 and three.start_step == 2
-    assert three.losses[:2] == full.losses[:2]  # the history came from the checkpoint
-    assert _max_abs_diff(three.state_dict, one.state_dict) < 1e-4
-    rows = {s.name: s for s in three.shards}
-    assert rows["1.weight"].global_shape == (32, 20)
-    assert rows["1.weight"].local_shape == (11, 20)  # chunks of ceil(32 / 3) rows on rank 0
-    assert three.parameter_bytes == [padded_parameter_bytes(SHAPE.build(), 3) // 3] * 3
+        with pytest.raises(RuntimeError, match="rank 1 failed on purpose in step 1") as info:
+            launch(
+                sharding_worker, 3, (3, find_free_port(), [resume, failing], 300.0), timeout_s=280
+            )
+    elapsed = time.monotonic() - started
+    assert elapsed < 200, f"took {elapsed:.0f} s"
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert any("raised by rank 1 of 3" in note for note in getattr(info.value, "__notes__", []))
 
-    # One process without a process group loads the sharded checkpoint too.
+    # The resumed run finished before the failing job and saved its last step.
+    saved = latest_checkpoint(tmp_path)
+    assert saved is not None and saved.name == "step-000004"
+    single = SHAPE.build(seed=5)
+    optimizer = make_optimizer(plan.optimizer, single.parameters(), lr=plan.lr)
+    extra = load_checkpoint(saved, single, optimizer)
+    assert extra["world_size"] == 3
+    assert extra["losses"][:2] == full.losses[:2]  # the history came from the 2-rank checkpoint
+    assert _max_abs_diff(single.state_dict(), one.state_dict) < 1e-4
+    # Three ranks held thirds: chunks of ceil(32 / 3) = 11 rows, the last one shorter.
+    chunks = FileSystemReader(str(saved)).read_metadata().state_dict_metadata["model.1.weight"]
+    assert sorted(tuple(c.sizes) for c in chunks.chunks) == [(10, 20), (11, 20), (11, 20)]
+
+    # One process without a process group loads the sharded 2-rank checkpoint too.
     single = SHAPE.build(seed=5)
     optimizer = make_optimizer(plan.optimizer, single.parameters(), lr=plan.lr)
     load_checkpoint(checkpoints / "step-000002", single, optimizer)
@@ -256,20 +285,6 @@ def test_three_ranks_and_one_process_resume_the_two_rank_checkpoint(two_ranks):
     # a fresh SGD has no state: momentum buffers can only have come from the checkpoint
     assert len(optimizer.state) == len(list(single.parameters()))
     assert all(state["momentum_buffer"].abs().sum() > 0 for state in optimizer.state.values())
-
-
-@needs_fsdp2_on_cpu
-def test_a_failing_rank_ends_the_fsdp_job_with_its_error_quickly(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    run = FSDPRun(_plan(steps=3), fail_rank=1, fail_at_step=1)
-    started = time.monotonic()
-    # The process-group timeout (30 s) is the slow way out; launch must be faster.
-    with pytest.raises(RuntimeError, match="rank 1 failed on purpose in step 1") as info:
-        launch(sharding_worker, 2, (2, find_free_port(), [run], 30.0), timeout_s=120)
-    elapsed = time.monotonic() - started
-    assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert isinstance(info.value.__cause__, RemoteTraceback)
-    assert any("raised by rank 1 of 2" in note for note in getattr(info.value, "__notes__", []))
 
 
 # --- torchrun ----------------------------------------------------------------------------
@@ -327,3 +342,193 @@ def test_fsdp_train_bad_command_line_values_are_usage_errors(argv, flag, capsys)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}:" in err and "Traceback" not in err, err
+
+
+# --- faults and bad input, in this process (a one-rank group where FSDP2 needs one) -------
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with process_group(0, 1, master_port=find_free_port(), timeout_s=30) as ctx:
+        yield ctx
+
+
+def test_fsdp_compute_dtype_follows_the_package_rule(monkeypatch):
+    import d2lgpu.precision as precision
+    from d2lgpu.sharding import fsdp_param_dtype
+
+    # GPUs: bf16 from sm80, fp16 on 7.x (bf16 is emulated there), fp32 below.
+    assert fsdp_param_dtype("cuda", True, capability=(9, 0)) == torch.bfloat16
+    assert fsdp_param_dtype("cuda", True, capability=(7, 5)) == torch.float16  # T4
+    assert fsdp_param_dtype("cuda", True, capability=(7, 0)) == torch.float16  # V100
+    assert fsdp_param_dtype("cuda", True, capability=(6, 1)) is None
+    # CPUs: both branches of the native-bf16 question.
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    assert fsdp_param_dtype("cpu", True) == torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    assert fsdp_param_dtype("cpu", True) is None
+    assert fsdp_param_dtype("cpu", "bf16") == torch.bfloat16  # asked for by name
+    assert fsdp_param_dtype("cuda", "fp16", capability=(9, 0)) == torch.float16
+    assert fsdp_param_dtype("cpu", False) is None
+    with pytest.raises(ValueError, match="mixed_precision"):
+        FSDPRun(_plan(), mixed_precision="yes")
+
+
+@needs_fsdp2_on_cpu
+def test_mixed_precision_true_computes_in_the_devices_dtype(one_rank, monkeypatch):
+    import d2lgpu.precision as precision
+
+    for native, dtype in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        result = FSDPRun(_plan(steps=1), mixed_precision=True).run(one_rank)
+        assert result.param_dtype == dtype == result.watch[0].compute_dtype
+
+
+def _flip_bytes(path: Path, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))
+
+
+def _saved_checkpoint(root: Path) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
+    model = SHAPE.build()
+    optimizer = make_optimizer("sgd_momentum", model.parameters(), lr=1e-2)
+    X, y = _plan().global_batch(0)
+    nn.functional.cross_entropy(model(X), y).backward()
+    optimizer.step()
+    return save_checkpoint(root, 1, model, optimizer), model, optimizer
+
+
+def test_a_corrupt_shard_is_named_and_not_loaded(tmp_path):
+    from d2lgpu.sharding import CheckpointError
+
+    path, model, optimizer = _saved_checkpoint(tmp_path)
+    assert (path / "checksums.json").exists()
+    load_checkpoint(path, model, optimizer)  # intact: loads
+    shard = next(path.glob("*.distcp"))
+    _flip_bytes(shard)
+    with pytest.raises(CheckpointError, match=f"{shard.name} does not match the checksum") as info:
+        load_checkpoint(path, model, optimizer)
+    assert "to start fresh, delete" in str(info.value)
+
+
+def test_a_checkpoint_without_metadata_is_an_error_not_a_fresh_start(tmp_path, one_rank):
+    from d2lgpu.sharding import CheckpointError
+
+    path, model, optimizer = _saved_checkpoint(tmp_path)
+    (path / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="has no .metadata"):
+        latest_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="has no .metadata"):
+        load_checkpoint(path, model, optimizer)
+    if NO_FSDP2_ON_CPU is None:  # resuming from the root or from the directory itself
+        for resume_from in (tmp_path, path):
+            with pytest.raises(CheckpointError, match="has no .metadata"):
+                FSDPRun(_plan(), resume_from=str(resume_from)).run(one_rank)
+
+
+@needs_fsdp2_on_cpu
+def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank):
+    from d2lgpu.sharding import CheckpointError
+
+    plan = _plan(steps=2)
+    FSDPRun(plan, checkpoint_root=str(tmp_path), save_every=2).run(one_rank)
+    changed = [
+        (dict(lr=0.1), "learning rate 0.01 in the checkpoint, 0.1 now"),
+        (dict(batch_size=24), "global batch size 12 in the checkpoint, 24 now"),
+        (dict(optimizer="adam"), "optimizer sgd_momentum in the checkpoint, adam now"),
+    ]
+    for change, words in changed:
+        with pytest.raises(CheckpointError, match=words):
+            FSDPRun(replace(plan, steps=4, **change), resume_from=str(tmp_path)).run(one_rank)
+    with pytest.raises(CheckpointError, match="compute dtype"):
+        FSDPRun(replace(plan, steps=4), mixed_precision="bf16", resume_from=str(tmp_path)).run(
+            one_rank
+        )
+    with pytest.raises(CheckpointError, match="at step 2 and this run ends at step 2"):
+        FSDPRun(plan, resume_from=str(tmp_path)).run(one_rank)
+    resumed = FSDPRun(replace(plan, steps=3), resume_from=str(tmp_path)).run(one_rank)
+    assert resumed.start_step == 2 and len(resumed.losses) == 3  # more steps: allowed
+
+
+@needs_fsdp2_on_cpu
+@pytest.mark.parametrize("lr", [100.0, 1e6])
+def test_fsdp_stops_when_training_diverges(tmp_path, one_rank, lr):
+    run = FSDPRun(
+        _plan(steps=6, optimizer="adam", lr=lr), checkpoint_root=str(tmp_path), save_every=3
+    )
+    with pytest.raises(FloatingPointError, match="diverged"):
+        run.run(one_rank)
+    assert latest_checkpoint(tmp_path) is None  # stopped before saving the diverged weights
+
+
+def test_nan_in_the_data_is_named_before_training():
+    X = torch.randn(24, 20)
+    X[3, 4] = float("nan")
+    with pytest.raises(ValueError, match="images hold nan or inf"):
+        TrainPlan(SHAPE, X, torch.zeros(24, dtype=torch.long), batch_size=12, steps=1)
+
+
+def test_checkpoint_paths_are_checked_before_training(tmp_path, capsys):
+    from d2lgpu.fsdp_train import _parse_args
+    from d2lgpu.sharding import CheckpointError, prepare_checkpoint_root
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for bad, words in ((a_file / "ckpt", "is a file, not a directory"), (a_file, "not a dir")):
+        with pytest.raises(CheckpointError, match=words):
+            prepare_checkpoint_root(bad)
+    with pytest.raises(CheckpointError, match="cannot write checkpoints to /proc/d2lgpu"):
+        prepare_checkpoint_root("/proc/d2lgpu-checkpoints")
+    assert prepare_checkpoint_root(tmp_path / "new" / "dir").is_dir()
+    with pytest.raises(SystemExit) as info:
+        _parse_args([f"--checkpoint-dir={a_file / 'ckpt'}"])
+    assert info.value.code == 2
+    assert "argument --checkpoint-dir: cannot write checkpoints" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: TrainPlan(SHAPE, None, torch.zeros(3), batch_size=1, steps=1), "images must"),
+        (lambda: TrainPlan(SHAPE, torch.zeros(3, 20), [0, 1, 2], batch_size=1, steps=1), "labels"),
+        (lambda: TrainPlan("mlp", torch.zeros(3, 20), torch.zeros(3), 1, 1), "MLPShape"),
+        (lambda: _plan(lr=float("nan")), "lr must be"),
+        (lambda: _plan(optimizer="lbfgs"), "optimizer must be one of"),
+        (lambda: _plan(shuffle="no"), "shuffle must be True or False"),
+        (lambda: MLPShape(width="32"), "width must be a positive int"),
+        (lambda: FSDPRun(None), "plan must be a TrainPlan"),
+        (lambda: FSDPRun(_plan(), reshard_after_forward="no"), "True or False"),
+        (lambda: FSDPRun(_plan(), checkpoint_root=3), "checkpoint_root must be"),
+        (lambda: AccumulationRun(None, 2), "plan must be a TrainPlan"),
+        (lambda: train_single(None), "plan must be a TrainPlan"),
+        (lambda: padded_parameter_bytes(None, 2), "model must be a torch.nn.Module"),
+        (
+            lambda: collective_formula("mlp", 2, reshard_after_forward=True, mixed_precision=False),
+            "model must be",
+        ),
+        (lambda: latest_checkpoint(None), "root must be a path"),
+        (lambda: load_checkpoint(None, SHAPE.build(), None), "path must be"),
+        (lambda: save_checkpoint("x", 1, None, None), "model must be"),
+        (
+            lambda: save_checkpoint(
+                "x", "1", SHAPE.build(), torch.optim.SGD(SHAPE.build().parameters())
+            ),
+            "step must be",
+        ),
+    ],
+)
+def test_bad_input_to_sharding_names_the_fix(call, words):
+    with pytest.raises((TypeError, ValueError), match=words):
+        call()
+
+
+@needs_fsdp2_on_cpu
+def test_fp16_mixed_precision_scales_the_loss(one_rank):
+    # fp16 (a T4's or V100's choice) on the CPU: the same code path, with a loss scaler.
+    result = FSDPRun(_plan(steps=2), mixed_precision="fp16").run(one_rank)
+    assert result.param_dtype == "float16" == result.watch[0].compute_dtype
+    assert result.watch[0].grad_dtype == "float32"
+    assert all(math.isfinite(v) for v in result.losses)
