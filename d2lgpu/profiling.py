@@ -634,21 +634,29 @@ class Roofline:
 
 def _matmul_dtype(device: torch.device) -> torch.dtype:
     """The format matmuls run fast in on ``device``: its autocast format, else fp32."""
-    from d2lgpu.precision import precision_policy
+    from d2lgpu import precision
 
-    return precision_policy(device, "auto").dtype or torch.float32
+    return precision.precision_policy(device, "auto").dtype or torch.float32
 
 
 def measure_roofline(
-    device: torch.device | str, matmul_n: int, *, repeats: int = 5
+    device: torch.device | str, matmul_n: int, *, repeats: int = 5,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Roofline, RooflinePoint]:
     """The device's roofline, measured: the compute roof is the best of ``repeats``
-    ``matmul_n`` x ``matmul_n`` matmuls in the device's fast format (fp32 on most CPUs),
-    the memory roof :func:`d2lgpu.measure_copy_bandwidth`. Also returns the matmul as a
-    point, to place on the roofline. Every time here is the best of its runs: other
-    work on the machine only ever makes a run slower."""
+    ``matmul_n`` x ``matmul_n`` matmuls in ``dtype`` (None: the device's fast format,
+    :func:`d2lgpu.precision_policy` "auto": bf16 on recent GPUs and on CPUs with native
+    bf16, else fp32), the memory roof :func:`d2lgpu.measure_copy_bandwidth`. Also
+    returns the matmul as a point, to place on the roofline. Every time here is the
+    best of its runs: other work on the machine only ever makes a run slower."""
     device = torch.device(device)
-    dtype = _matmul_dtype(device)
+    check_positive_int("matmul_n", matmul_n)
+    check_positive_int("repeats", repeats)
+    if dtype is None:
+        dtype = _matmul_dtype(device)
+    elif not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32 or None "
+                         f"(the device's fast format), got {dtype!r}")
     a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     timing = time_fn(lambda: a @ b, device, warmup=1, repeats=repeats)

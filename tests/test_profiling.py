@@ -299,11 +299,37 @@ def test_roofline_ridge_attainable_and_regimes():
         P.Roofline(peak_tflops=0.0, bandwidth_gbps=1.0)
 
 
+def _pin_auto_format(monkeypatch, dtype):
+    """Make precision_policy(..., "auto") pick ``dtype`` whatever this CPU offers."""
+    import d2lgpu.precision as precision
+
+    real = precision.precision_policy
+
+    def pinned(device, amp="auto", capability=None):
+        if amp == "auto":
+            return precision.PrecisionPolicy(torch.device(device).type,
+                                             None if dtype == torch.float32 else dtype, False)
+        return real(device, amp, capability)
+
+    monkeypatch.setattr(precision, "precision_policy", pinned)
+
+
+@pytest.mark.parametrize("dtype, element_size", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_measured_roofline_follows_the_automatic_format(monkeypatch, dtype, element_size):
+    # Both branches of the CPU's bf16 decision, on any CPU.
+    _pin_auto_format(monkeypatch, dtype)
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2)
+    assert matmul.nbytes == 3 * 64 * 64 * element_size
+    assert matmul.intensity == pytest.approx(2 * 64**3 / (3 * 64 * 64 * element_size))
+    name = str(dtype).replace("torch.", "")
+    assert matmul.name.endswith(name) and roof.compute_label == f"best {name} matmul"
+
+
 def test_measured_roofline_and_points_on_the_cpu():
     import matplotlib
 
     matplotlib.use("Agg")
-    roof, matmul = P.measure_roofline(CPU, 64, repeats=2)
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, dtype=torch.float32)
     assert roof.peak_tflops > 0 and roof.bandwidth_gbps > 0
     assert matmul.flops == 2 * 64**3 and matmul.intensity == pytest.approx(64 / 6)
     assert roof.peak_tflops >= matmul.achieved_tflops  # the roof is the best run
@@ -313,6 +339,8 @@ def test_measured_roofline_and_points_on_the_cpu():
     assert (tiny.flops, tiny.nbytes) == (80, 960)
     ax = P.plot_roofline(roof, [matmul, stream, tiny])
     assert len(ax.collections) == 3
+    with pytest.raises(ValueError, match="dtype"):
+        P.measure_roofline(CPU, 64, dtype="bf16")
 
 
 # --------------------------------------------------------------------------- #
