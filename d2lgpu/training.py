@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from d2lgpu.checks import check_positive_int, check_seed
+from d2lgpu.checks import check_bool, check_positive_int, check_seed
 from d2lgpu.devices import as_device, num_gpus, try_all_gpus, try_gpu
 from d2lgpu.estimate import training_estimate
 from d2lgpu.fast import DeviceLoader, Techniques, as_device_loader, compile_model, make_sgd
@@ -464,6 +464,7 @@ def train(
     and the first epoch's time includes compiling.
     """
     check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
+    check_bool("fast", fast)  # a string such as "no" would switch the fast path on
     if fast:
         if techniques is not None:
             raise ValueError("pass fast=True or techniques=..., not both")
