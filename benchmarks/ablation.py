@@ -7,8 +7,9 @@ autocast in the device's fast format, channels-last, a fused optimizer,
 ``torch.compile``, CUDA graphs. A technique that does not apply on the device is a
 row that says why (``d2lgpu.technique_skip_reason``) and stays off below it.
 
-Printed per row: images per second of the fastest epoch after the first (the first pays
-one-off costs such as compiling), speed-up over the baseline, MFU (the counted matmul
+Printed per row: the median images per second of the epochs after the first (the first
+pays one-off costs such as compiling) over ``--repeats`` interleaved runs, their spread,
+speed-up over the baseline and whether it is more than noise, MFU (the counted matmul
 and convolution FLOPs per second over the device's data-sheet peak; n/a on a CPU),
 first-epoch seconds and final test accuracy. Chapter 7 runs the same ablation.
 
@@ -42,6 +43,14 @@ def machine_name(device: torch.device) -> str:
             f"{torch.get_num_threads()} torch threads")
 
 
+def skip_compiled_rows() -> dict[str, str]:
+    """The rows ``--skip-compile`` leaves out: torch.compile, and CUDA graphs, which
+    ``d2lgpu.compile_model`` also runs through torch.compile ("reduce-overhead" after a
+    compile row, the "cudagraphs" backend alone)."""
+    return {"compile": "left out (--skip-compile)",
+            "cuda_graphs": "left out (--skip-compile: compiled too)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("quick", "cpu", "full"), default=None,
@@ -51,7 +60,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="override the workload's")
     parser.add_argument("--device", default=None, help="default: d2lgpu.try_gpu()")
     parser.add_argument("--skip-compile", action="store_true",
-                        help="leave torch.compile (and so compile + CUDA graphs) out")
+                        help="leave torch.compile and the CUDA-graphs row (compiled too) out")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs per row, interleaved (default: the workload's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None,
                         help="also write the printed report to this file")
@@ -66,7 +77,8 @@ def main() -> None:
     device = d2lgpu.try_gpu() if args.device is None else torch.device(args.device)
     skip = dict(settings.skip)
     if args.skip_compile:
-        skip["compile"] = "left out (--skip-compile)"
+        skip.update(skip_compiled_rows())
+    repeats = settings.repeats if args.repeats is None else args.repeats
     peak = peak_tflops(device)
     flops = training_flops_per_example(settings.make_model())
 
@@ -89,7 +101,7 @@ def main() -> None:
 
     rows = profiling.run_ablation(
         settings.make_model, plan, data, resident, settings.num_epochs, settings.lr, device,
-        seed=args.seed, flops_per_example=flops, peak=peak, on_row=report,
+        seed=args.seed, flops_per_example=flops, peak=peak, on_row=report, repeats=repeats,
     )
     table = profiling.format_ablation_table(rows)
     print(table)

@@ -14,8 +14,8 @@ ResNet-18 on 28x28 Fashion-MNIST). Printed per loop: seconds of the first epoch 
 median of the later ones (training only; the first includes one-off costs such as
 cuDNN autotuning and compilation), images per second over the later epochs, total
 training seconds, speed-up over the d2l-style loop (total time), the share of the
-device's dense bf16 Tensor Core peak that the counted FLOPs represent, and the final
-test accuracy.
+device's dense Tensor Core peak (bf16; fp16 on a T4 or V100) that the counted FLOPs
+represent, and the final test accuracy.
 
     python benchmarks/train_speed.py                # full: ResNet-18, 10 epochs
     python benchmarks/train_speed.py --compile      # the fast path with torch.compile
@@ -37,7 +37,12 @@ from torch.utils import data
 
 import d2lgpu
 from d2lgpu.benchmarking import format_table
-from d2lgpu.fast import fashion_mnist_on_device, peak_tflops, training_flops_per_example
+from d2lgpu.fast import (
+    fashion_mnist_on_device,
+    peak_format,
+    peak_tflops,
+    training_flops_per_example,
+)
 from d2lgpu.training import History, init_weights, set_seed, train_fast
 
 MODELS = {"resnet18": d2lgpu.resnet18, "small_cnn": d2lgpu.small_cnn}
@@ -111,6 +116,15 @@ def summarise(name: str, history: History, num_examples: int, flops_per_image: f
             f"{total:.2f}", speedup, share, f"{history.test_acc[-1]:.3f}"]
 
 
+def peak_header(device: torch.device, given: float | None = None) -> str:
+    """The MFU column's heading, naming the peak's format: the data sheets give bf16 from
+    Ampere on and fp16 for the T4 and V100 (no native bf16); ``--peak-tflops`` is the
+    user's own number, of whatever format they took it from."""
+    if given is not None:
+        return "% given peak"
+    return f"% {peak_format(device) or 'data-sheet'} peak"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -126,7 +140,8 @@ def main() -> None:
                         help="DataLoader workers of the d2l-style loop (d2l uses 4)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the fast path")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="dense bf16 peak of the device (default: d2lgpu.fast.PEAK_TFLOPS)")
+                        help="dense Tensor Core peak of the device (default: "
+                             "d2lgpu.fast.PEAK_TFLOPS: bf16, fp16 on T4/V100)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -176,7 +191,7 @@ def main() -> None:
         for name, h in histories.items()
     ]
     headers = ["loop", "epoch 1 s", "later s/epoch", "img/s", "total train s",
-               "vs d2l", "% bf16 peak", "test acc"]
+               "vs d2l", peak_header(device, args.peak_tflops), "test acc"]
     print(format_table(headers, rows))
 
 

@@ -55,10 +55,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from d2lgpu.checks import check_positive_int, check_seed
+from d2lgpu import precision
+from d2lgpu.checks import check_bool, check_positive_int, check_seed
 from d2lgpu.data import fashion_mnist_tensors
 from d2lgpu.devices import try_gpu
-from d2lgpu.precision import precision_policy
 from d2lgpu.report import require_cuda_device
 
 __all__ = [
@@ -72,6 +72,7 @@ __all__ = [
     "compile_model",
     "fashion_mnist_on_device",
     "make_sgd",
+    "peak_format",
     "peak_tflops",
     "technique_skip_reason",
     "training_flops_per_example",
@@ -133,6 +134,9 @@ class DeviceLoader:
         if images.shape[0] == 0:
             raise ValueError("the data set is empty")
         self.batch_size = check_positive_int("batch_size", batch_size)
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
+                            ("channels_last", channels_last)):
+            check_bool(name, value)
         channels = images.shape[1]
         mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
         std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
@@ -341,7 +345,7 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     if technique == "autocast":
-        if precision_policy(device, "auto").dtype is not None:
+        if precision.precision_policy(device, "auto").dtype is not None:
             return None
         if device.type == "cpu":
             return "no native bf16 here: emulated bf16 is slower, 'auto' is fp32"
@@ -358,6 +362,12 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
         if on_cuda:
             from torch.utils._triton import has_triton
 
+            # Inductor generates Triton kernels, and Triton supports compute capability
+            # 7.0 and up (torch's GPUTooOldForTriton, in torch 2.9 as in 2.15); below it
+            # has_triton() is False even with triton installed, so ask the GPU first.
+            major, minor = torch.cuda.get_device_capability(device)
+            if torch.version.hip is None and major < 7:
+                return f"this GPU (sm{major}{minor}) is too old for Triton: it needs sm70+"
             if not has_triton():
                 return "torch.compile on a GPU needs Triton (pip install triton)"
         elif not _has_cxx_compiler():
@@ -534,6 +544,17 @@ def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
         return None
     form_factor = next((w for w in words[1:] if w in _FORM_FACTORS), None)
     return words[0], form_factor
+
+
+def peak_format(device: torch.device | str) -> str | None:
+    """The format of :func:`peak_tflops`'s data-sheet peak on ``device``: "bf16" from
+    compute capability 8.0 (Ampere on), "fp16" on 7.x (T4, V100: no native bf16), None
+    where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    major, _ = torch.cuda.get_device_capability(device)
+    return "bf16" if major >= 8 else "fp16" if major == 7 else None
 
 
 def peak_tflops(device: torch.device | str) -> float | None:

@@ -34,7 +34,9 @@ import logging
 import math
 import os
 import pickle
+import statistics
 import tempfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +45,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from d2lgpu.benchmarking import format_table, gbps, measure_copy_bandwidth, tflops, time_fn
-from d2lgpu.checks import check_positive_int
+from d2lgpu.benchmarking import (
+    copy_buffer_bytes,
+    format_table,
+    gbps,
+    measure_copy_bandwidth,
+    tflops,
+    time_fn,
+)
+from d2lgpu.checks import check_positive_float, check_positive_int
 from d2lgpu.config import quick_mode, workload
-from d2lgpu.fast import TECHNIQUES, DeviceLoader, Techniques, technique_skip_reason
+from d2lgpu.fast import (
+    TECHNIQUES,
+    DeviceLoader,
+    Techniques,
+    peak_format,
+    technique_skip_reason,
+)
 from d2lgpu.training import History, train
 
 __all__ = [
@@ -70,9 +85,12 @@ __all__ = [
     "capture_training_step",
     "compare_compile_modes",
     "explain_graph_breaks",
+    "MAX_SPREAD",
+    "ablation_verdict",
     "format_ablation_table",
     "idle_gaps",
     "measure_roofline",
+    "measure_stream_bandwidth",
     "memory_timeline_from_snapshot",
     "memory_timeline_from_trace",
     "merge_intervals",
@@ -160,8 +178,15 @@ def op_table(prof: torch.profiler.profile, top: int = 10, *, name_width: int = 4
     "Self" time is time spent in the operator itself, not in the operators it called;
     sorted by self device time when the profile has device activity, else self CPU time.
     """
-    if top < 1:
-        raise ValueError(f"top must be at least 1, got {top}")
+    if not callable(getattr(prof, "key_averages", None)):
+        raise TypeError(
+            f"op_table reads a finished torch.profiler.profile, got {type(prof).__name__}: "
+            "use `with torch.profiler.profile(...) as prof:` and pass prof"
+        )
+    check_positive_int("top", top)
+    check_positive_int("name_width", name_width)
+    if name_width < 8:
+        raise ValueError(f"name_width must be at least 8 characters, got {name_width}")
     averages = list(prof.key_averages())
     if not averages:
         raise ValueError("the profile recorded no operators: was anything run inside it?")
@@ -216,6 +241,11 @@ class TraceEvent:
 def read_trace(path: str | Path) -> list[TraceEvent]:
     """The duration (``"X"``) and instant (``"i"``) events of a Chrome trace file
     (``prof.export_chrome_trace(path)``; ``.json`` or ``.json.gz``), sorted by start."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"read_trace takes the path of a trace file, got {type(path).__name__}: "
+            "write one with prof.export_chrome_trace(path) and pass that path"
+        )
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -225,21 +255,38 @@ def read_trace(path: str | Path) -> list[TraceEvent]:
         raise FileNotFoundError(
             f"no trace at {path}: write one with prof.export_chrome_trace(path) first"
         ) from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory: pass the trace file inside it") from None
+    except (ValueError, EOFError, OSError, zlib.error) as e:  # bad JSON, bad gzip, bad UTF-8
+        raise ValueError(
+            f"{path} is not a Chrome trace (JSON, or gzipped JSON named .gz) "
+            f"[{type(e).__name__}: {e}]: write it with prof.export_chrome_trace(path)"
+        ) from None
     raw = data.get("traceEvents") if isinstance(data, dict) else None
-    if raw is None:
+    if not isinstance(raw, list):
         raise ValueError(f"{path} is not a Chrome trace: it has no 'traceEvents' list")
     events = []
     for e in raw:
+        if not isinstance(e, dict):
+            continue
         phase = e.get("ph")
         if phase not in ("X", "i") or "ts" not in e:
             continue  # metadata, flow arrows, counters
+        try:
+            start, duration = float(e["ts"]), float(e.get("dur", 0.0)) if phase == "X" else 0.0
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{path} is not a Chrome trace: event {e.get('name')!r} has the time "
+                f"{e.get('ts')!r}/{e.get('dur')!r}, not numbers"
+            ) from None
+        args = e.get("args")
         events.append(TraceEvent(
             name=str(e.get("name", "")),
             category=str(e.get("cat", "")),
-            start_us=float(e["ts"]),
-            duration_us=float(e.get("dur", 0.0)) if phase == "X" else 0.0,
+            start_us=start,
+            duration_us=duration,
             thread=int(e.get("tid", 0)) if str(e.get("tid", 0)).lstrip("-").isdigit() else 0,
-            args=e.get("args", {}) or {},
+            args=args if isinstance(args, dict) else {},
         ))
     events.sort(key=lambda ev: (ev.start_us, -ev.duration_us))
     return events
@@ -577,6 +624,17 @@ class RooflinePoint:
     nbytes: float
     seconds: float
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        for name, least in (("flops", "zero or more"), ("nbytes", "positive"),
+                            ("seconds", "positive")):
+            value = getattr(self, name)
+            ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+                  and math.isfinite(value) and (value >= 0 if name == "flops" else value > 0))
+            if not ok:
+                raise ValueError(f"{name} must be a finite number, {least}, got {value!r}")
+
     @property
     def intensity(self) -> float:
         """Arithmetic intensity: FLOPs per byte moved to or from memory."""
@@ -603,12 +661,19 @@ class Roofline:
     peak_tflops: float
     bandwidth_gbps: float
     compute_label: str = "matmul"
+    memory_label: str = "copy"
+    #: every memory-roof candidate measured, e.g. {"copy": 20.1, "add": 22.9} (GB/s)
+    bandwidths: Mapping[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "bandwidth_gbps"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if isinstance(value, bool) or not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+            ):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.compute_label, str):
+            raise TypeError(f"compute_label must be a str, got {self.compute_label!r}")
 
     @property
     def ridge(self) -> float:
@@ -625,6 +690,8 @@ class Roofline:
         """``"overhead-bound"`` when the point reaches less than ``overhead_share`` of
         its roof (neither memory nor arithmetic is what it waits for), else
         ``"memory-bound"`` left of the ridge and ``"compute-bound"`` right of it."""
+        if not isinstance(point, RooflinePoint):
+            raise TypeError(f"regime places a RooflinePoint, got {type(point).__name__}")
         if not 0 < overhead_share < 1:
             raise ValueError(f"overhead_share must be between 0 and 1, got {overhead_share}")
         if point.achieved_tflops < overhead_share * self.attainable_tflops(point.intensity):
@@ -634,34 +701,99 @@ class Roofline:
 
 def _matmul_dtype(device: torch.device) -> torch.dtype:
     """The format matmuls run fast in on ``device``: its autocast format, else fp32."""
-    from d2lgpu.precision import precision_policy
+    from d2lgpu import precision
 
-    return precision_policy(device, "auto").dtype or torch.float32
+    return precision.precision_policy(device, "auto").dtype or torch.float32
+
+
+def _event_seconds(fn: Callable[[], object], *, warmup: int, repeats: int) -> float:
+    """The best of ``repeats`` timings of ``fn()`` on the current CUDA stream, each a pair
+    of CUDA events around it: the GPU's own clock, with no host wake-up in it."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in ms
+    return min(times)
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int = 1,
+                  repeats: int = 5) -> float:
+    """The best of ``repeats`` timings: CUDA events on a GPU, :func:`d2lgpu.time_fn`'s
+    host clock elsewhere (CPU operators finish before they return)."""
+    if device.type == "cuda":
+        return _event_seconds(fn, warmup=warmup, repeats=repeats)
+    return time_fn(fn, device, warmup=warmup, repeats=repeats).min
+
+
+def measure_stream_bandwidth(
+    device: torch.device | str, numel: int | None = None, *, repeats: int = 5
+) -> float:
+    """Bandwidth (GB/s) of an out-of-place elementwise add of two ``numel``-float
+    tensors, counted as the 12 bytes per element the program asks for (read two, write
+    one), best of ``repeats``. ``numel`` None: the buffer of
+    :func:`d2lgpu.measure_copy_bandwidth`, far beyond the caches.
+
+    On a CPU every written cache line is first read in (write-allocate), so a copy
+    really moves 3 tensor sizes while counted as 2, and this add 4 while counted as 3:
+    counted the same way, the add reads about (3/4) / (2/3) = 1.125x the copy's GB/s.
+    Streaming elementwise operations are measured against this roof."""
+    device = torch.device(device)
+    if numel is None:
+        numel = max(copy_buffer_bytes(device)[0] // 4, 1)
+    check_positive_int("numel", numel)
+    check_positive_int("repeats", repeats)
+    a = torch.randn(numel, device=device)
+    b = torch.randn(numel, device=device)
+    out = torch.empty_like(a)
+    seconds = _best_seconds(lambda: torch.add(a, b, out=out), device, warmup=1, repeats=repeats)
+    return gbps(12 * numel, seconds)
 
 
 def measure_roofline(
-    device: torch.device | str, matmul_n: int, *, repeats: int = 5
+    device: torch.device | str, matmul_n: int, *, repeats: int = 5,
+    dtype: torch.dtype | None = None, stream_numel: int | None = None,
 ) -> tuple[Roofline, RooflinePoint]:
     """The device's roofline, measured: the compute roof is the best of ``repeats``
-    ``matmul_n`` x ``matmul_n`` matmuls in the device's fast format (fp32 on most CPUs),
-    the memory roof :func:`d2lgpu.measure_copy_bandwidth`. Also returns the matmul as a
-    point, to place on the roofline. Every time here is the best of its runs: other
-    work on the machine only ever makes a run slower."""
+    ``matmul_n`` x ``matmul_n`` matmuls in ``dtype`` (None: the device's fast format,
+    :func:`d2lgpu.precision_policy` "auto": bf16 on recent GPUs and on CPUs with native
+    bf16, else fp32). The memory roof is the higher of two measured bandwidths: a copy
+    (:func:`d2lgpu.measure_copy_bandwidth`) and an elementwise add of ``stream_numel``
+    floats (:func:`measure_stream_bandwidth`), each counted in the bytes the program
+    asks for; on a CPU, where caches read a line before writing it, the add reads
+    higher. Times come from CUDA events on a GPU, the host clock on a CPU, and each is
+    the best of its runs: other work on the machine only ever makes a run slower. Also
+    returns the matmul as a point, to place on the roofline."""
     device = torch.device(device)
-    dtype = _matmul_dtype(device)
+    check_positive_int("matmul_n", matmul_n)
+    check_positive_int("repeats", repeats)
+    if dtype is None:
+        dtype = _matmul_dtype(device)
+    elif not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32 or None "
+                         f"(the device's fast format), got {dtype!r}")
     a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
-    timing = time_fn(lambda: a @ b, device, warmup=1, repeats=repeats)
+    seconds = _best_seconds(lambda: a @ b, device, warmup=1, repeats=repeats)
     flops = 2 * matmul_n**3
     nbytes = 3 * matmul_n * matmul_n * a.element_size()
     dtype_name = str(dtype).replace("torch.", "")
+    bandwidths = {"copy": measure_copy_bandwidth(device),
+                  "add": measure_stream_bandwidth(device, stream_numel, repeats=repeats)}
+    memory_label = max(bandwidths, key=bandwidths.__getitem__)
     roof = Roofline(
-        peak_tflops=tflops(flops, timing.min),
-        bandwidth_gbps=measure_copy_bandwidth(device),
+        peak_tflops=tflops(flops, seconds),
+        bandwidth_gbps=bandwidths[memory_label],
         compute_label=f"best {dtype_name} matmul",
+        memory_label=memory_label,
+        bandwidths=bandwidths,
     )
-    point = RooflinePoint(f"matmul {matmul_n}x{matmul_n} {dtype_name}", flops, nbytes,
-                          timing.min)
+    point = RooflinePoint(f"matmul {matmul_n}x{matmul_n} {dtype_name}", flops, nbytes, seconds)
     return roof, point
 
 
@@ -669,11 +801,15 @@ def roofline_points(
     device: torch.device | str, *, elementwise_numel: int, tiny_numel: int = 8,
     tiny_repeats: int = 1000, repeats: int = 5,
 ) -> list[RooflinePoint]:
-    """Two elementwise operations in fp32, timed with :func:`d2lgpu.time_fn`: a
-    multiplication of two ``elementwise_numel``-element tensors (1 FLOP per 12 bytes
-    moved), and the same on ``tiny_numel`` elements repeated ``tiny_repeats`` times,
-    where each call is too small for its work to matter. Best of ``repeats`` runs."""
+    """Two elementwise operations in fp32: a multiplication of two
+    ``elementwise_numel``-element tensors (1 FLOP per 12 bytes moved), and the same on
+    ``tiny_numel`` elements repeated ``tiny_repeats`` times, where each call is too
+    small for its work to matter. Best of ``repeats`` runs, timed with CUDA events on
+    a GPU and the host clock elsewhere."""
     device = torch.device(device)
+    for name, value in (("elementwise_numel", elementwise_numel), ("tiny_numel", tiny_numel),
+                        ("tiny_repeats", tiny_repeats), ("repeats", repeats)):
+        check_positive_int(name, value)
     points = []
     for name, numel, calls in (
         (f"multiply {elementwise_numel:,} floats", elementwise_numel, 1),
@@ -687,8 +823,8 @@ def roofline_points(
             for _ in range(calls):
                 torch.mul(a, b, out=out)
 
-        timing = time_fn(run, device, warmup=1, repeats=repeats)
-        points.append(RooflinePoint(name, numel * calls, 12 * numel * calls, timing.min))
+        seconds = _best_seconds(run, device, warmup=1, repeats=repeats)
+        points.append(RooflinePoint(name, numel * calls, 12 * numel * calls, seconds))
     return points
 
 
@@ -712,7 +848,8 @@ def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, 
     ax.text(hi, peak * 1.25, f"{roofline.compute_label}: {peak:.3g} {unit}",
             fontsize="small", ha="right")
     ax.text(lo * 1.5, roofline.attainable_tflops(lo * 1.5) * scale * 1.8,
-            f"copy: {roofline.bandwidth_gbps:.3g} GB/s", fontsize="small", rotation=22)
+            f"{roofline.memory_label}: {roofline.bandwidth_gbps:.3g} GB/s", fontsize="small",
+            rotation=22)
     markers = {"compute-bound": "o", "memory-bound": "s", "overhead-bound": "v"}
     achieved = [p.achieved_tflops * scale for p in points]
     for p, y in zip(points, achieved, strict=True):
@@ -787,12 +924,15 @@ def ablation_plan(
 
 @dataclass(frozen=True)
 class AblationRow:
-    """A measured (or skipped) row of the ablation."""
+    """A measured (or skipped) row of the ablation. ``speeds`` are the images/s of every
+    epoch after the first, over all of the row's runs; ``images_per_second`` is their
+    median; ``history`` is the first run's."""
 
     step: AblationStep
     history: History | None = None
-    images_per_second: float | None = None  # the fastest epoch after the first
+    images_per_second: float | None = None  # median of the epochs after the first
     mfu: float | None = None  # achieved FLOP/s over the device's peak
+    speeds: tuple[float, ...] = ()
 
     @property
     def label(self) -> str:
@@ -814,22 +954,63 @@ class AblationRow:
     def first_epoch_seconds(self) -> float | None:
         return self.history.epoch_seconds[0] if self.history is not None else None
 
+    @property
+    def spread(self) -> float | None:
+        """(fastest - slowest) / median of ``speeds``; None with fewer than two."""
+        if len(self.speeds) < 2:
+            return None
+        return (max(self.speeds) - min(self.speeds)) / statistics.median(self.speeds)
+
 
 def steady_images_per_second(history: History) -> float:
-    """Training images/s of the fastest epoch after the first (whose one-off costs, such
-    as compiling, are left out); of the only epoch when there is one. The fastest,
-    because other work on a shared machine can only slow an epoch down."""
+    """Training images/s of a run: the median of its epochs after the first (whose
+    one-off costs, such as compiling, are left out); the only epoch when there is one.
+    The median, because one epoch that other work on a shared machine slowed down (or
+    one that ran alone while its neighbours did not) moves it little."""
+    if not isinstance(history, History):
+        raise TypeError(f"steady_images_per_second reads a d2lgpu.History, got "
+                        f"{type(history).__name__}")
     speeds = history.examples_per_second
     if not speeds:
         raise ValueError("the history has no epochs")
-    return max(speeds[1:] or speeds)
+    return statistics.median(speeds[1:] or speeds)
+
+
+#: A row whose epochs spread wider than this (relative to their median) is not judged.
+MAX_SPREAD = 0.5
+
+
+def ablation_verdict(row: AblationRow, base: AblationRow) -> str:
+    """What ``row``'s speed says against the baseline ``base``: "faster" or "slower"
+    when every one of its epochs (after the first) is faster, or slower, than every
+    epoch of the baseline; "within the noise" when they overlap; "spread too wide"
+    when either row's epochs differ by more than :data:`MAX_SPREAD` of their median
+    (the machine was too busy to judge); "too few epochs" with one epoch each."""
+    if not (isinstance(row, AblationRow) and isinstance(base, AblationRow)):
+        raise TypeError("ablation_verdict compares two AblationRow s of run_ablation")
+    if not row.ran:
+        return "skipped"
+    if row is base:
+        return "baseline"
+    if len(row.speeds) < 2 or len(base.speeds) < 2:
+        return "too few epochs"
+    if max(row.spread, base.spread) > MAX_SPREAD:
+        return "spread too wide"
+    if min(row.speeds) > max(base.speeds):
+        return "faster"
+    if max(row.speeds) < min(base.speeds):
+        return "slower"
+    return "within the noise"
 
 
 def mfu_note(device: torch.device | str, peak: float | None) -> str:
     """Why MFU is or is not reported on ``device``, in one line."""
     device = torch.device(device)
     if peak is not None:
-        return f"MFU: counted matmul/conv FLOPs over the {peak:g} TFLOP/s data-sheet peak"
+        check_positive_float("peak", peak)
+        dtype = peak_format(device) if device.type == "cuda" else None
+        return (f"MFU: counted matmul/conv FLOPs over the {peak:g} TFLOP/s "
+                f"{dtype + ' ' if dtype else ''}data-sheet peak")
     if device.type == "cpu":
         return "MFU n/a: a CPU has no data-sheet Tensor Core peak to divide by"
     return f"MFU n/a: no data-sheet peak listed for {torch.cuda.get_device_name(device)}"
@@ -846,6 +1027,7 @@ class AblationSettings:
     train_size: int | None  # None: the whole split (the quick subset in quick mode)
     test_size: int | None
     skip: Mapping[str, str] = field(default_factory=dict)  # technique -> reason
+    repeats: int = 1  # runs per row, interleaved: round 1 of every row, then round 2
 
     def make_model(self) -> nn.Module:
         from d2lgpu import models
@@ -855,8 +1037,9 @@ class AblationSettings:
     def describe(self) -> str:
         examples = "quick subset" if self.train_size is None and quick_mode() else (
             "all" if self.train_size is None else f"{self.train_size:,}")
+        runs = f", {self.repeats} runs per row" if self.repeats > 1 else ""
         return (f"{self.model}, {examples} training images, batch {self.batch_size}, "
-                f"{self.num_epochs} epochs, lr {self.lr}")
+                f"{self.num_epochs} epochs, lr {self.lr}{runs}")
 
 
 #: Why quick mode leaves torch.compile out of the ablation.
@@ -869,13 +1052,15 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
     ``full`` (a GPU): ResNet-18 on all of Fashion-MNIST, the d2l recipe's batch 256.
     ``cpu``: the small CNN on 6,400 training images, batch 64, minutes in all.
     ``quick``: the small CNN on the quick subset, batch 32, torch.compile left out.
-    Every workload trains 2 to 4 epochs, so the epochs after the first give a speed.
+    ``full`` and ``cpu`` run every row twice, interleaved, 3 epochs each: 4 epochs after
+    the first per row, whose spread says whether a difference is more than noise.
+    ``quick`` runs each row once for 2 epochs: a speed, but no spread to judge it by.
     """
     chosen = workload() if chosen is None else chosen
     if chosen == "full":
-        return AblationSettings("resnet18", 256, 3, 0.1, None, None)
+        return AblationSettings("resnet18", 256, 3, 0.1, None, None, repeats=2)
     if chosen == "cpu":
-        return AblationSettings("small_cnn", 64, 4, 0.1, 6400, 2000)
+        return AblationSettings("small_cnn", 64, 3, 0.1, 6400, 2000, repeats=2)
     if chosen == "quick":
         return AblationSettings("small_cnn", 32, 2, 0.1, None, None,
                                 {"compile": QUICK_COMPILE_SKIP})
@@ -937,82 +1122,135 @@ def run_ablation(
     flops_per_example: float | None = None,
     peak: float | None = None,
     on_row: Callable[[AblationRow], None] | None = None,
+    repeats: int = 1,
 ) -> list[AblationRow]:
     """Train a fresh ``make_model()`` for every row of ``plan`` that is not skipped, with
-    :func:`d2lgpu.train` and the row's techniques, from the same seed.
+    :func:`d2lgpu.train` and the row's techniques, from the same seed; ``repeats`` times,
+    interleaved (every row once, then every row again), so that a busy spell of the
+    machine falls on all rows alike rather than on one.
 
     Rows without ``device_data`` read ``dataloaders`` (train, test DataLoaders), rows
     with it ``device_loaders`` (:class:`d2lgpu.DeviceLoader` s of the same examples).
+    A row's speed is the median images/s of all its epochs after the first.
     ``flops_per_example`` (:func:`d2lgpu.training_flops_per_example`) and ``peak``
     (:func:`d2lgpu.peak_tflops`) give the MFU; without a peak it is None. ``on_row`` is
-    called after each row (e.g. to print progress).
+    called once per row, after its last run (e.g. to print progress).
     """
-    rows = []
-    for step in plan:
-        if step.skip_reason is not None:
-            row = AblationRow(step)
-        else:
-            train_iter, test_iter = device_loaders if step.techniques.device_data else dataloaders
-            history = train(
-                make_model(), train_iter, test_iter, num_epochs, lr, device, seed=seed,
-                techniques=step.techniques, progress=False, plot=False,
-            )
-            speed = steady_images_per_second(history)
-            mfu = None
-            if peak is not None and flops_per_example is not None:
-                mfu = speed * flops_per_example / (peak * 1e12)
-            row = AblationRow(step, history, speed, mfu)
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+    if not callable(make_model):
+        raise TypeError("make_model must be a function that returns a fresh model, e.g. "
+                        "d2lgpu.small_cnn")
+    plan = list(plan)
+    if not plan or not all(isinstance(step, AblationStep) for step in plan):
+        raise TypeError("plan must be a non-empty list of AblationStep s: use ablation_plan()")
+    check_positive_int("num_epochs", num_epochs)
+    check_positive_int("repeats", repeats)
+    if on_row is not None and not callable(on_row):
+        raise TypeError(f"on_row must be a function of one AblationRow, got {on_row!r}")
+    histories: list[list[History]] = [[] for _ in plan]
+    rows: list[AblationRow] = []
+    for round_ in range(repeats):
+        for i, step in enumerate(plan):
+            if step.skip_reason is None:
+                train_iter, test_iter = (device_loaders if step.techniques.device_data
+                                         else dataloaders)
+                histories[i].append(train(
+                    make_model(), train_iter, test_iter, num_epochs, lr, device, seed=seed,
+                    techniques=step.techniques, progress=False, plot=False,
+                ))
+            if round_ == repeats - 1:  # the row is complete: report it
+                rows.append(_ablation_row(step, histories[i], flops_per_example, peak))
+                if on_row is not None:
+                    on_row(rows[-1])
     return rows
 
 
+def _ablation_row(step: AblationStep, runs: Sequence[History],
+                  flops_per_example: float | None, peak: float | None) -> AblationRow:
+    if not runs:
+        return AblationRow(step)
+    speeds = tuple(v for h in runs for v in (h.examples_per_second[1:] or
+                                             h.examples_per_second))
+    speed = statistics.median(speeds)
+    mfu = None
+    if peak is not None and flops_per_example is not None:
+        mfu = speed * flops_per_example / (peak * 1e12)
+    return AblationRow(step, runs[0], speed, mfu, speeds)
+
+
 def format_ablation_table(rows: Sequence[AblationRow]) -> str:
-    """The ablation as a text table (lines of at most 100 characters): images/s of the
-    fastest epoch after the first (:func:`steady_images_per_second`), speed-up over the
-    baseline, MFU, first-epoch seconds (compiling
-    included) and test accuracy; skipped rows give their reason instead."""
-    base = next((r.images_per_second for r in rows if r.ran), None)
+    """The ablation as a text table (lines of at most 100 characters): the median
+    images/s of the epochs after the first, their spread (fastest - slowest over the
+    median), speed-up over the baseline, MFU, first-epoch seconds (compiling included),
+    test accuracy and :func:`ablation_verdict`; skipped rows give their reason."""
+    rows = list(rows)
+    if not rows or not all(isinstance(r, AblationRow) for r in rows):
+        raise TypeError("format_ablation_table takes the AblationRow s of run_ablation")
+    base_row = next((r for r in rows if r.ran), None)
     width = max(len(r.label) for r in rows)
-    header = (f"{'step':<{width}}  {'img/s':>8}  {'vs base':>7}  {'MFU':>6}  "
-              f"{'epoch 1 s':>9}  {'test acc':>8}")
+    header = (f"{'step':<{width}}  {'img/s':>7}  {'spread':>6}  {'vs base':>7}  {'MFU':>6}  "
+              f"{'epoch 1 s':>9}  {'test acc':>8}  verdict")
     lines = [header, "-" * len(header)]
+    verdicts = set()
     for r in rows:
         if not r.ran:
             lines.append(f"{r.label:<{width}}  skipped: {r.step.skip_reason}")
             continue
         mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
+        spread = "n/a" if r.spread is None else f"{100 * r.spread:.0f}%"
+        verdict = ablation_verdict(r, base_row)
+        verdicts.add(verdict)
         lines.append(
-            f"{r.label:<{width}}  {r.images_per_second:>8,.0f}  "
-            f"{r.images_per_second / base:>6.2f}x  {mfu:>6}  {r.first_epoch_seconds:>9.2f}  "
-            f"{r.test_acc:>8.3f}"
+            f"{r.label:<{width}}  {r.images_per_second:>7,.0f}  {spread:>6}  "
+            f"{r.images_per_second / base_row.images_per_second:>6.2f}x  {mfu:>6}  "
+            f"{r.first_epoch_seconds:>9.2f}  {r.test_acc:>8.3f}  {verdict}"
         )
+    notes = {
+        "within the noise": "within the noise: its epochs overlap the baseline's; this run "
+                            "cannot tell the two apart",
+        "spread too wide": f"spread too wide: epochs differ by more than {MAX_SPREAD:.0%}; "
+                           "the machine was too busy to judge",
+        "too few epochs": "too few epochs: one epoch after the first gives no spread to judge by",
+    }
+    lines += [note for key, note in notes.items() if key in verdicts]
     return "\n".join(lines)
 
 
+_VERDICT_COLOURS = {"baseline": "tab:blue", "faster": "tab:green", "slower": "tab:red"}
+
+
 def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = None):
-    """Images/s per row as horizontal bars, baseline on top; skipped rows are marked as
-    such, and each bar carries its speed-up and MFU. Returns the axes."""
+    """Median images/s per row as horizontal bars, baseline on top, with a line from the
+    slowest to the fastest epoch. Green: faster than the baseline beyond the noise, red:
+    slower, grey: not judged (:func:`ablation_verdict`). Skipped rows are marked as
+    such; each bar carries its speed-up, verdict and MFU. Returns the axes."""
     import matplotlib.pyplot as plt
 
+    rows = list(rows)
+    if not rows or not all(isinstance(r, AblationRow) for r in rows):
+        raise TypeError("plot_ablation takes the AblationRow s of run_ablation")
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-    base = next((r.images_per_second for r in rows if r.ran), None)
-    top = max((r.images_per_second for r in rows if r.ran), default=1.0)
+    base_row = next((r for r in rows if r.ran), None)
+    top = max((max(r.speeds or (r.images_per_second,)) for r in rows if r.ran), default=1.0)
     for i, r in enumerate(rows):
         if not r.ran:
             ax.text(0, i, "  skipped (see the table)", va="center", fontsize="small",
                     color="grey")
             continue
-        ax.barh(i, r.images_per_second, color="tab:blue" if i == 0 else "tab:green")
+        verdict = ablation_verdict(r, base_row)
+        ax.barh(i, r.images_per_second, color=_VERDICT_COLOURS.get(verdict, "tab:gray"))
+        if len(r.speeds) > 1:
+            ax.plot([min(r.speeds), max(r.speeds)], [i, i], color="black", linewidth=1.2)
         mfu = "" if r.mfu is None else f", MFU {100 * r.mfu:.1f}%"
-        ax.text(r.images_per_second + 0.01 * top, i, f"{r.images_per_second / base:.2f}x{mfu}",
-                va="center", fontsize="small")
+        ratio = r.images_per_second / base_row.images_per_second
+        note = "" if verdict == "baseline" else f" ({verdict})"
+        ax.text(max(r.speeds or (r.images_per_second,)) + 0.01 * top, i,
+                f"{ratio:.2f}x{note}{mfu}", va="center", fontsize="small")
     ax.set_yticks(range(len(rows)), [r.label for r in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, top * 1.3)
-    ax.set_xlabel("training images per second (fastest epoch after the first)")
+    ax.set_xlim(0, top * 1.45)
+    ax.set_xlabel("training images per second: median of the epochs after the first "
+                  "(line: slowest to fastest)", fontsize="small")
     if title:
         ax.set_title(title)
     ax.grid(True, axis="x", alpha=0.3)

@@ -664,3 +664,73 @@ def test_gpu_fast_path_with_cuda_graphs_learns():
     history = d2lgpu.train(d2lgpu.small_cnn(), train_loader, test_loader, 3, 0.1, device,
                            seed=0, techniques=graphs_only, progress=False)
     assert history.test_acc[-1] > 0.4
+
+
+def test_device_loader_refuses_string_booleans():
+    images = torch.zeros(4, 1, 2, 2, dtype=torch.uint8)
+    labels = torch.zeros(4, dtype=torch.long)
+    for name, value in (("shuffle", "no"), ("drop_last", "false"), ("channels_last", 1)):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            DeviceLoader(images, labels, 2, device=CPU, **{name: value})
+
+
+def test_compile_skip_reason_on_gpus_too_old_for_triton_and_without_triton(monkeypatch):
+    # No GPU needed: the capability and Triton's presence are faked.
+    import torch.utils._triton as triton_utils
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: True)
+    monkeypatch.setattr(triton_utils, "has_triton", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    reason = d2lgpu.technique_skip_reason("compile", gpu)
+    assert "too old for Triton" in reason and "sm61" in reason and "pip" not in reason
+    assert len(reason) <= 64
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "pip install triton" in d2lgpu.technique_skip_reason("compile", gpu)
+    monkeypatch.setattr(triton_utils, "has_triton", lambda: True)
+    assert d2lgpu.technique_skip_reason("compile", gpu) is None
+
+
+def test_peak_format_names_the_data_sheet_dtype(monkeypatch):
+    from d2lgpu.fast import peak_format
+
+    assert peak_format(CPU) is None
+    for capability, expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp16"),
+                                 ((7, 0), "fp16"), ((6, 1), None)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability",
+                            lambda device=None, c=capability: c)
+        assert peak_format("cuda:0") == expected
+
+
+def test_benchmark_headers_and_skip_compile_rows(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, root / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    train_speed = load("train_speed")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert train_speed.peak_header(torch.device("cuda", 0)) == "% fp16 peak"  # a T4
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert train_speed.peak_header(torch.device("cuda", 0)) == "% bf16 peak"  # an H100
+    assert train_speed.peak_header(torch.device("cuda", 0), 100.0) == "% given peak"
+
+    from d2lgpu import profiling
+
+    skip = load("ablation").skip_compiled_rows()
+    assert set(skip) == {"compile", "cuda_graphs"}
+    plan = profiling.ablation_plan(CPU, skip=skip)
+    assert not any(step.techniques.compile or step.techniques.cuda_graphs for step in plan)
+
+
+def test_train_names_a_string_fast_argument():
+    resident, _ = tiny_data()
+    with pytest.raises(TypeError, match="fast must be True or False"):
+        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, fast="no", progress=False)

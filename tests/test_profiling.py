@@ -299,11 +299,38 @@ def test_roofline_ridge_attainable_and_regimes():
         P.Roofline(peak_tflops=0.0, bandwidth_gbps=1.0)
 
 
+def _pin_auto_format(monkeypatch, dtype):
+    """Make precision_policy(..., "auto") pick ``dtype`` whatever this CPU offers."""
+    import d2lgpu.precision as precision
+
+    real = precision.precision_policy
+
+    def pinned(device, amp="auto", capability=None):
+        if amp == "auto":
+            return precision.PrecisionPolicy(torch.device(device).type,
+                                             None if dtype == torch.float32 else dtype, False)
+        return real(device, amp, capability)
+
+    monkeypatch.setattr(precision, "precision_policy", pinned)
+
+
+@pytest.mark.parametrize("dtype, element_size", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_measured_roofline_follows_the_automatic_format(monkeypatch, dtype, element_size):
+    # Both branches of the CPU's bf16 decision, on any CPU.
+    _pin_auto_format(monkeypatch, dtype)
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, stream_numel=1 << 16)
+    assert matmul.nbytes == 3 * 64 * 64 * element_size
+    assert matmul.intensity == pytest.approx(2 * 64**3 / (3 * 64 * 64 * element_size))
+    name = str(dtype).replace("torch.", "")
+    assert matmul.name.endswith(name) and roof.compute_label == f"best {name} matmul"
+
+
 def test_measured_roofline_and_points_on_the_cpu():
     import matplotlib
 
     matplotlib.use("Agg")
-    roof, matmul = P.measure_roofline(CPU, 64, repeats=2)
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, dtype=torch.float32,
+                                      stream_numel=1 << 16)
     assert roof.peak_tflops > 0 and roof.bandwidth_gbps > 0
     assert matmul.flops == 2 * 64**3 and matmul.intensity == pytest.approx(64 / 6)
     assert roof.peak_tflops >= matmul.achieved_tflops  # the roof is the best run
@@ -313,6 +340,8 @@ def test_measured_roofline_and_points_on_the_cpu():
     assert (tiny.flops, tiny.nbytes) == (80, 960)
     ax = P.plot_roofline(roof, [matmul, stream, tiny])
     assert len(ax.collections) == 3
+    with pytest.raises(ValueError, match="dtype"):
+        P.measure_roofline(CPU, 64, dtype="bf16")
 
 
 # --------------------------------------------------------------------------- #
@@ -365,7 +394,7 @@ def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
     assert rows[1].history.test_acc == rows[2].history.test_acc
     table = P.format_ablation_table(rows)
     assert all(len(line) <= 100 for line in table.splitlines())
-    assert [line.split("  ")[0].strip() for line in table.splitlines()[2:]] == [
+    assert [line.split("  ")[0].strip() for line in table.splitlines()[2:2 + len(rows)]] == [
         r.label for r in rows]
     ax = P.plot_ablation(rows)
     assert [t.get_text() for t in ax.get_yticklabels()] == [r.label for r in rows]
@@ -376,11 +405,11 @@ def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
     assert row.mfu == pytest.approx(row.images_per_second * 1e6 / 1e12)
 
 
-def test_steady_speed_is_the_fastest_epoch_after_the_first():
-    history = d2lgpu.History(examples_per_second=[10.0, 100.0, 120.0, 110.0])
-    assert P.steady_images_per_second(history) == 120.0
+def test_steady_speed_is_the_median_epoch_after_the_first():
+    history = d2lgpu.History(examples_per_second=[10.0, 100.0, 1200.0, 110.0])
+    assert P.steady_images_per_second(history) == 110.0  # one outlier moves it little
     history = d2lgpu.History(examples_per_second=[500.0, 100.0, 120.0])
-    assert P.steady_images_per_second(history) == 120.0  # the first epoch never counts
+    assert P.steady_images_per_second(history) == 110.0  # the first epoch never counts
     assert P.steady_images_per_second(d2lgpu.History(examples_per_second=[5.0])) == 5.0
 
 
@@ -500,3 +529,159 @@ def test_gpu_compile_modes_compute_the_same_step():
     # Same seed, same number of steps: the compiled modes compute the eager step.
     for row in rows[1:]:
         assert row.loss == pytest.approx(rows[0].loss, rel=1e-3)
+
+
+# --------------------------------------------------------------------------- #
+# Bad input, GPU timing with fake events, the ablation's statistics
+# --------------------------------------------------------------------------- #
+
+
+def test_roofline_values_are_checked():
+    for bad in (dict(flops=-1.0), dict(nbytes=0.0), dict(seconds=float("nan")),
+                dict(flops=True)):
+        kwargs = dict(flops=1.0, nbytes=1.0, seconds=1.0) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            P.RooflinePoint("op", **kwargs)
+    assert P.RooflinePoint("op", flops=0, nbytes=4, seconds=1.0).intensity == 0
+    for bad in (True, "10", float("inf"), -1.0):
+        with pytest.raises(ValueError, match="peak_tflops"):
+            P.Roofline(peak_tflops=bad, bandwidth_gbps=1.0)
+    with pytest.raises(TypeError, match="RooflinePoint"):
+        P.Roofline(1.0, 1.0).regime((1.0, 2.0))
+
+
+def test_op_table_and_read_trace_refuse_what_they_cannot_read(tmp_path):
+    for bad in (None, "prof"):
+        with pytest.raises(TypeError, match="torch.profiler.profile"):
+            P.op_table(bad)
+    with pytest.raises(TypeError, match="export_chrome_trace"):
+        P.read_trace(None)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(b"\x00\xffnot json at all")
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        P.read_trace(garbage)
+    fake_gz = tmp_path / "trace.json.gz"
+    fake_gz.write_text("plain text, not gzip")
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        P.read_trace(fake_gz)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="traceEvents"):
+        P.read_trace(tmp_path / "list.json")
+    (tmp_path / "bad_ts.json").write_text(json.dumps(
+        {"traceEvents": [{"ph": "X", "name": "op", "ts": "soon", "dur": 1}]}))
+    with pytest.raises(ValueError, match="not numbers"):
+        P.read_trace(tmp_path / "bad_ts.json")
+    with pytest.raises(ValueError, match="directory"):
+        P.read_trace(tmp_path)
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event: its clock advances 2 ms per record, 3 ms for the
+    first timing, so the best timing is known."""
+
+    clock = 0.0
+    created = 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        _FakeEvent.created += 1
+        self.t = None
+
+    def record(self):
+        _FakeEvent.clock += 3.0 if _FakeEvent.created <= 2 else 2.0
+        self.t = _FakeEvent.clock
+
+    def synchronize(self):
+        assert self.t is not None
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_gpu_timings_come_from_cuda_events(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(P, "time_fn", lambda *a, **k: pytest.fail("host clock used on a GPU"))
+    _FakeEvent.clock, _FakeEvent.created = 0.0, 0
+    calls = []
+    seconds = P._best_seconds(lambda: calls.append(1), torch.device("cuda", 0), warmup=2,
+                              repeats=3)
+    assert len(calls) == 5 and _FakeEvent.created == 6
+    assert seconds == pytest.approx(2e-3)  # the best pair, in seconds
+
+
+def test_stream_bandwidth_counts_three_passes():
+    assert P.measure_stream_bandwidth(CPU, 1 << 16, repeats=2) > 0
+    roof, _ = P.measure_roofline(CPU, 32, repeats=2, dtype=torch.float32,
+                                 stream_numel=1 << 16)
+    assert set(roof.bandwidths) == {"copy", "add"}
+    assert roof.bandwidth_gbps == max(roof.bandwidths.values())
+    assert roof.memory_label == max(roof.bandwidths, key=roof.bandwidths.get)
+    with pytest.raises(ValueError, match="numel"):
+        P.measure_stream_bandwidth(CPU, 0)
+
+
+def _row(label_index, speeds, ran=True):
+    plan = P.ablation_plan(CPU, skip={"compile": "not here"})
+    step = plan[label_index]
+    if not ran:
+        return P.AblationRow(step)
+    history = d2lgpu.History(examples_per_second=[1.0, *speeds], test_acc=[0.8] * 5,
+                             epoch_seconds=[1.0] * 5)
+    import statistics
+
+    return P.AblationRow(step, history, statistics.median(speeds), None, tuple(speeds))
+
+
+def test_ablation_verdicts_follow_the_spread():
+    base = _row(0, [100, 104, 98, 102])
+    assert P.ablation_verdict(base, base) == "baseline"
+    assert P.ablation_verdict(_row(1, [150, 160, 155, 149]), base) == "faster"
+    assert P.ablation_verdict(_row(1, [50, 55, 52, 51]), base) == "slower"
+    assert P.ablation_verdict(_row(1, [101, 120, 99, 103]), base) == "within the noise"
+    # One uncontended epoch (10x its neighbours) must not make a verdict:
+    wild = _row(0, [700, 7168, 690, 720])
+    assert P.ablation_verdict(_row(1, [900, 950, 920, 940]), wild) == "spread too wide"
+    assert P.ablation_verdict(_row(1, [150]), _row(0, [100])) == "too few epochs"
+    assert P.ablation_verdict(_row(1, [], ran=False), base) == "skipped"
+    assert base.spread == pytest.approx(6 / 101)
+
+
+def test_ablation_table_and_plot_show_the_verdicts():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [_row(0, [100, 104, 98, 102]), _row(1, [150, 160, 155, 149]),
+            _row(2, [101, 120, 99, 103]), _row(3, [], ran=False)]
+    table = P.format_ablation_table(rows)
+    assert all(len(line) <= 100 for line in table.splitlines())
+    body = table.splitlines()[2:6]
+    assert body[0].endswith("baseline") and body[1].endswith("faster")
+    assert body[2].endswith("within the noise") and "skipped" in body[3]
+    assert "cannot tell the two apart" in table
+    ax = P.plot_ablation(rows)
+    colours = [matplotlib.colors.to_hex(p.get_facecolor()) for p in ax.patches]
+    assert colours == [matplotlib.colors.to_hex(c) for c in ("tab:blue", "tab:green",
+                                                             "tab:gray")]
+    with pytest.raises(TypeError):
+        P.format_ablation_table(None)
+
+
+def test_run_ablation_interleaves_its_repeats(monkeypatch):
+    order = []
+
+    def fake_train(net, train_iter, test_iter, num_epochs, lr, device, *, techniques, **kw):
+        order.append(str(techniques))
+        return d2lgpu.History(examples_per_second=[1.0] + [10.0 * len(order)] * (num_epochs - 1),
+                              test_acc=[0.9] * num_epochs, epoch_seconds=[1.0] * num_epochs)
+
+    monkeypatch.setattr(P, "train", fake_train)
+    plan = P.ablation_plan(CPU, skip={"compile": "not here"})[:3]
+    seen = []
+    rows = P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU,
+                          repeats=2, on_row=seen.append)
+    labels = [str(step.techniques) for step in plan]
+    assert order == labels + labels  # round 1 of every row, then round 2
+    assert seen == rows
+    assert rows[0].speeds == (10.0, 10.0, 40.0, 40.0) and rows[0].images_per_second == 25.0
+    with pytest.raises(ValueError, match="repeats"):
+        P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU, repeats=0)
