@@ -19,6 +19,7 @@ so several of them share one :func:`d2lgpu.distributed.launch` through
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -706,6 +707,9 @@ def train_2d(run: TwoDRun, ctx: DistContext) -> TrainResult:
     )
     sizes: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(sizes, (params, optim))
+    # Gathering a tensor split over both dimensions takes two all-gathers, and torch >= 2.10
+    # warns about it on every rank; for one gather at the end that is fine.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return TrainResult(_full_state(model), losses, {"bytes_per_rank": sizes})
 
 
