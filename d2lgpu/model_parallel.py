@@ -1,0 +1,826 @@
+"""Model parallelism on CPUs (gloo) and GPUs: pipeline stages, tensor-parallel shards, a 2-D mesh.
+
+Chapter 9's helpers. Each job is a small dataclass with a ``run(ctx)`` method,
+so several of them share one :func:`d2lgpu.distributed.launch` through
+:func:`d2lgpu.sharding.sharding_worker`, and each has a one-process reference
+(:func:`train_reference`) that it must equal:
+
+* :class:`PipelineRun`: the model's blocks split into one stage per rank
+  (``torch.distributed.pipelining``), trained with GPipe or 1F1B on
+  microbatches; the activations each stage keeps are counted.
+* :class:`BubbleRun`: how long each stage computes against how long a pipeline
+  step takes, for a growing number of microbatches: the measured bubble.
+* :class:`TensorParallelRun`: every block split over the ranks by
+  ``parallelize_module`` (Megatron-style: column-wise then row-wise), an MLP or
+  an attention block, with or without sequence parallelism; the collectives
+  of one step are counted.
+* :class:`TwoDRun`: FSDP2 over one mesh dimension and tensor parallelism over the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from d2lgpu.checks import check_positive_int
+from d2lgpu.distributed import DistContext
+from d2lgpu.models import MLPBlock
+from d2lgpu.sharding import CollectiveCounter, CommStats
+
+__all__ = [
+    "SCHEDULES",
+    "Attention",
+    "BubbleResult",
+    "BubbleRun",
+    "FunctionalCollectiveCounter",
+    "ModelSpec",
+    "PipelineRun",
+    "SavedActivations",
+    "SplitRow",
+    "TensorParallelRun",
+    "TrainResult",
+    "TwoDRun",
+    "bubble_formula",
+    "check_mesh",
+    "check_microbatches",
+    "check_stages",
+    "fix_torch29_first_exchange",
+    "max_abs_diff",
+    "param_bytes_2d",
+    "split_table",
+    "split_stages",
+    "tp_plan",
+    "train_reference",
+]
+
+#: The pipeline schedules of this chapter, by the name the jobs take.
+SCHEDULES = ("gpipe", "1f1b")
+
+
+# ---------------------------------------------------------------------------
+# Checks: bad input gets an error that names the fix
+# ---------------------------------------------------------------------------
+
+
+def check_stages(n_layers: int, n_stages: int) -> int:
+    """Layers per stage, if ``n_layers`` split evenly into ``n_stages``; else a ValueError."""
+    check_positive_int("n_layers", n_layers)
+    check_positive_int("n_stages", n_stages)
+    if n_stages > n_layers:
+        raise ValueError(
+            f"{n_stages} pipeline stages for {n_layers} layers: every stage needs at least one "
+            f"layer, so use at most {n_layers} ranks or a deeper model"
+        )
+    if n_layers % n_stages:
+        raise ValueError(
+            f"{n_layers} layers do not split evenly into {n_stages} stages: use a depth that is "
+            f"a multiple of {n_stages}, or a number of ranks that divides {n_layers}"
+        )
+    return n_layers // n_stages
+
+
+def check_microbatches(batch_size: int, n_microbatches: int) -> int:
+    """The microbatch size, if ``n_microbatches`` divide ``batch_size``; else a ValueError."""
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("n_microbatches", n_microbatches)
+    if batch_size % n_microbatches:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(
+            f"a batch of {batch_size} does not split into {n_microbatches} equal microbatches: "
+            f"use a number of microbatches that divides it ({divisors}) or a batch size that is "
+            f"a multiple of {n_microbatches}"
+        )
+    return batch_size // n_microbatches
+
+
+def check_mesh(shape: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """``shape`` as a tuple if its product is ``world_size``; else a ValueError naming the fix."""
+    shape = tuple(shape)
+    if not shape:
+        raise ValueError("a device mesh needs at least one dimension, e.g. (world_size,)")
+    for size in shape:
+        check_positive_int("mesh dimension", size)
+    if math.prod(shape) != world_size:
+        raise ValueError(
+            f"a mesh of shape {shape} has {math.prod(shape)} places but there are {world_size} "
+            f"ranks: choose dimensions whose product is {world_size} (e.g. "
+            f"(2, {world_size // 2}) for 2-way data parallel)"
+            if world_size % 2 == 0
+            else f"a mesh of shape {shape} has {math.prod(shape)} places but there are "
+            f"{world_size} ranks: choose dimensions whose product is {world_size}"
+        )
+    return shape
+
+
+def bubble_formula(n_stages: int, n_microbatches: int) -> float:
+    """The idle fraction of a GPipe or 1F1B step, (p - 1) / (m + p - 1), for equal stages."""
+    check_positive_int("n_stages", n_stages)
+    check_positive_int("n_microbatches", n_microbatches)
+    return (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+# ---------------------------------------------------------------------------
+# Models: a stack of residual MLP blocks, and an attention block
+# ---------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """``x + out(softmax(q k^T / sqrt(d)) v)`` over ``heads`` heads, no mask, no norm.
+
+    The heads are found from the local width (``view(..., -1, head_dim)``), so
+    the same code runs on a tensor-parallel shard that holds some of the heads.
+    """
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        check_positive_int("width", width)
+        check_positive_int("heads", heads)
+        if width % heads:
+            raise ValueError(f"width {width} does not split into {heads} heads: use a multiple")
+        self.head_dim = width // heads
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        B, S, _ = X.shape
+        q, k, v = (
+            lin(X).view(B, S, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v)
+        )
+        a = F.scaled_dot_product_attention(q, k, v)
+        return X + self.out(a.transpose(1, 2).reshape(B, S, -1))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A stack of ``depth`` blocks of width ``width``: MLP blocks, or attention blocks."""
+
+    width: int = 64
+    hidden: int = 256
+    depth: int = 4
+    kind: str = "mlp"
+    heads: int = 4
+    #: A LayerNorm before the blocks (sequence parallelism's example of a non-matmul layer).
+    norm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mlp", "attention"):
+            raise ValueError(f"kind must be 'mlp' or 'attention', got {self.kind!r}")
+
+    def build(self, seed: int = 0) -> nn.Sequential:
+        torch.manual_seed(seed)
+        if self.kind == "mlp":
+            blocks = [MLPBlock(self.width, self.hidden) for _ in range(self.depth)]
+        else:
+            blocks = [Attention(self.width, self.heads) for _ in range(self.depth)]
+        return nn.Sequential(*([nn.LayerNorm(self.width)] if self.norm else []), *blocks)
+
+    def data(self, batch_size: int, seq_len: int, step: int, seed: int = 0):
+        """Inputs ``[B, S, width]`` and targets of one step, the same on every rank."""
+        gen = torch.Generator().manual_seed(seed * 7919 + step)
+        X = torch.randn(batch_size, seq_len, self.width, generator=gen)
+        return X, torch.randn(batch_size, seq_len, self.width, generator=gen)
+
+
+def split_stages(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
+    """Equal runs of consecutive layers: ``n_stages`` stages of one pipeline."""
+    per = check_stages(len(model), n_stages)
+    return [model[i * per : (i + 1) * per] for i in range(n_stages)]
+
+
+@dataclass
+class TrainResult:
+    """The weights after training (full, unsharded, on rank 0) and the loss of every step."""
+
+    state_dict: dict[str, torch.Tensor]
+    losses: list[float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _optimizer(params, lr: float) -> torch.optim.Optimizer:
+    # SGD with momentum: unlike Adam, it passes a wrong gradient scale on to the weights.
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def train_reference(
+    spec: ModelSpec, batch_size: int, seq_len: int, steps: int, lr: float, seed: int = 0
+) -> TrainResult:
+    """One process, the whole model, the whole batch: what every parallel run must equal."""
+    model = spec.build(seed)
+    opt = _optimizer(model.parameters(), lr)
+    losses = []
+    for step in range(steps):
+        X, Y = spec.data(batch_size, seq_len, step, seed)
+        loss = F.mse_loss(model(X), Y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return TrainResult({k: v.detach().clone() for k, v in model.state_dict().items()}, losses)
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference between two state dicts with the same keys."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different keys: {sorted(set(a) ^ set(b))}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------------------
+# Counting: saved activations and functional collectives
+# ---------------------------------------------------------------------------
+
+
+class SavedActivations:
+    """Bytes of tensors that autograd keeps for backward, now and at the peak, in a ``with`` block.
+
+    A saved-tensor hook counts each tensor when forward saves it, and a small
+    holder object counts it off when autograd drops it (after its backward).
+    Parameters are not activations and are not counted.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._params: set[int] = set()
+
+    def ignore(self, params) -> SavedActivations:
+        self._params = {p.data_ptr() for p in params}
+        return self
+
+    def _pack(self, t: torch.Tensor):
+        if t.data_ptr() in self._params:
+            return t
+        nbytes = t.numel() * t.element_size()
+        return _Held(self, t, nbytes)
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    @contextmanager
+    def __call__(self) -> Iterator[SavedActivations]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+class _Held:
+    def __init__(self, counter: SavedActivations, tensor: torch.Tensor, nbytes: int) -> None:
+        self.counter, self.tensor, self.nbytes = counter, tensor, nbytes
+        counter.live += nbytes
+        counter.peak = max(counter.peak, counter.live)
+
+    def __del__(self) -> None:
+        self.counter.live -= self.nbytes
+
+
+class FunctionalCollectiveCounter(CollectiveCounter):
+    """:class:`d2lgpu.sharding.CollectiveCounter`, also counting DTensor's collectives.
+
+    DTensor issues the functional collectives (``_c10d_functional.all_reduce``,
+    ``all_gather_into_tensor``, ``reduce_scatter_tensor``) rather than the
+    ``c10d`` ones that FSDP2 uses; sizes are full (unsharded) payloads.
+    """
+
+    _KINDS = {
+        "all_reduce": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_to_all_single": "all_to_all",
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func.namespace == "_c10d_functional":
+            kind = self._KINDS.get(func.__name__.split(".")[0])
+            if kind is not None:
+                t = args[0]
+                nbytes = t.numel() * t.element_size()
+                if kind == "all_gather":  # the output is group_size times the input
+                    nbytes *= args[1]
+                self.stats.setdefault(kind, CommStats()).add(nbytes, t.dtype)
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Pipeline parallel
+# ---------------------------------------------------------------------------
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    return ScheduleGPipe if name == "gpipe" else Schedule1F1B
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """Train ``spec`` for ``steps`` steps as a pipeline of one stage per rank."""
+
+    spec: ModelSpec = ModelSpec()
+    batch_size: int = 16
+    seq_len: int = 8
+    n_microbatches: int = 4
+    schedule: str = "1f1b"
+    steps: int = 2
+    lr: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_microbatches(self.batch_size, self.n_microbatches)
+        _schedule_class(self.schedule)
+
+    def run(self, ctx: DistContext) -> TrainResult:
+        return train_pipeline(self, ctx)
+
+
+def _build_schedule(stage_module: nn.Module, run, ctx: DistContext, n_microbatches: int):
+    from torch.distributed.pipelining import PipelineStage
+
+    if n_microbatches < ctx.world_size:  # torch 2.9 refuses it for every schedule
+        raise ValueError(
+            f"a pipeline of {ctx.world_size} stages needs at least {ctx.world_size} "
+            f"microbatches, got {n_microbatches}: use more microbatches (or fewer stages)"
+        )
+    stage = fix_torch29_first_exchange(
+        PipelineStage(stage_module, ctx.rank, ctx.world_size, ctx.device)
+    )
+    return _schedule_class(run.schedule)(stage, n_microbatches, loss_fn=F.mse_loss)
+
+
+def fix_torch29_first_exchange(stage: Any) -> Any:
+    """Make ``stage``'s first exchange with its neighbours work on gloo under torch 2.9.
+
+    torch 2.9's schedules start by sending each neighbour ``torch.tensor(stage_index)``
+    (int64, 8 bytes) into a ``torch.zeros(1)`` (float32, 4 bytes): NCCL does not check the
+    size, gloo stops the process ("8 vs 4. Received data size doesn't match"). Later torch
+    has no such exchange, and then this does nothing.
+    """
+    make_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if make_ops is None:
+        return stage
+
+    def float_ops() -> list[Any]:
+        ops = make_ops()
+        for op in ops:
+            op.tensor = op.tensor.float()
+        return ops
+
+    stage._get_init_p2p_neighbors_ops = float_ops
+    return stage
+
+
+def _pipeline_step(schedule, X, Y, ctx: DistContext) -> list[torch.Tensor]:
+    losses: list[torch.Tensor] = []
+    first, last = ctx.rank == 0, ctx.rank == ctx.world_size - 1
+    if first and last:
+        schedule.step(X, target=Y, losses=losses)
+    elif first:
+        schedule.step(X)
+    elif last:
+        schedule.step(target=Y, losses=losses)
+    else:
+        schedule.step()
+    return losses
+
+
+def _gather_state(module: nn.Module, ctx: DistContext) -> dict:
+    # A slice of an nn.Sequential keeps the layers' names ("2.fc1.weight"): the whole
+    # model's state dict is the union of the stages'.
+    local = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    parts: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def train_pipeline(run: PipelineRun, ctx: DistContext) -> TrainResult:
+    """Each rank trains its stage; rank 0 returns all weights, the losses and each stage's peak
+    of saved activations (``extra["activation_peak"]``, one number per stage)."""
+    model = run.spec.build(run.seed)
+    stage_module = split_stages(model, ctx.world_size)[ctx.rank].to(ctx.device)
+    schedule = _build_schedule(stage_module, run, ctx, run.n_microbatches)
+    opt = _optimizer(stage_module.parameters(), run.lr)
+    counter = SavedActivations().ignore(stage_module.parameters())
+    losses = []
+    for step in range(run.steps):
+        X, Y = (
+            t.to(ctx.device) for t in run.spec.data(run.batch_size, run.seq_len, step, run.seed)
+        )
+        with counter():
+            mb_losses = _pipeline_step(schedule, X, Y, ctx)
+        opt.step()
+        opt.zero_grad()
+        losses.append(torch.stack(mb_losses).mean().item() if mb_losses else float("nan"))
+    state = _gather_state(stage_module, ctx)
+    peaks: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(peaks, counter.peak)
+    all_losses: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(all_losses, losses)
+    return TrainResult(state, all_losses[-1], {"activation_peak": peaks})
+
+
+@dataclass(frozen=True)
+class BubbleResult:
+    """Per number of microbatches: the median step time, and each stage's compute time in it."""
+
+    n_microbatches: list[int]
+    step_seconds: list[float]
+    busy_seconds: list[list[float]]  # [m index][stage]
+
+    @property
+    def idle_fraction(self) -> list[float]:
+        """1 - busy / step time, averaged over the stages."""
+        return [
+            1 - statistics.fmean(busy) / step
+            for busy, step in zip(self.busy_seconds, self.step_seconds, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class BubbleRun:
+    """Time pipeline steps of a fixed microbatch size for each number of microbatches.
+
+    Each stage also times its own forward and backward on the same microbatches
+    alone (no sends, no waiting): the time it is busy in a step. What is left of
+    the step is idle: the bubble, plus the time spent sending.
+    """
+
+    spec: ModelSpec = ModelSpec(width=256, hidden=1024, depth=4)
+    microbatch_size: int = 8
+    seq_len: int = 16
+    n_microbatches: tuple[int, ...] = (2, 4, 8, 16)
+    schedule: str = "gpipe"
+    repeats: int = 5
+
+    def __post_init__(self) -> None:
+        _schedule_class(self.schedule)
+        for m in self.n_microbatches:
+            check_positive_int("n_microbatches", m)
+
+    def run(self, ctx: DistContext) -> BubbleResult:
+        return measure_bubble(self, ctx)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_bubble(run: BubbleRun, ctx: DistContext) -> BubbleResult:
+    model = run.spec.build(0)
+    stage_module = split_stages(model, ctx.world_size)[ctx.rank].to(ctx.device)
+    steps, busy = [], []
+    for m in run.n_microbatches:
+        batch = m * run.microbatch_size
+        schedule = _build_schedule(stage_module, run, ctx, m)
+        X, Y = (t.to(ctx.device) for t in run.spec.data(batch, run.seq_len, 0))
+        # The stage's input: the right shape; its values do not change the time.
+        mb = X[: run.microbatch_size].clone().requires_grad_(ctx.rank > 0)
+
+        def alone(mb=mb, m=m) -> None:
+            for _ in range(m):
+                out = stage_module(mb)
+                out.backward(torch.ones_like(out))
+
+        def step(schedule=schedule, X=X, Y=Y) -> None:
+            _pipeline_step(schedule, X, Y, ctx)
+
+        step()  # warm-up: the stage's first step also sets up its buffers
+        alone()
+        dist.barrier()
+        step_time = _median_time(step, run.repeats)
+        busy_time = _median_time(alone, run.repeats)
+        stage_module.zero_grad()
+        times: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(times, (step_time, busy_time))
+        steps.append(max(t[0] for t in times))
+        busy.append([t[1] for t in times])
+    return BubbleResult(list(run.n_microbatches), steps, busy)
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallel, and 2-D (FSDP2 x tensor parallel)
+# ---------------------------------------------------------------------------
+
+
+def tp_plan(spec: ModelSpec, sequence_parallel: bool = False) -> dict[str, Any]:
+    """``parallelize_module``'s plan for every block of ``spec.build()``.
+
+    Megatron-style: the first matmuls column-wise (each rank computes some of the
+    hidden units or heads), the last one row-wise (each rank's partial sum, then
+    one all-reduce). With ``sequence_parallel`` the activations between blocks stay
+    split along the sequence: the all-reduce becomes a reduce-scatter, and an
+    all-gather brings the whole sequence back before the next block's matmuls.
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    offset = 1 if spec.norm else 0
+    first = ("fc1",) if spec.kind == "mlp" else ("q", "k", "v")
+    last = "fc2" if spec.kind == "mlp" else "out"
+    plan: dict[str, Any] = {}
+    if spec.norm and sequence_parallel:
+        plan["0"] = SequenceParallel(use_local_output=True)
+    for i in range(offset, offset + spec.depth):
+        for name in first:
+            plan[f"{i}.{name}"] = (
+                ColwiseParallel(input_layouts=Shard(1)) if sequence_parallel else ColwiseParallel()
+            )
+        plan[f"{i}.{last}"] = (
+            RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+        )
+    return plan
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+    return out
+
+
+@dataclass(frozen=True)
+class TensorParallelRun:
+    """Train ``spec`` with every block split over the ranks (tensor parallel); count one step's
+    collectives (``extra["comm"]``: kind -> (calls, bytes))."""
+
+    spec: ModelSpec = ModelSpec()
+    batch_size: int = 4
+    seq_len: int = 8
+    steps: int = 2
+    lr: float = 0.05
+    seed: int = 0
+    sequence_parallel: bool = False
+
+    def run(self, ctx: DistContext) -> TrainResult:
+        return train_tensor_parallel(self, ctx)
+
+
+def _check_tp(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel: bool) -> None:
+    split = spec.hidden if spec.kind == "mlp" else spec.heads
+    what = "hidden units" if spec.kind == "mlp" else "heads"
+    if split % tp:
+        raise ValueError(
+            f"{split} {what} do not split over {tp} tensor-parallel ranks: use a multiple of {tp}"
+        )
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(f"a sequence of {seq_len} does not split over {tp} ranks: use a multiple")
+
+
+def train_tensor_parallel(run: TensorParallelRun, ctx: DistContext) -> TrainResult:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    _check_tp(run.spec, ctx.world_size, run.seq_len, run.sequence_parallel)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    model = run.spec.build(run.seed).to(ctx.device)
+    parallelize_module(model, mesh, tp_plan(run.spec, run.sequence_parallel))
+    opt = _optimizer(model.parameters(), run.lr)
+    losses, comm = [], {}
+    chunk = run.seq_len // ctx.world_size
+    for step in range(run.steps):
+        X, Y = (
+            t.to(ctx.device) for t in run.spec.data(run.batch_size, run.seq_len, step, run.seed)
+        )
+        if run.sequence_parallel:  # each rank holds its part of the sequence
+            X = X[:, ctx.rank * chunk : (ctx.rank + 1) * chunk]
+            Y = Y[:, ctx.rank * chunk : (ctx.rank + 1) * chunk]
+        with FunctionalCollectiveCounter() as counter:
+            loss = F.mse_loss(model(X), Y)
+            if run.sequence_parallel:
+                # Each rank's loss is the mean over its part of the sequence; the mean over
+                # the whole sequence is their average, and the collectives sum the gradients.
+                loss = loss / ctx.world_size
+            loss.backward()
+        if step == 0:
+            comm = {k: (s.calls, s.nbytes) for k, s in counter.stats.items()}
+        opt.step()
+        opt.zero_grad()
+        if run.sequence_parallel:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+        losses.append(loss.item())
+    return TrainResult(_full_state(model), losses, {"comm": comm})
+
+
+@dataclass(frozen=True)
+class TwoDRun:
+    """FSDP2 over mesh dimension ``dp`` and tensor parallel over ``tp``: ``mesh_shape = (dp, tp)``.
+
+    The batch is split over ``dp``; the ranks of one ``tp`` group see the same examples.
+    ``extra["bytes_per_rank"]``: each rank's bytes of parameters, and of optimizer state.
+    """
+
+    spec: ModelSpec = ModelSpec()
+    mesh_shape: tuple[int, int] = (2, 2)
+    batch_size: int = 8
+    seq_len: int = 8
+    steps: int = 2
+    lr: float = 0.05
+    seed: int = 0
+
+    def run(self, ctx: DistContext) -> TrainResult:
+        return train_2d(self, ctx)
+
+
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def parallelize_2d(model: nn.Module, spec: ModelSpec, mesh) -> nn.Module:
+    """Tensor parallel over ``mesh["tp"]``, then ``fully_shard`` each block and the root over
+    ``mesh["dp"]``: the order FSDP2 needs (it shards the DTensors TP made)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh["tp"], tp_plan(spec))
+    for block in model:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def train_2d(run: TwoDRun, ctx: DistContext) -> TrainResult:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp, tp = check_mesh(run.mesh_shape, ctx.world_size)
+    _check_tp(run.spec, tp, run.seq_len, False)
+    if run.batch_size % dp:
+        raise ValueError(
+            f"a batch of {run.batch_size} does not split over {dp} data-parallel "
+            f"ranks: use a multiple of {dp}"
+        )
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = parallelize_2d(run.spec.build(run.seed).to(ctx.device), run.spec, mesh)
+    opt = _optimizer(model.parameters(), run.lr)
+    dp_rank, local = mesh["dp"].get_local_rank(), run.batch_size // dp
+    losses = []
+    for step in range(run.steps):
+        X, Y = (
+            t.to(ctx.device) for t in run.spec.data(run.batch_size, run.seq_len, step, run.seed)
+        )
+        X, Y = (
+            X[dp_rank * local : (dp_rank + 1) * local],
+            Y[dp_rank * local : (dp_rank + 1) * local],
+        )
+        loss = F.mse_loss(model(X), Y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / ctx.world_size)
+    params = _local_bytes(model.parameters())
+    optim = _local_bytes(
+        v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
+    sizes: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(sizes, (params, optim))
+    # Gathering a tensor split over both dimensions takes two all-gathers, and torch >= 2.10
+    # warns about it on every rank; for one gather at the end that is fine.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return TrainResult(_full_state(model), losses, {"bytes_per_rank": sizes})
+
+
+def param_bytes_2d(spec: ModelSpec, dp: int, tp: int) -> int:
+    """Parameter bytes on each rank of a ``(dp, tp)`` mesh after :func:`parallelize_2d`.
+
+    Tensor-parallel layers are split ``tp`` ways, then every tensor ``dp`` ways; a row-parallel
+    layer's bias (added after the all-reduce) and a norm's weights stay whole over ``tp``.
+    Assumes every dimension divides evenly (no FSDP padding).
+    """
+    split = set(tp_plan(spec))  # the names of the layers split over "tp"
+    rowwise = {k for k in split if k.endswith(("fc2", "out"))}
+    total = 0
+    for name, p in spec.build().named_parameters():
+        layer, kind = name.rsplit(".", 1)
+        tp_split = layer in split and not (layer in rowwise and kind == "bias")
+        total += p.numel() * p.element_size() // (dp * tp if tp_split else dp)
+    return total
+
+
+@dataclass(frozen=True)
+class SplitRow:
+    """One way to split training over devices: the formulas, and figures when sizes are given."""
+
+    name: str
+    memory: str
+    traffic: str
+    idle: str
+    memory_gb: float = float("nan")
+    traffic_gb: float = float("nan")
+
+
+def split_table(
+    params: float | None = None,
+    width: int | None = None,
+    layers: int | None = None,
+    tokens: int | None = None,
+    n: int = 8,
+    microbatches: int = 32,
+    bytes_per_number: int = 2,
+    tp: int = 4,
+) -> list[SplitRow]:
+    """Memory, bytes sent and idle time per device for data, FSDP, pipeline, tensor and 2-D.
+
+    Without sizes, the formulas as text. With them, ``memory_gb`` is each device's
+    parameters, gradients and Adam state (16 bytes a parameter: fp32 weights, gradients and
+    two moments) and ``traffic_gb`` the bytes each device sends in one step: gradients and
+    parameters in ``bytes_per_number``-byte numbers, activations of ``tokens`` tokens (the
+    whole step's batch) of ``width`` numbers at each of ``layers`` transformer layers
+    (2 tensor-parallel blocks each: attention and MLP). A ring all-reduce of S bytes over
+    N devices sends 2 S (N - 1) / N per device; an all-gather or a reduce-scatter half that.
+    The 2-D row uses ``tp``-way tensor parallel and ``n / tp``-way FSDP.
+    """
+    rows = [
+        SplitRow(
+            "data parallel (DDP)",
+            "16P + A/N",
+            "all-reduce of gradients: 2P(N-1)/N",
+            "none: overlaps backward",
+        ),
+        SplitRow(
+            "FSDP",
+            "16P/N + A/N + 1 layer",
+            "2 all-gathers + 1 reduce-scatter: 3P(N-1)/N",
+            "none if gathers overlap",
+        ),
+        SplitRow(
+            "pipeline", "16P/N + A/m (1F1B)", "activations at 1 boundary: 2 T W", "(N-1)/(m+N-1)"
+        ),
+        SplitRow(
+            "tensor parallel",
+            "16P/N + A/N .. A",
+            "4L all-reduces of T W: 8 L T W (N-1)/N",
+            "all-reduces not hidden",
+        ),
+        SplitRow(
+            "2-D (FSDP x TP)",
+            "16P/N + A/N .. A/dp",
+            "TP within, FSDP of P/tp across",
+            "TP's all-reduces",
+        ),
+    ]
+    if params is None:
+        return rows
+    if width is None or layers is None or tokens is None:
+        raise ValueError("give params, width, layers and tokens together, or none of them")
+    check_positive_int("n", n)
+    check_positive_int("tp", tp)
+    if n % tp:
+        raise ValueError(f"tp={tp} does not divide n={n}: use a divisor of {n}")
+    b, gb = bytes_per_number, 1e9
+    state = 16 * params
+    act = tokens * width * b  # one layer's output for the whole batch
+    ring = (n - 1) / n
+    dp2 = n // tp
+    traffic = [
+        2 * params * b * ring,
+        3 * params * b * ring,
+        2 * act,
+        4 * layers * 2 * act * ring,
+        4 * layers * 2 * (act / dp2) * (tp - 1) / tp + 3 * params / tp * b * (dp2 - 1) / dp2,
+    ]
+    memory = [state, state / n, state / n, state / n, state / n]
+    idle = [
+        rows[0].idle,
+        rows[1].idle,
+        f"bubble {bubble_formula(n, microbatches):.0%} (m={microbatches})",
+        rows[3].idle,
+        rows[4].idle,
+    ]
+    return [
+        SplitRow(r.name, r.memory, r.traffic, i, m / gb, t / gb)
+        for r, m, t, i in zip(rows, memory, traffic, idle, strict=True)
+    ]

@@ -1,0 +1,171 @@
+"""Model parallelism on CPUs (gloo): pipeline, tensor parallel and 2-D equal one process.
+
+The multi-process checks share one launch of 4 ranks (pipeline with 4 stages, tensor
+parallel on a 4-rank mesh, FSDP2 x TP on a 2x2 mesh); the rest runs in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from d2lgpu.distributed import DistContext, find_free_port, launch
+from d2lgpu.model_parallel import (
+    ModelSpec,
+    PipelineRun,
+    SavedActivations,
+    TensorParallelRun,
+    TwoDRun,
+    _build_schedule,
+    bubble_formula,
+    check_mesh,
+    check_microbatches,
+    check_stages,
+    fix_torch29_first_exchange,
+    max_abs_diff,
+    param_bytes_2d,
+    split_stages,
+    split_table,
+    train_reference,
+)
+from d2lgpu.sharding import fsdp2_unavailable_reason, sharding_worker
+
+SPEC = ModelSpec(width=32, hidden=64, depth=4)
+ATTENTION = ModelSpec(width=32, depth=4, kind="attention", heads=4)
+NORMED = ModelSpec(width=32, hidden=64, depth=4, norm=True)
+ACT = 4 * 8 * 32 * 4  # batch x sequence x width x 4 bytes
+TOL = 1e-5
+
+
+# --- in this process ---------------------------------------------------------------------
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(ValueError, match="at most 4 ranks or a deeper model"):
+        check_stages(n_layers=4, n_stages=8)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        check_stages(n_layers=6, n_stages=4)
+    with pytest.raises(ValueError, match=r"divides it \(\[1, 2, 4, 8, 16\]\)"):
+        check_microbatches(batch_size=16, n_microbatches=3)
+    with pytest.raises(ValueError, match="product is 4"):
+        check_mesh((2, 3), world_size=4)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        PipelineRun(batch_size=16, n_microbatches=3)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        PipelineRun(schedule="zero-bubble")
+    assert check_stages(8, 4) == 2 and check_microbatches(16, 4) == 4
+    assert check_mesh([2, 2], 4) == (2, 2)
+
+
+def test_a_pipeline_needs_as_many_microbatches_as_stages():
+    ctx = DistContext(0, 4, 0, 4, "gloo", torch.device("cpu"))
+    run = PipelineRun(batch_size=4, n_microbatches=2)
+    with pytest.raises(ValueError, match="at least 4 microbatches.*use more microbatches"):
+        _build_schedule(nn.Linear(2, 2), run, ctx, 2)
+
+
+def test_bubble_formula_and_stage_split():
+    assert bubble_formula(1, 5) == 0
+    assert bubble_formula(2, 1) == 0.5
+    assert bubble_formula(4, 29) == pytest.approx(3 / 32)
+    model = SPEC.build()
+    stages = split_stages(model, 2)
+    # A slice keeps the layers' names, so the stages' state dicts make up the model's.
+    merged = {k: v for stage in stages for k, v in stage.state_dict().items()}
+    assert max_abs_diff(merged, model.state_dict()) == 0.0
+
+
+def test_saved_activations_are_counted_and_freed():
+    layer = nn.Linear(8, 8)
+    counter = SavedActivations().ignore(layer.parameters())
+    with counter():
+        x = torch.randn(5, 8, requires_grad=True)
+        out = torch.tanh(layer(x))  # linear saves its input, tanh its output
+        assert counter.live == 2 * 5 * 8 * 4
+        out.sum().backward()
+    del out
+    assert counter.live == 0 and counter.peak == 2 * 5 * 8 * 4
+
+
+def test_2d_bytes_formula_and_split_table():
+    # fc1 and fc2's weight split 4 ways; fc1's bias 4 ways; fc2's bias only over "dp".
+    per_block = (64 * 32 + 64 + 32 * 64) * 4 // 4 + 32 * 4 // 2
+    assert param_bytes_2d(SPEC, 2, 2) == 4 * per_block
+    rows = split_table(params=1e9, width=1024, layers=8, tokens=1000, n=8, tp=4)
+    ddp, fsdp, _, tp, _ = rows
+    assert ddp.memory_gb == 16 and fsdp.memory_gb == 2
+    assert fsdp.traffic_gb == pytest.approx(1.5 * ddp.traffic_gb)
+    assert tp.traffic_gb == pytest.approx(4 * 8 * 2 * 1000 * 1024 * 2 * 7 / 8 / 1e9)
+    with pytest.raises(ValueError, match="together"):
+        split_table(params=1e9)
+    with pytest.raises(ValueError, match="divisor of 8"):
+        split_table(params=1e9, width=1, layers=1, tokens=1, n=8, tp=3)
+
+
+def test_torch29_first_exchange_is_sent_as_float():
+    class Op:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    class OldStage:  # torch 2.9: int64 sent into a float32 buffer
+        def _get_init_p2p_neighbors_ops(self):
+            return [Op(torch.tensor(3)), Op(torch.zeros(1))]
+
+    ops = fix_torch29_first_exchange(OldStage())._get_init_p2p_neighbors_ops()
+    assert [op.tensor.dtype for op in ops] == [torch.float32, torch.float32]
+    assert ops[0].tensor.item() == 3.0
+    new = object()  # later torch: no such exchange, nothing to change
+    assert fix_torch29_first_exchange(new) is new
+
+
+# --- one launch of 4 ranks ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    if fsdp2_unavailable_reason("cpu"):
+        pytest.skip(fsdp2_unavailable_reason("cpu"))
+    pipe = dict(spec=SPEC, batch_size=8, seq_len=4, n_microbatches=4, steps=2)
+    tp = dict(batch_size=4, seq_len=8, steps=2)
+    jobs = [
+        PipelineRun(schedule="gpipe", **pipe),
+        PipelineRun(schedule="1f1b", **pipe),
+        TensorParallelRun(spec=SPEC, **tp),
+        TensorParallelRun(spec=ATTENTION, **tp),
+        TensorParallelRun(spec=NORMED, sequence_parallel=True, **tp),
+        TwoDRun(spec=SPEC, mesh_shape=(2, 2), batch_size=4, seq_len=8, steps=2),
+    ]
+    return launch(sharding_worker, 4, (4, find_free_port(), jobs), timeout_s=240)
+
+
+def test_pipeline_equals_one_process_and_1f1b_keeps_fewer_activations(four_ranks):
+    gpipe, onef = four_ranks[:2]
+    ref = train_reference(SPEC, batch_size=8, seq_len=4, steps=2, lr=0.05)
+    for run in (gpipe, onef):
+        assert max_abs_diff(run.state_dict, ref.state_dict) < TOL
+        assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    # GPipe: every stage holds all 4 microbatches; 1F1B: stage s of 4 holds 4 - s.
+    for s in range(4):
+        ratio = onef.extra["activation_peak"][s] / gpipe.extra["activation_peak"][s]
+        assert ratio == (4 - s) / 4
+
+
+def test_tensor_parallel_equals_one_process_with_counted_collectives(four_ranks):
+    mlp, attention, seq = four_ranks[2:5]
+    for run, spec in ((mlp, SPEC), (attention, ATTENTION), (seq, NORMED)):
+        ref = train_reference(spec, batch_size=4, seq_len=8, steps=2, lr=0.05)
+        assert max_abs_diff(run.state_dict, ref.state_dict) < TOL
+        assert run.losses == pytest.approx(ref.losses, abs=TOL)
+    # One all-reduce per block forward; backward one per column-wise layer, but not for the
+    # first block, whose input (the batch) needs no gradient.
+    assert mlp.extra["comm"] == {"all_reduce": (7, 7 * ACT)}
+    assert attention.extra["comm"] == {"all_reduce": (4 + 3 * 3, 13 * ACT)}
+    assert seq.extra["comm"] == {"all_gather": (8, 8 * ACT), "reduce_scatter": (8, 8 * ACT)}
+
+
+def test_2d_equals_one_process_with_a_quarter_of_the_parameters(four_ranks):
+    two_d = four_ranks[5]
+    ref = train_reference(SPEC, batch_size=4, seq_len=8, steps=2, lr=0.05)
+    assert max_abs_diff(two_d.state_dict, ref.state_dict) < TOL
+    assert two_d.extra["bytes_per_rank"] == [(param_bytes_2d(SPEC, 2, 2),) * 2] * 4
