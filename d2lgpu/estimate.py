@@ -231,8 +231,8 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
 #: The machine the committed notebooks ran on, and that :class:`ChapterTimes` describe.
 REFERENCE_MACHINE = "a 2-core x86 cloud CPU without a GPU"
 
-#: Seconds one :func:`calibration_seconds` run took on the reference machine (median of 7).
-REFERENCE_CALIBRATION_SECONDS = 0.030
+#: Seconds one calibration step took on the reference machine, quiet (median of 15).
+REFERENCE_CALIBRATION_SECONDS = 0.0029
 
 
 def _calibration_step() -> None:
@@ -249,7 +249,7 @@ def _calibration_step() -> None:
     (a @ a).sum().item()
 
 
-def calibration_seconds(repeats: int = 7, clock: Callable[[], float] | None = None) -> float:
+def calibration_seconds(repeats: int = 15, clock: Callable[[], float] | None = None) -> float:
     """The median time of a fixed small CPU workload (a conv step and a matmul) here.
 
     Comparing it with :data:`REFERENCE_CALIBRATION_SECONDS` says how much faster or
