@@ -231,7 +231,7 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
 #: The machine the committed notebooks ran on, and that :class:`ChapterTimes` describe.
 REFERENCE_MACHINE = "a 2-core x86 cloud CPU without a GPU"
 
-#: Seconds one calibration step took on the reference machine, quiet (median of 15).
+#: Seconds the fastest of 15 calibration steps took on the reference machine, quiet.
 REFERENCE_CALIBRATION_SECONDS = 0.0029
 
 
@@ -250,22 +250,24 @@ def _calibration_step() -> None:
 
 
 def calibration_seconds(repeats: int = 15, clock: Callable[[], float] | None = None) -> float:
-    """The median time of a fixed small CPU workload (a conv step and a matmul) here.
+    """The fastest of ``repeats`` runs of a fixed small CPU workload (a conv step, a matmul).
 
     Comparing it with :data:`REFERENCE_CALIBRATION_SECONDS` says how much faster or
-    slower this machine's CPU runs the chapters' kind of work than the reference.
+    slower this machine's CPU runs the chapters' kind of work than the reference. The
+    fastest run, not the median, is taken: other programs only ever add time, and a
+    few milliseconds of work are easily delayed by them.
     """
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     clock = clock or perf_counter
-    _calibration_step()  # warm-up: allocations and oneDNN's first-call set-up
+    for _ in range(3):  # warm-up: allocations and oneDNN's first-call set-up
+        _calibration_step()
     times = []
     for _ in range(repeats):
         start = clock()
         _calibration_step()
         times.append(clock() - start)
-    times.sort()
-    return times[len(times) // 2]
+    return min(times)
 
 
 def _seconds_or_none(name: str, value: float | None) -> float | None:
