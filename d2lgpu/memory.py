@@ -202,6 +202,13 @@ class SavedActivations:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        if isinstance(exclude, (str, bytes, torch.Tensor)) or not hasattr(exclude, "__iter__"):
+            raise TypeError(f"exclude must be an iterable of tensors, e.g. "
+                            f"list(model.parameters()), got {type(exclude).__name__} {exclude!r}")
+        exclude = list(exclude)
+        for t in exclude:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"exclude must hold tensors only, got {type(t).__name__} {t!r}")
         self._excluded = {_storage_key(t) for t in exclude}
         self._saved: dict[tuple[str, int], int] = {}
         self._hooks: Any = None

@@ -33,7 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import (
+    check_bool,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    check_sequence,
+)
 from d2lgpu.distributed import DistContext
 from d2lgpu.models import MLPBlock
 from d2lgpu.sharding import CollectiveCounter, CommStats
@@ -88,6 +94,13 @@ def check_stages(n_layers: int, n_stages: int) -> int:
             f"a multiple of {n_stages}, or a number of ranks that divides {n_layers}"
         )
     return n_layers // n_stages
+
+
+def _check_spec(spec: object) -> None:
+    """A TypeError naming ``spec`` unless it is a ModelSpec."""
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, e.g. ModelSpec(width=64, depth=4), "
+                        f"got {type(spec).__name__} {spec!r}")
 
 
 def check_microbatches(batch_size: int, n_microbatches: int) -> int:
@@ -178,6 +191,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.kind not in ("mlp", "attention"):
             raise ValueError(f"kind must be 'mlp' or 'attention', got {self.kind!r}")
+        for name in ("width", "hidden", "depth", "heads"):
+            check_positive_int(name, getattr(self, name))
+        check_bool("norm", self.norm)
 
     def build(self, seed: int = 0) -> nn.Sequential:
         torch.manual_seed(seed)
@@ -341,8 +357,13 @@ class PipelineRun:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_spec(self.spec)
         check_microbatches(self.batch_size, self.n_microbatches)
         _schedule_class(self.schedule)
+        check_positive_int("seq_len", self.seq_len)
+        check_positive_int("steps", self.steps)
+        check_positive_float("lr", self.lr)
+        check_seed(self.seed)
 
     def run(self, ctx: DistContext) -> TrainResult:
         return train_pipeline(self, ctx)
@@ -467,9 +488,12 @@ class BubbleRun:
     repeats: int = 5
 
     def __post_init__(self) -> None:
+        _check_spec(self.spec)
         _schedule_class(self.schedule)
-        for m in self.n_microbatches:
+        for m in check_sequence("n_microbatches", self.n_microbatches, of="positive ints"):
             check_positive_int("n_microbatches", m)
+        for name in ("microbatch_size", "seq_len", "repeats"):
+            check_positive_int(name, getattr(self, name))
 
     def run(self, ctx: DistContext) -> BubbleResult:
         return measure_bubble(self, ctx)
@@ -792,10 +816,16 @@ def split_table(
             "TP's all-reduces",
         ),
     ]
-    if params is None:
+    for name, value in (("n", n), ("microbatches", microbatches),
+                        ("bytes_per_number", bytes_per_number), ("tp", tp)):
+        check_positive_int(name, value)
+    if params is None and (width, layers, tokens) == (None, None, None):
         return rows
-    if width is None or layers is None or tokens is None:
+    if params is None or width is None or layers is None or tokens is None:
         raise ValueError("give params, width, layers and tokens together, or none of them")
+    check_positive_float("params", params)
+    for name, value in (("width", width), ("layers", layers), ("tokens", tokens)):
+        check_positive_int(name, value)
     check_positive_int("n", n)
     check_positive_int("tp", tp)
     if n % tp:

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
+from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_seed
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
 from d2lgpu.memory import OPTIMIZERS, check_module, check_tensor, make_optimizer, storage_bytes
 from d2lgpu.models import MLPBlock, residual_mlp
@@ -493,6 +493,8 @@ def collective_formula(
     :func:`padded_parameter_bytes`), in bf16 for the all-gathers under mixed
     precision and in fp32 for the reduction.
     """
+    check_bool("reshard_after_forward", reshard_after_forward)
+    check_bool("mixed_precision", mixed_precision)
     padded = padded_parameter_bytes(model, world_size)
     gathers = 2 if reshard_after_forward else 1
     gather_bytes = padded // 2 if mixed_precision else padded

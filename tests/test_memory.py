@@ -213,3 +213,9 @@ def test_checkpointing_compares_gradients_with_deterministic_cudnn():
 def test_bad_input_to_memory_names_the_fix(call, words):
     with pytest.raises((TypeError, ValueError), match=words):
         call()
+
+
+@pytest.mark.parametrize("exclude", [None, "weights", 3, [1.0]])
+def test_saved_activations_names_a_bad_exclude(exclude):
+    with pytest.raises(TypeError, match="exclude"):
+        SavedActivations(exclude)

@@ -532,3 +532,12 @@ def test_fp16_mixed_precision_scales_the_loss(one_rank):
     assert result.param_dtype == "float16" == result.watch[0].compute_dtype
     assert result.watch[0].grad_dtype == "float32"
     assert all(math.isfinite(v) for v in result.losses)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(reshard_after_forward="no", mixed_precision=False), "reshard_after_forward"),
+    (dict(reshard_after_forward=True, mixed_precision=None), "mixed_precision"),
+])
+def test_collective_formula_refuses_string_and_none_flags(kwargs, name):
+    with pytest.raises(TypeError, match=name):
+        collective_formula(nn.Linear(4, 4), 2, **kwargs)
