@@ -53,8 +53,9 @@ from d2lgpu.benchmarking import (
     tflops,
     time_fn,
 )
-from d2lgpu.checks import check_positive_float, check_positive_int
+from d2lgpu.checks import check_bool, check_positive_float, check_positive_int
 from d2lgpu.config import quick_mode, workload
+from d2lgpu.devices import as_device
 from d2lgpu.fast import (
     TECHNIQUES,
     DeviceLoader,
@@ -162,7 +163,7 @@ def profiler_activities(device: torch.device | str) -> list[torch.profiler.Profi
     its messages stay: they are where a CUPTI permission problem would show up.) It
     takes effect when the process starts its first profile.
     """
-    device = torch.device(device)
+    device = as_device(device)
     if device.type == "cpu":
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above its highest level: silent
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -506,7 +507,7 @@ def memory_timeline_from_trace(
 ) -> list[tuple[float, int]]:
     """``(time_us, bytes allocated)`` after every allocation and free on ``device``, from
     the ``[memory]`` events of a trace profiled with ``profile_memory=True``."""
-    device = torch.device(device)
+    device = as_device(device)
     code = {"cpu": 0, "cuda": 1}.get(device.type)
     if code is None:
         raise ValueError(f"memory events are recorded for cpu and cuda devices, not {device}")
@@ -674,6 +675,14 @@ class Roofline:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.compute_label, str):
             raise TypeError(f"compute_label must be a str, got {self.compute_label!r}")
+        if not isinstance(self.memory_label, str):
+            raise TypeError(f"memory_label must be a str, got {self.memory_label!r}")
+        if not isinstance(self.bandwidths, Mapping) or not all(
+            isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float))
+            and math.isfinite(v) and v > 0 for k, v in self.bandwidths.items()
+        ):
+            raise TypeError(f"bandwidths must map names to positive GB/s figures, e.g. "
+                            f"{{'copy': 20.1}}, got {self.bandwidths!r}")
 
     @property
     def ridge(self) -> float:
@@ -743,7 +752,7 @@ def measure_stream_bandwidth(
     really moves 3 tensor sizes while counted as 2, and this add 4 while counted as 3:
     counted the same way, the add reads about (3/4) / (2/3) = 1.125x the copy's GB/s.
     Streaming elementwise operations are measured against this roof."""
-    device = torch.device(device)
+    device = as_device(device)
     if numel is None:
         numel = max(copy_buffer_bytes(device)[0] // 4, 1)
     check_positive_int("numel", numel)
@@ -769,7 +778,9 @@ def measure_roofline(
     higher. Times come from CUDA events on a GPU, the host clock on a CPU, and each is
     the best of its runs: other work on the machine only ever makes a run slower. Also
     returns the matmul as a point, to place on the roofline."""
-    device = torch.device(device)
+    device = as_device(device)
+    if stream_numel is not None:
+        check_positive_int("stream_numel", stream_numel)
     check_positive_int("matmul_n", matmul_n)
     check_positive_int("repeats", repeats)
     if dtype is None:
@@ -806,7 +817,7 @@ def roofline_points(
     ``tiny_numel`` elements repeated ``tiny_repeats`` times, where each call is too
     small for its work to matter. Best of ``repeats`` runs, timed with CUDA events on
     a GPU and the host clock elsewhere."""
-    device = torch.device(device)
+    device = as_device(device)
     for name, value in (("elementwise_numel", elementwise_numel), ("tiny_numel", tiny_numel),
                         ("tiny_repeats", tiny_repeats), ("repeats", repeats)):
         check_positive_int(name, value)
@@ -907,7 +918,10 @@ def ablation_plan(
     of :data:`d2lgpu.fast.TECHNIQUES` added per row. A technique that does not apply on
     ``device`` (:func:`d2lgpu.technique_skip_reason`), or that ``skip`` names with a
     reason, gets a skipped row and stays off in the rows after it."""
-    device = torch.device(device)
+    device = as_device(device)
+    if skip is not None and not isinstance(skip, Mapping):
+        raise TypeError(f"skip must map technique names to reasons, e.g. "
+                        f"{{'compile': 'too slow here'}}, got {type(skip).__name__} {skip!r}")
     skip = dict(skip or {})
     unknown = set(skip) - set(TECHNIQUES)
     if unknown:
@@ -1005,7 +1019,7 @@ def ablation_verdict(row: AblationRow, base: AblationRow) -> str:
 
 def mfu_note(device: torch.device | str, peak: float | None) -> str:
     """Why MFU is or is not reported on ``device``, in one line."""
-    device = torch.device(device)
+    device = as_device(device)
     if peak is not None:
         check_positive_float("peak", peak)
         dtype = peak_format(device) if device.type == "cuda" else None
@@ -1056,6 +1070,9 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
     the first per row, whose spread says whether a difference is more than noise.
     ``quick`` runs each row once for 2 epochs: a speed, but no spread to judge it by.
     """
+    if chosen is not None and not isinstance(chosen, str):
+        raise TypeError(f"chosen must be 'quick', 'cpu', 'full' or None (this process's "
+                        f"workload), got {type(chosen).__name__} {chosen!r}")
     chosen = workload() if chosen is None else chosen
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, None, None, repeats=2)
@@ -1086,7 +1103,11 @@ def ablation_data(
 
     from d2lgpu.data import fashion_mnist_tensors, load_data_fashion_mnist
 
-    device = torch.device(device)
+    device = as_device(device)
+    for name, size in (("train_size", train_size), ("test_size", test_size)):
+        if size is not None:
+            check_positive_int(name, size)
+    check_bool("quick", quick, none_means="quick mode")
     quick = quick_mode() if quick is None else quick
     train_iter, test_iter = load_data_fashion_mnist(batch_size, quick=quick)
     loaders = []
@@ -1351,7 +1372,7 @@ def compare_compile_modes(
     """Time one SGD training step of a fresh ``make_model()`` (seeded with ``seed``) per
     ``torch.compile`` mode ("eager": not compiled) on ``batch``; the first call
     includes the compilation. Modes with CUDA graphs mark each step's start."""
-    device = torch.device(device)
+    device = as_device(device)
     X, y = (t.to(device) for t in batch)
     rows = []
     for mode in modes:

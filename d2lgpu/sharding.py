@@ -114,6 +114,9 @@ def _torch_version() -> tuple[int, int]:
 
 def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
     """Why FSDP2 cannot run here on ``device_type`` (``"cpu"`` or ``"cuda"``); None when it can."""
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda' (a torch.device's .type), "
+                         f"got {device_type!r}")
     if fully_shard is None:
         return f"FSDP2 (fully_shard) needs torch >= 2.4; this is torch {torch.__version__}"
     if device_type == "cpu" and _torch_version() < FSDP2_CPU_MIN_TORCH:
@@ -305,6 +308,11 @@ def fsdp_param_dtype(
                 "mixed_precision must be True, False, 'auto', 'bf16' or 'fp16', got None"
             )
         mixed_precision = "auto" if mixed_precision else False
+    elif mixed_precision not in ("auto", "bf16", "fp16") and not isinstance(
+        mixed_precision, torch.dtype
+    ):
+        raise ValueError(f"mixed_precision must be True, False, 'auto', 'bf16', 'fp16' or a "
+                         f"torch.dtype, got {mixed_precision!r}")
     return precision_policy(device, mixed_precision, capability=capability).dtype
 
 

@@ -685,3 +685,26 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
     assert rows[0].speeds == (10.0, 10.0, 40.0, 40.0) and rows[0].images_per_second == 25.0
     with pytest.raises(ValueError, match="repeats"):
         P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU, repeats=0)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.Roofline(1.0, 2.0, memory_label=None), "memory_label"),
+    (lambda: P.Roofline(1.0, 2.0, bandwidths={"copy": float("nan")}), "bandwidths"),
+    (lambda: P.Roofline(1.0, 2.0, bandwidths=None), "bandwidths"),
+    (lambda: P.ablation_data(8, "cpu", train_size="no"), "train_size"),
+    (lambda: P.ablation_data(8, "cpu", test_size=-1), "test_size"),
+    (lambda: P.ablation_data(8, "cpu", quick="no"), "quick"),
+    (lambda: P.ablation_plan("cpu", skip="compile"), "skip"),
+    (lambda: P.ablation_settings(True), "chosen"),
+    (lambda: P.measure_roofline("cpu", 8, stream_numel="big"), "stream_numel"),
+])
+def test_roofline_and_ablation_helpers_name_a_bad_argument(call, name):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    assert name in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("function", [P.profiler_activities, P.ablation_plan])
+def test_profiling_helpers_name_a_bad_device(function):
+    with pytest.raises(ValueError, match="device"):
+        function(-1)

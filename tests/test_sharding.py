@@ -541,3 +541,20 @@ def test_fp16_mixed_precision_scales_the_loss(one_rank):
 def test_collective_formula_refuses_string_and_none_flags(kwargs, name):
     with pytest.raises(TypeError, match=name):
         collective_formula(nn.Linear(4, 4), 2, **kwargs)
+
+
+def _param_dtype(device, mixed_precision):
+    from d2lgpu.sharding import fsdp_param_dtype
+
+    return fsdp_param_dtype(device, mixed_precision)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: fsdp2_unavailable_reason(None), "device_type"),
+    (lambda: fsdp2_unavailable_reason("gpu"), "device_type"),
+    (lambda: _param_dtype("cpu", "no"), "mixed_precision"),
+    (lambda: _param_dtype("cpu", 1.0), "mixed_precision"),
+])
+def test_fsdp_lookups_name_a_bad_argument(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
