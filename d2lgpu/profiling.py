@@ -53,7 +53,7 @@ from d2lgpu.benchmarking import (
     tflops,
     time_fn,
 )
-from d2lgpu.checks import check_bool, check_positive_float, check_positive_int
+from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_sequence
 from d2lgpu.config import quick_mode, workload
 from d2lgpu.devices import as_device
 from d2lgpu.fast import (
@@ -332,11 +332,23 @@ class TraceSummary:
         return self.dataloader_ms / total if total > 0 else 0.0
 
 
+def _check_events(events: object) -> list[TraceEvent]:
+    """``events`` as a list if it holds TraceEvent s (read_trace's result), else a TypeError."""
+    events = check_sequence("events", events, of="TraceEvent s (read_trace's result)",
+                            allow_empty=True)
+    for event in events:
+        if not isinstance(event, TraceEvent):
+            raise TypeError(f"events must hold the TraceEvent s of read_trace, got "
+                            f"{type(event).__name__} among them")
+    return events
+
+
 def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
     """Count a training loop's steps, syncs and DataLoader fetches in its trace.
 
     Needs the ``train_step`` ranges that :func:`d2lgpu.train` marks every step with.
     """
+    events = _check_events(events)
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError(
@@ -361,6 +373,7 @@ def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
 
 def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Overlapping or touching ``(start, end)`` intervals merged, sorted by start."""
+    intervals = check_sequence("intervals", intervals, of="(start, end) pairs", allow_empty=True)
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
         if end < start:
@@ -405,6 +418,7 @@ def timeline_lanes(
     that does the model's work (GPU kernels on a GPU; on a CPU the steps themselves)
     between the first and the last step. ``min_gap_us=None`` means 1% of that span.
     """
+    events = _check_events(events)
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError(
@@ -439,6 +453,7 @@ def timeline_lanes(
 def training_window(events: Sequence[TraceEvent]) -> tuple[float, float]:
     """The span of a trace's training steps, from the batch fetch before the first
     step (if any) to the end of the last step, in the trace's microseconds."""
+    events = _check_events(events)
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError("the trace has no 'train_step' ranges")
@@ -1203,7 +1218,8 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
     images/s of the epochs after the first, their spread (fastest - slowest over the
     median), speed-up over the baseline, MFU, first-epoch seconds (compiling included),
     test accuracy and :func:`ablation_verdict`; skipped rows give their reason."""
-    rows = list(rows)
+    rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
+                          allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
         raise TypeError("format_ablation_table takes the AblationRow s of run_ablation")
     base_row = next((r for r in rows if r.ran), None)
@@ -1246,7 +1262,8 @@ def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = N
     such; each bar carries its speed-up, verdict and MFU. Returns the axes."""
     import matplotlib.pyplot as plt
 
-    rows = list(rows)
+    rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
+                          allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
         raise TypeError("plot_ablation takes the AblationRow s of run_ablation")
     if ax is None:

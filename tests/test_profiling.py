@@ -708,3 +708,15 @@ def test_roofline_and_ablation_helpers_name_a_bad_argument(call, name):
 def test_profiling_helpers_name_a_bad_device(function):
     with pytest.raises(ValueError, match="device"):
         function(-1)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.summarize_trace(None), "events"),
+    (lambda: P.timeline_lanes([1, 2]), "events"),
+    (lambda: P.merge_intervals(None), "intervals"),
+    (lambda: P.format_ablation_table(None), "rows"),
+    (lambda: P.plot_ablation("rows"), "rows"),
+])
+def test_trace_and_ablation_readers_name_a_bad_argument(call, name):
+    with pytest.raises(TypeError, match=name):
+        call()
