@@ -509,6 +509,9 @@ def training_flops_per_example(
 
     from torch.utils.flop_counter import FlopCounterMode
 
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module (the model to count), "
+                        f"got {type(net).__name__} {net!r}")
     check_positive_int("batch_size", batch_size)
     probe = copy.deepcopy(net).to("cpu", torch.float32).train()
     X = torch.zeros(batch_size, *example_shape)

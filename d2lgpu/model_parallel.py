@@ -119,7 +119,9 @@ def check_microbatches(batch_size: int, n_microbatches: int) -> int:
 
 def check_mesh(shape: Sequence[int], world_size: int) -> tuple[int, ...]:
     """``shape`` as a tuple if its product is ``world_size``; else a ValueError naming the fix."""
-    shape = tuple(shape)
+    shape = tuple(check_sequence("shape", shape, of="mesh dimensions, e.g. (2, 2)",
+                                 allow_empty=True))
+    check_positive_int("world_size", world_size)
     if not shape:
         raise ValueError("a device mesh needs at least one dimension, e.g. (world_size,)")
     for size in shape:
@@ -212,6 +214,9 @@ class ModelSpec:
 
 def split_stages(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
     """Equal runs of consecutive layers: ``n_stages`` stages of one pipeline."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"model must be an nn.Sequential (its layers are split in order), "
+                        f"got {type(model).__name__}")
     per = check_stages(len(model), n_stages)
     return [model[i * per : (i + 1) * per] for i in range(n_stages)]
 
@@ -234,6 +239,11 @@ def train_reference(
     spec: ModelSpec, batch_size: int, seq_len: int, steps: int, lr: float, seed: int = 0
 ) -> TrainResult:
     """One process, the whole model, the whole batch: what every parallel run must equal."""
+    _check_spec(spec)
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps)):
+        check_positive_int(name, value)
+    check_positive_float("lr", lr)
+    check_seed(seed)
     model = spec.build(seed)
     opt = _optimizer(model.parameters(), lr)
     losses = []
@@ -249,6 +259,10 @@ def train_reference(
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest difference between two state dicts with the same keys."""
+    for name, value in (("a", a), ("b", b)):
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a state dict (model.state_dict() or "
+                            f"TrainResult.weights), got {type(value).__name__}")
     if a.keys() != b.keys():
         raise ValueError(f"different keys: {sorted(set(a) ^ set(b))}")
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -554,6 +568,8 @@ def tp_plan(spec: ModelSpec, sequence_parallel: bool = False) -> dict[str, Any]:
     split along the sequence: the all-reduce becomes a reduce-scatter, and an
     all-gather brings the whole sequence back before the next block's matmuls.
     """
+    _check_spec(spec)
+    check_bool("sequence_parallel", sequence_parallel)
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -744,6 +760,9 @@ def param_bytes_2d(spec: ModelSpec, dp: int, tp: int) -> int:
     layer's bias (added after the all-reduce) and a norm's weights stay whole over ``tp``.
     Assumes every dimension divides evenly (no FSDP padding).
     """
+    _check_spec(spec)
+    check_positive_int("dp", dp)
+    check_positive_int("tp", tp)
     split = set(tp_plan(spec))  # the names of the layers split over "tp"
     rowwise = {k for k in split if k.endswith(("fc2", "out"))}
     total = 0

@@ -390,6 +390,9 @@ def idle_gaps(
 ) -> list[tuple[float, float]]:
     """The parts of ``[start, end]`` not covered by ``busy`` intervals that last longer
     than ``min_gap``."""
+    for name, value in (("start", start), ("end", end), ("min_gap", min_gap)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise TypeError(f"{name} must be a number of microseconds, got {value!r}")
     if end < start:
         raise ValueError(f"end ({end}) is before start ({start})")
     gaps = []
@@ -522,6 +525,7 @@ def memory_timeline_from_trace(
 ) -> list[tuple[float, int]]:
     """``(time_us, bytes allocated)`` after every allocation and free on ``device``, from
     the ``[memory]`` events of a trace profiled with ``profile_memory=True``."""
+    events = _check_events(events)
     device = as_device(device)
     code = {"cpu": 0, "cuda": 1}.get(device.type)
     if code is None:
@@ -553,6 +557,9 @@ def memory_timeline_from_snapshot(
     segments: what is allocated at the end, minus what the history added. Time is the
     entry's ``time_us`` where torch records it, else its position in the history.
     """
+    if not isinstance(snapshot, (Mapping, str, os.PathLike)) or isinstance(snapshot, bool):
+        raise TypeError(f"snapshot must be torch.cuda.memory._snapshot() or the path of the "
+                        f"pickle _dump_snapshot wrote, got {type(snapshot).__name__} {snapshot!r}")
     if not isinstance(snapshot, Mapping):
         with open(snapshot, "rb") as f:
             snapshot = pickle.load(f)
@@ -861,6 +868,10 @@ def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, 
     Returns the axes."""
     import matplotlib.pyplot as plt
 
+    if not isinstance(roofline, Roofline):
+        raise TypeError(f"roofline must be a Roofline (measure_roofline's first result), "
+                        f"got {type(roofline).__name__}")
+    points = check_sequence("points", points, of="RooflinePoint s", allow_empty=True)
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4.5))
     scale, unit = (1e3, "GFLOP/s") if roofline.peak_tflops < 1 else (1.0, "TFLOP/s")

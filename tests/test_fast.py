@@ -760,3 +760,9 @@ def test_make_sgd_refuses_bad_arguments_by_name(kwargs, name):
 def test_peak_lookups_name_a_bad_device(function):
     with pytest.raises(ValueError, match="device"):
         function(-1)
+
+
+@pytest.mark.parametrize("net", [None, "resnet18"])
+def test_flop_count_names_a_bad_net(net):
+    with pytest.raises(TypeError, match="net"):
+        training_flops_per_example(net)

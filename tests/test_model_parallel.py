@@ -199,3 +199,20 @@ def test_run_settings_and_split_table_refuse_bad_values_by_name(make, name):
     with pytest.raises((TypeError, ValueError)) as info:
         make()
     assert name in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: check_mesh(None, 4), "shape"),
+    (lambda: check_mesh((2, 2), "4"), "world_size"),
+    (lambda: max_abs_diff(None, {}), "a must be a state dict"),
+    (lambda: max_abs_diff({}, [1]), "b must be a state dict"),
+    (lambda: param_bytes_2d(None, 2, 2), "spec"),
+    (lambda: param_bytes_2d(ModelSpec(), 0, 2), "dp"),
+    (lambda: train_reference("mlp", 4, 2, 1, 0.1), "spec"),
+    (lambda: train_reference(ModelSpec(), 4, 2, 1, float("nan")), "lr"),
+    (lambda: split_stages(None, 2), "model"),
+])
+def test_model_parallel_helpers_name_a_bad_argument(call, name):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    assert name in str(info.value), str(info.value)

@@ -720,3 +720,16 @@ def test_profiling_helpers_name_a_bad_device(function):
 def test_trace_and_ablation_readers_name_a_bad_argument(call, name):
     with pytest.raises(TypeError, match=name):
         call()
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.memory_timeline_from_trace(None), "events"),
+    (lambda: P.memory_timeline_from_snapshot(-1), "snapshot"),
+    (lambda: P.plot_roofline(None, []), "roofline"),
+    (lambda: P.plot_roofline(P.Roofline(1.0, 2.0), None), "points"),
+    (lambda: P.idle_gaps([], None, 1.0), "start"),
+    (lambda: P.idle_gaps([], 0.0, float("nan")), "end"),
+])
+def test_memory_timeline_roofline_plot_and_gaps_name_a_bad_argument(call, name):
+    with pytest.raises(TypeError, match=name):
+        call()
