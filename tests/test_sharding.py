@@ -558,3 +558,13 @@ def _param_dtype(device, mixed_precision):
 def test_fsdp_lookups_name_a_bad_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_an_empty_checkpoint_dir_is_a_usage_error(capsys):
+    from d2lgpu.fsdp_train import _parse_args
+
+    with pytest.raises(SystemExit) as info:
+        _parse_args(["--checkpoint-dir="])
+    assert info.value.code == 2
+    assert "argument --checkpoint-dir: the checkpoint directory must be a path" in (
+        capsys.readouterr().err)
