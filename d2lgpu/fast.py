@@ -472,7 +472,7 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
     re-records a graph for each new input shape (e.g. a smaller last batch). A
     technique that cannot run on ``device`` is an error that says why.
     """
-    device = torch.device(device)
+    device = as_device(device)
     for name in ("compile", "cuda_graphs"):
         if getattr(techniques, name):
             reason = technique_skip_reason(name, device)

@@ -609,6 +609,10 @@ def plot_memory_timeline(
     ``time_unit`` "ms" divides microseconds by 1000; "entry" plots positions as they are."""
     import matplotlib.pyplot as plt
 
+    timeline = check_sequence("timeline", timeline, of="(time, bytes) pairs", allow_empty=True)
+    if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in timeline):
+        raise TypeError("timeline must hold (time, bytes) pairs, as memory_timeline_from_trace "
+                        "and memory_timeline_from_snapshot return")
     if not timeline:
         raise ValueError("the timeline is empty")
     if time_unit not in ("ms", "entry"):
@@ -1358,6 +1362,8 @@ def _quiet_dynamo() -> Iterator[None]:
 def explain_graph_breaks(fn: Callable, *args, **kwargs) -> GraphBreakReport:
     """Trace ``fn(*args, **kwargs)`` with ``torch._dynamo.explain`` (no code generation:
     it takes a second, not a compile) and report its graphs and graph breaks."""
+    if not callable(fn):
+        raise TypeError(f"fn must be the function or model to trace, got {type(fn).__name__}")
     with _quiet_dynamo():
         explanation = torch._dynamo.explain(fn)(*args, **kwargs)
     breaks = []
@@ -1451,6 +1457,12 @@ def capture_training_step(
     run first on a side stream (torch's recipe: lazy state such as momentum buffers
     and cuBLAS workspaces must exist before recording). Needs a CUDA device.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(example, (tuple, list)) and len(example) == 2
+            and all(isinstance(t, torch.Tensor) for t in example)):
+        raise TypeError(f"example must be an (X, y) pair of tensors, got "
+                        f"{type(example).__name__} {example!r}"[:200])
     X0, y0 = example
     if X0.device.type != "cuda":
         raise ValueError(

@@ -766,3 +766,8 @@ def test_peak_lookups_name_a_bad_device(function):
 def test_flop_count_names_a_bad_net(net):
     with pytest.raises(TypeError, match="net"):
         training_flops_per_example(net)
+
+
+def test_compile_model_names_a_bad_device():
+    with pytest.raises(ValueError, match="device"):
+        d2lgpu.fast.compile_model(nn.Linear(2, 2), d2lgpu.fast.Techniques(), -1)

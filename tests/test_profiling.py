@@ -733,3 +733,15 @@ def test_trace_and_ablation_readers_name_a_bad_argument(call, name):
 def test_memory_timeline_roofline_plot_and_gaps_name_a_bad_argument(call, name):
     with pytest.raises(TypeError, match=name):
         call()
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.plot_memory_timeline(None), "timeline"),
+    (lambda: P.plot_memory_timeline([1, 2]), "timeline"),
+    (lambda: P.capture_training_step(None, None, None, None), "model"),
+    (lambda: P.capture_training_step(nn.Linear(2, 2), None, None, "batch"), "example"),
+    (lambda: P.explain_graph_breaks("model"), "fn"),
+])
+def test_timeline_plot_cuda_graph_and_explain_name_a_bad_argument(call, name):
+    with pytest.raises(TypeError, match=name):
+        call()
