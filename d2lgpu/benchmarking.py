@@ -1000,6 +1000,10 @@ def copy_peak_ceiling(device: str, variant: str) -> float:
     it can reach ``1.5 * P / (P + W)`` of the copy figure: 150 % in place (fused),
     112.5 % unfused, 120 % for a compiled out-of-place step. Unknown variants get 1.
     """
+    for name, value in (("device", device), ("variant", variant)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a string such as 'cpu' or 'fused', "
+                            f"got {type(value).__name__} {value!r}")
     if device != "cpu" or not cpu_writes_allocate() or variant not in FRESH_WRITES_PER_STEP:
         return 1.0
     passes = _PASSES[variant]

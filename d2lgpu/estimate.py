@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from numbers import Real
 from time import perf_counter
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import check_positive_float, check_positive_int
 
 __all__ = [
     "MIN_SECONDS_TO_ANNOUNCE",
@@ -249,6 +249,13 @@ def _calibration_step() -> None:
     (a @ a).sum().item()
 
 
+def _check_clock(clock: object) -> None:
+    """A TypeError naming ``clock`` unless it is None or a function returning seconds."""
+    if clock is not None and not callable(clock):
+        raise TypeError(f"clock must be a function returning seconds, such as "
+                        f"time.perf_counter (or None), got {type(clock).__name__} {clock!r}")
+
+
 def calibration_seconds(repeats: int = 15, clock: Callable[[], float] | None = None) -> float:
     """The fastest of ``repeats`` runs of a fixed small CPU workload (a conv step, a matmul).
 
@@ -259,6 +266,7 @@ def calibration_seconds(repeats: int = 15, clock: Callable[[], float] | None = N
     """
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    _check_clock(clock)
     clock = clock or perf_counter
     for _ in range(3):  # warm-up: allocations and oneDNN's first-call set-up
         _calibration_step()
@@ -314,6 +322,15 @@ class ChapterClock:
                           "full": _seconds_or_none("gpu_seconds", gpu_seconds)}
         if gpu_seconds is not None and not gpu_name:
             raise ValueError("gpu_seconds needs gpu_name: say which GPU it was measured on")
+        if gpu_name is not None and not isinstance(gpu_name, str):
+            raise TypeError(f"gpu_name must be the GPU's name as a string (or None), "
+                            f"got {type(gpu_name).__name__} {gpu_name!r}")
+        if calibration is not None:
+            check_positive_float("calibration", calibration)
+        _check_clock(clock)
+        if not callable(out):
+            raise TypeError(f"out must be a function that takes a line, such as print, "
+                            f"got {type(out).__name__} {out!r}")
         self.gpu_name = gpu_name
         self.mode = mode or workload()
         if self.mode not in self.reference:

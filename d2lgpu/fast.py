@@ -56,9 +56,16 @@ import torch
 from torch import nn
 
 from d2lgpu import precision
-from d2lgpu.checks import check_bool, check_positive_int, check_seed
+from d2lgpu.checks import (
+    check_bool,
+    check_finite_float,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    check_sequence,
+)
 from d2lgpu.data import fashion_mnist_tensors
-from d2lgpu.devices import try_gpu
+from d2lgpu.devices import as_device, try_gpu
 from d2lgpu.report import require_cuda_device
 
 __all__ = [
@@ -393,7 +400,15 @@ def make_sgd(
     host round trip. Fused SGD exists on CUDA and CPU in recent torch; where it does
     not, ``foreach`` is used.
     """
-    device = torch.device(device)
+    params = check_sequence("params", params, of="parameters, e.g. net.parameters()")
+    for p in params:
+        if not isinstance(p, (torch.Tensor, dict)):
+            raise TypeError(f"params must hold tensors (or parameter-group dicts), got "
+                            f"{type(p).__name__} {p!r} among them: pass net.parameters()")
+    lr = check_positive_float("lr", lr)
+    momentum = check_finite_float("momentum", momentum, minimum=0.0)
+    weight_decay = check_finite_float("weight_decay", weight_decay, minimum=0.0)
+    device = as_device(device)
     kwargs = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
     if "fused" in inspect.signature(torch.optim.SGD).parameters:
         try:
@@ -457,7 +472,7 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
     re-records a graph for each new input shape (e.g. a smaller last batch). A
     technique that cannot run on ``device`` is an error that says why.
     """
-    device = torch.device(device)
+    device = as_device(device)
     for name in ("compile", "cuda_graphs"):
         if getattr(techniques, name):
             reason = technique_skip_reason(name, device)
@@ -494,6 +509,9 @@ def training_flops_per_example(
 
     from torch.utils.flop_counter import FlopCounterMode
 
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module (the model to count), "
+                        f"got {type(net).__name__} {net!r}")
     check_positive_int("batch_size", batch_size)
     probe = copy.deepcopy(net).to("cpu", torch.float32).train()
     X = torch.zeros(batch_size, *example_shape)
@@ -550,7 +568,7 @@ def peak_format(device: torch.device | str) -> str | None:
     """The format of :func:`peak_tflops`'s data-sheet peak on ``device``: "bf16" from
     compute capability 8.0 (Ampere on), "fp16" on 7.x (T4, V100: no native bf16), None
     where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
-    device = torch.device(device)
+    device = as_device(device)
     if device.type != "cuda":
         return None
     major, _ = torch.cuda.get_device_capability(device)
@@ -566,7 +584,7 @@ def peak_tflops(device: torch.device | str) -> float | None:
     has 42 of 108). A GPU with more SMs than the table's is not the one the data
     sheet describes, so its peak is unknown too.
     """
-    device = torch.device(device)
+    device = as_device(device)
     if device.type != "cuda":
         return None
     device = require_cuda_device(device, "peak_tflops")

@@ -100,7 +100,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.checkpoint_dir is not None:
         try:  # before any work: not after the first epoch
             prepare_checkpoint_root(args.checkpoint_dir)
-        except CheckpointError as exc:
+        except (CheckpointError, TypeError) as exc:  # TypeError: an empty path
             parser.error(f"argument --checkpoint-dir: {exc}")
     return args
 

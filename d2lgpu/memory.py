@@ -202,6 +202,13 @@ class SavedActivations:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        if isinstance(exclude, (str, bytes, torch.Tensor)) or not hasattr(exclude, "__iter__"):
+            raise TypeError(f"exclude must be an iterable of tensors, e.g. "
+                            f"list(model.parameters()), got {type(exclude).__name__} {exclude!r}")
+        exclude = list(exclude)
+        for t in exclude:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"exclude must hold tensors only, got {type(t).__name__} {t!r}")
         self._excluded = {_storage_key(t) for t in exclude}
         self._saved: dict[tuple[str, int], int] = {}
         self._hooks: Any = None
@@ -294,7 +301,8 @@ def mlp_activation_bytes(
     the classifier). Nothing else: the residual additions save nothing.
     """
     for name, value in dict(
-        batch=batch, in_features=in_features, width=width, hidden=hidden, depth=depth
+        batch=batch, in_features=in_features, width=width, hidden=hidden, depth=depth,
+        element_size=element_size,
     ).items():
         check_positive_int(name, value)
     per_example = in_features + depth * (width + 2 * hidden) + width
@@ -314,7 +322,8 @@ def resnet18_activation_bytes(
     for the classifier. Per batch, each batch-norm layer keeps the mean and the
     inverse standard deviation of its channels.
     """
-    for name, value in dict(batch=batch, image_size=image_size, in_channels=in_channels).items():
+    for name, value in dict(batch=batch, image_size=image_size, in_channels=in_channels,
+                            element_size=element_size).items():
         check_positive_int(name, value)
     size = image_size
     per_example = in_channels * size * size + 2 * 64 * size * size
@@ -416,6 +425,12 @@ def measure_training_memory(
     """
     check_module("model", model)
     _check_batch(X, y)
+    if activations_formula is not None and (
+        isinstance(activations_formula, bool) or not isinstance(activations_formula, int)
+        or activations_formula < 0
+    ):
+        raise TypeError(f"activations_formula must be a number of bytes (an int >= 0) or None, "
+                        f"got {type(activations_formula).__name__} {activations_formula!r}")
     model.train()
     opt = make_optimizer(optimizer, model.parameters(), lr=lr)
     opt.zero_grad(set_to_none=True)

@@ -33,7 +33,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.checks import (
+    check_bool,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    check_sequence,
+)
 from d2lgpu.distributed import DistContext
 from d2lgpu.models import MLPBlock
 from d2lgpu.sharding import CollectiveCounter, CommStats
@@ -90,6 +96,13 @@ def check_stages(n_layers: int, n_stages: int) -> int:
     return n_layers // n_stages
 
 
+def _check_spec(spec: object) -> None:
+    """A TypeError naming ``spec`` unless it is a ModelSpec."""
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, e.g. ModelSpec(width=64, depth=4), "
+                        f"got {type(spec).__name__} {spec!r}")
+
+
 def check_microbatches(batch_size: int, n_microbatches: int) -> int:
     """The microbatch size, if ``n_microbatches`` divide ``batch_size``; else a ValueError."""
     check_positive_int("batch_size", batch_size)
@@ -106,7 +119,9 @@ def check_microbatches(batch_size: int, n_microbatches: int) -> int:
 
 def check_mesh(shape: Sequence[int], world_size: int) -> tuple[int, ...]:
     """``shape`` as a tuple if its product is ``world_size``; else a ValueError naming the fix."""
-    shape = tuple(shape)
+    shape = tuple(check_sequence("shape", shape, of="mesh dimensions, e.g. (2, 2)",
+                                 allow_empty=True))
+    check_positive_int("world_size", world_size)
     if not shape:
         raise ValueError("a device mesh needs at least one dimension, e.g. (world_size,)")
     for size in shape:
@@ -178,6 +193,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.kind not in ("mlp", "attention"):
             raise ValueError(f"kind must be 'mlp' or 'attention', got {self.kind!r}")
+        for name in ("width", "hidden", "depth", "heads"):
+            check_positive_int(name, getattr(self, name))
+        check_bool("norm", self.norm)
 
     def build(self, seed: int = 0) -> nn.Sequential:
         torch.manual_seed(seed)
@@ -196,6 +214,9 @@ class ModelSpec:
 
 def split_stages(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
     """Equal runs of consecutive layers: ``n_stages`` stages of one pipeline."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"model must be an nn.Sequential (its layers are split in order), "
+                        f"got {type(model).__name__}")
     per = check_stages(len(model), n_stages)
     return [model[i * per : (i + 1) * per] for i in range(n_stages)]
 
@@ -218,6 +239,11 @@ def train_reference(
     spec: ModelSpec, batch_size: int, seq_len: int, steps: int, lr: float, seed: int = 0
 ) -> TrainResult:
     """One process, the whole model, the whole batch: what every parallel run must equal."""
+    _check_spec(spec)
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps)):
+        check_positive_int(name, value)
+    check_positive_float("lr", lr)
+    check_seed(seed)
     model = spec.build(seed)
     opt = _optimizer(model.parameters(), lr)
     losses = []
@@ -233,6 +259,10 @@ def train_reference(
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest difference between two state dicts with the same keys."""
+    for name, value in (("a", a), ("b", b)):
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a state dict (model.state_dict() or "
+                            f"TrainResult.weights), got {type(value).__name__}")
     if a.keys() != b.keys():
         raise ValueError(f"different keys: {sorted(set(a) ^ set(b))}")
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -341,8 +371,13 @@ class PipelineRun:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_spec(self.spec)
         check_microbatches(self.batch_size, self.n_microbatches)
         _schedule_class(self.schedule)
+        check_positive_int("seq_len", self.seq_len)
+        check_positive_int("steps", self.steps)
+        check_positive_float("lr", self.lr)
+        check_seed(self.seed)
 
     def run(self, ctx: DistContext) -> TrainResult:
         return train_pipeline(self, ctx)
@@ -467,9 +502,12 @@ class BubbleRun:
     repeats: int = 5
 
     def __post_init__(self) -> None:
+        _check_spec(self.spec)
         _schedule_class(self.schedule)
-        for m in self.n_microbatches:
+        for m in check_sequence("n_microbatches", self.n_microbatches, of="positive ints"):
             check_positive_int("n_microbatches", m)
+        for name in ("microbatch_size", "seq_len", "repeats"):
+            check_positive_int(name, getattr(self, name))
 
     def run(self, ctx: DistContext) -> BubbleResult:
         return measure_bubble(self, ctx)
@@ -530,6 +568,8 @@ def tp_plan(spec: ModelSpec, sequence_parallel: bool = False) -> dict[str, Any]:
     split along the sequence: the all-reduce becomes a reduce-scatter, and an
     all-gather brings the whole sequence back before the next block's matmuls.
     """
+    _check_spec(spec)
+    check_bool("sequence_parallel", sequence_parallel)
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -720,6 +760,9 @@ def param_bytes_2d(spec: ModelSpec, dp: int, tp: int) -> int:
     layer's bias (added after the all-reduce) and a norm's weights stay whole over ``tp``.
     Assumes every dimension divides evenly (no FSDP padding).
     """
+    _check_spec(spec)
+    check_positive_int("dp", dp)
+    check_positive_int("tp", tp)
     split = set(tp_plan(spec))  # the names of the layers split over "tp"
     rowwise = {k for k in split if k.endswith(("fc2", "out"))}
     total = 0
@@ -792,10 +835,16 @@ def split_table(
             "TP's all-reduces",
         ),
     ]
-    if params is None:
+    for name, value in (("n", n), ("microbatches", microbatches),
+                        ("bytes_per_number", bytes_per_number), ("tp", tp)):
+        check_positive_int(name, value)
+    if params is None and (width, layers, tokens) == (None, None, None):
         return rows
-    if width is None or layers is None or tokens is None:
+    if params is None or width is None or layers is None or tokens is None:
         raise ValueError("give params, width, layers and tokens together, or none of them")
+    check_positive_float("params", params)
+    for name, value in (("width", width), ("layers", layers), ("tokens", tokens)):
+        check_positive_int(name, value)
     check_positive_int("n", n)
     check_positive_int("tp", tp)
     if n % tp:

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 
 from d2lgpu.checks import check_finite_float, check_sequence, check_str_list
 
+#: The axis scales matplotlib offers (``ax.set_xscale``).
+_SCALES = ("linear", "log", "symlog", "asinh", "logit")
+
 if TYPE_CHECKING:
     from d2lgpu.precision import SweepRow
 
@@ -159,6 +162,9 @@ def plot_lines(
     """
     _check_labels(xlabel=xlabel, ylabel=ylabel, title=title)
     _check_ax(ax)
+    for name, scale in (("xscale", xscale), ("yscale", yscale)):
+        if not isinstance(scale, str) or scale not in _SCALES:
+            raise ValueError(f"{name} must be one of {_SCALES}, got {scale!r}")
     x = check_sequence("x", x, of="numbers")
     ys_list = check_sequence("ys", ys, of="numbers (one line) or lists of numbers")
     if legend is not None:

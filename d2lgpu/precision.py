@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +32,14 @@ import torch
 from torch import nn
 
 from d2lgpu.benchmarking import time_fn
-from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_seed
+from d2lgpu.checks import (
+    check_bool,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    check_sequence,
+    check_str_list,
+)
 from d2lgpu.devices import as_device
 
 __all__ = [
@@ -55,9 +63,26 @@ __all__ = [
 ]
 
 
+def _check_capability(capability: object) -> tuple[int, int]:
+    """``capability`` if it is a (major, minor) tuple of ints, else a TypeError naming it."""
+    if not (
+        isinstance(capability, tuple) and len(capability) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
+    ):
+        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
+    return capability  # type: ignore[return-value]
+
+
+def _check_cpuinfo(cpuinfo: object) -> None:
+    """A TypeError naming ``cpuinfo`` unless it is a path (an int would open a descriptor)."""
+    if isinstance(cpuinfo, bool) or not isinstance(cpuinfo, (str, os.PathLike)):
+        raise TypeError(f"cpuinfo must be a path such as '/proc/cpuinfo', "
+                        f"got {type(cpuinfo).__name__} {cpuinfo!r}")
+
+
 def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     """Reduced-precision formats that GPUs of this compute capability run on Tensor Cores."""
-    major, minor = capability
+    major, minor = _check_capability(capability)
     formats = []
     if (major, minor) >= (7, 0):
         formats.append("fp16")
@@ -130,6 +155,7 @@ CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
     """The instruction-set flags the CPU advertises (Linux), or None where they cannot be read."""
+    _check_cpuinfo(cpuinfo)
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -154,6 +180,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     never the slow choice. Chapter 6 measures how the two compare on the machine
     that runs it.
     """
+    _check_cpuinfo(cpuinfo)
     flags = cpu_flags(cpuinfo)
     return flags is not None and bool(flags & CPU_BF16_FLAGS)
 
@@ -181,11 +208,8 @@ def precision_policy(
     tables of machines you do not have).
     """
     device = as_device(device)
-    if capability is not None and not (
-        isinstance(capability, tuple) and len(capability) == 2
-        and all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
-    ):
-        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
+    if capability is not None:
+        _check_capability(capability)
     check_bool("cpu_native_bf16", cpu_native_bf16, none_means="ask this CPU")
     fp32 = PrecisionPolicy(device.type, None, False)
     if amp is None or amp is False or amp is torch.float32:
@@ -307,7 +331,9 @@ def mode_unavailable_reason(
     """
     if mode not in PRECISION_MODES:
         raise ValueError(f"unknown precision mode {mode!r}; choose from {PRECISION_MODES}")
-    device = torch.device(device)
+    device = as_device(device)
+    if capability is not None:
+        _check_capability(capability)
     if mode == "fp32":
         return None
     if device.type == "cpu":
@@ -331,7 +357,9 @@ def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | Non
     "bf16", the only reduced format a CPU runs, also where "auto" stays in fp32
     because bf16 is emulated: the sweep then measures how much slower it is.
     """
-    if torch.device(device).type == "cpu":
+    if capability is not None:
+        _check_capability(capability)
+    if as_device(device).type == "cpu":
         return "bf16"
     dtype = precision_policy(device, "auto", capability=capability).dtype
     return "bf16" if dtype == torch.bfloat16 else "fp16"
@@ -625,11 +653,7 @@ def compare_sweep_modes(
 
     Returns None when no batch size ran in both modes (e.g. the candidate needs CUDA).
     """
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not all(
-        isinstance(r, SweepRow) for r in rows
-    ):
-        raise TypeError(f"rows must be the list of SweepRow that precision_sweep returns, "
-                        f"got {type(rows).__name__}")
+    _check_rows(rows)
     for name, mode in (("baseline", baseline), ("candidate", candidate)):
         if mode not in PRECISION_MODES:
             raise ValueError(f"{name}={mode!r} is not a sweep mode; choose from {PRECISION_MODES}")
@@ -650,8 +674,18 @@ def compare_sweep_modes(
     )
 
 
+def _check_rows(rows: object) -> None:
+    """A TypeError naming ``rows`` unless it is a list of SweepRow."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not all(
+        isinstance(r, SweepRow) for r in rows
+    ):
+        raise TypeError(f"rows must be the list of SweepRow that precision_sweep returns, "
+                        f"got {type(rows).__name__}")
+
+
 def format_sweep_table(rows: Sequence[SweepRow]) -> str:
     """The sweep as a fixed-width text table, one line per row."""
+    _check_rows(rows)
     header = ("mode", "batch", "step ms", "examples/s", "peak MiB", "loss")
     lines = ["{:<5} {:>6} {:>9} {:>11} {:>9} {:>8}  status".format(*header)]
     for r in rows:
@@ -671,6 +705,10 @@ def sweep_mlp(in_features: int, width: int, depth: int, num_classes: int = 10) -
     Almost all its time is spent in (batch x width) @ (width x width) matmuls,
     so it shows the raw speed-up of a precision more clearly than a CNN does.
     """
+    for name, value in (("in_features", in_features), ("width", width), ("depth", depth),
+                        ("num_classes", num_classes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
     if min(in_features, width, depth, num_classes) < 1:
         raise ValueError("in_features, width, depth and num_classes must all be at least 1")
     layers: list[nn.Module] = [nn.Flatten(), nn.Linear(in_features, width), nn.ReLU()]
@@ -688,6 +726,11 @@ def random_batch_maker(
     The batch is drawn on the CPU from its own generator, then moved, so every
     mode and every device sees exactly the same data.
     """
+    shape = check_sequence("input_shape", input_shape, of="positive ints (one example's shape)")
+    for size in shape:
+        check_positive_int("input_shape entries", size)
+    check_positive_int("num_classes", num_classes)
+    check_seed(seed)
 
     def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
@@ -712,6 +755,7 @@ def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     10.0 (Blackwell: B200, GB200; 12.0 is GeForce Blackwell, RTX 50xx), following
     NVIDIA's architecture white papers and the PTX ISA's ``mma`` types.
     """
+    _check_capability(capability)
     formats = []
     if capability >= (8, 9):
         formats.append("fp8")
@@ -736,7 +780,12 @@ def sweep_checks(
     least once and within ``loss_tolerance`` of its loss (same model, data and
     weights); peak memory recorded exactly on CUDA.
     """
-    device = torch.device(device)
+    _check_rows(rows)
+    check_str_list("modes", modes)
+    for size in check_sequence("batch_sizes", batch_sizes, of="positive ints"):
+        check_positive_int("batch_sizes entries", size)
+    check_positive_float("loss_tolerance", loss_tolerance)
+    device = as_device(device)
     fp32_loss = {r.batch_size: r.loss for r in rows if r.mode == "fp32" and r.ok}
     tracks_fp32 = [
         abs(r.loss - fp32_loss[r.batch_size]) < loss_tolerance

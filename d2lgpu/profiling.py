@@ -53,8 +53,9 @@ from d2lgpu.benchmarking import (
     tflops,
     time_fn,
 )
-from d2lgpu.checks import check_positive_float, check_positive_int
+from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_sequence
 from d2lgpu.config import quick_mode, workload
+from d2lgpu.devices import as_device
 from d2lgpu.fast import (
     TECHNIQUES,
     DeviceLoader,
@@ -162,7 +163,7 @@ def profiler_activities(device: torch.device | str) -> list[torch.profiler.Profi
     its messages stay: they are where a CUPTI permission problem would show up.) It
     takes effect when the process starts its first profile.
     """
-    device = torch.device(device)
+    device = as_device(device)
     if device.type == "cpu":
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above its highest level: silent
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -331,11 +332,23 @@ class TraceSummary:
         return self.dataloader_ms / total if total > 0 else 0.0
 
 
+def _check_events(events: object) -> list[TraceEvent]:
+    """``events`` as a list if it holds TraceEvent s (read_trace's result), else a TypeError."""
+    events = check_sequence("events", events, of="TraceEvent s (read_trace's result)",
+                            allow_empty=True)
+    for event in events:
+        if not isinstance(event, TraceEvent):
+            raise TypeError(f"events must hold the TraceEvent s of read_trace, got "
+                            f"{type(event).__name__} among them")
+    return events
+
+
 def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
     """Count a training loop's steps, syncs and DataLoader fetches in its trace.
 
     Needs the ``train_step`` ranges that :func:`d2lgpu.train` marks every step with.
     """
+    events = _check_events(events)
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError(
@@ -360,6 +373,7 @@ def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
 
 def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Overlapping or touching ``(start, end)`` intervals merged, sorted by start."""
+    intervals = check_sequence("intervals", intervals, of="(start, end) pairs", allow_empty=True)
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
         if end < start:
@@ -376,6 +390,9 @@ def idle_gaps(
 ) -> list[tuple[float, float]]:
     """The parts of ``[start, end]`` not covered by ``busy`` intervals that last longer
     than ``min_gap``."""
+    for name, value in (("start", start), ("end", end), ("min_gap", min_gap)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise TypeError(f"{name} must be a number of microseconds, got {value!r}")
     if end < start:
         raise ValueError(f"end ({end}) is before start ({start})")
     gaps = []
@@ -404,6 +421,7 @@ def timeline_lanes(
     that does the model's work (GPU kernels on a GPU; on a CPU the steps themselves)
     between the first and the last step. ``min_gap_us=None`` means 1% of that span.
     """
+    events = _check_events(events)
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError(
@@ -438,6 +456,7 @@ def timeline_lanes(
 def training_window(events: Sequence[TraceEvent]) -> tuple[float, float]:
     """The span of a trace's training steps, from the batch fetch before the first
     step (if any) to the end of the last step, in the trace's microseconds."""
+    events = _check_events(events)
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError("the trace has no 'train_step' ranges")
@@ -506,7 +525,8 @@ def memory_timeline_from_trace(
 ) -> list[tuple[float, int]]:
     """``(time_us, bytes allocated)`` after every allocation and free on ``device``, from
     the ``[memory]`` events of a trace profiled with ``profile_memory=True``."""
-    device = torch.device(device)
+    events = _check_events(events)
+    device = as_device(device)
     code = {"cpu": 0, "cuda": 1}.get(device.type)
     if code is None:
         raise ValueError(f"memory events are recorded for cpu and cuda devices, not {device}")
@@ -537,6 +557,9 @@ def memory_timeline_from_snapshot(
     segments: what is allocated at the end, minus what the history added. Time is the
     entry's ``time_us`` where torch records it, else its position in the history.
     """
+    if not isinstance(snapshot, (Mapping, str, os.PathLike)) or isinstance(snapshot, bool):
+        raise TypeError(f"snapshot must be torch.cuda.memory._snapshot() or the path of the "
+                        f"pickle _dump_snapshot wrote, got {type(snapshot).__name__} {snapshot!r}")
     if not isinstance(snapshot, Mapping):
         with open(snapshot, "rb") as f:
             snapshot = pickle.load(f)
@@ -586,6 +609,10 @@ def plot_memory_timeline(
     ``time_unit`` "ms" divides microseconds by 1000; "entry" plots positions as they are."""
     import matplotlib.pyplot as plt
 
+    timeline = check_sequence("timeline", timeline, of="(time, bytes) pairs", allow_empty=True)
+    if not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in timeline):
+        raise TypeError("timeline must hold (time, bytes) pairs, as memory_timeline_from_trace "
+                        "and memory_timeline_from_snapshot return")
     if not timeline:
         raise ValueError("the timeline is empty")
     if time_unit not in ("ms", "entry"):
@@ -674,6 +701,14 @@ class Roofline:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.compute_label, str):
             raise TypeError(f"compute_label must be a str, got {self.compute_label!r}")
+        if not isinstance(self.memory_label, str):
+            raise TypeError(f"memory_label must be a str, got {self.memory_label!r}")
+        if not isinstance(self.bandwidths, Mapping) or not all(
+            isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float))
+            and math.isfinite(v) and v > 0 for k, v in self.bandwidths.items()
+        ):
+            raise TypeError(f"bandwidths must map names to positive GB/s figures, e.g. "
+                            f"{{'copy': 20.1}}, got {self.bandwidths!r}")
 
     @property
     def ridge(self) -> float:
@@ -743,7 +778,7 @@ def measure_stream_bandwidth(
     really moves 3 tensor sizes while counted as 2, and this add 4 while counted as 3:
     counted the same way, the add reads about (3/4) / (2/3) = 1.125x the copy's GB/s.
     Streaming elementwise operations are measured against this roof."""
-    device = torch.device(device)
+    device = as_device(device)
     if numel is None:
         numel = max(copy_buffer_bytes(device)[0] // 4, 1)
     check_positive_int("numel", numel)
@@ -769,7 +804,9 @@ def measure_roofline(
     higher. Times come from CUDA events on a GPU, the host clock on a CPU, and each is
     the best of its runs: other work on the machine only ever makes a run slower. Also
     returns the matmul as a point, to place on the roofline."""
-    device = torch.device(device)
+    device = as_device(device)
+    if stream_numel is not None:
+        check_positive_int("stream_numel", stream_numel)
     check_positive_int("matmul_n", matmul_n)
     check_positive_int("repeats", repeats)
     if dtype is None:
@@ -806,7 +843,7 @@ def roofline_points(
     ``tiny_numel`` elements repeated ``tiny_repeats`` times, where each call is too
     small for its work to matter. Best of ``repeats`` runs, timed with CUDA events on
     a GPU and the host clock elsewhere."""
-    device = torch.device(device)
+    device = as_device(device)
     for name, value in (("elementwise_numel", elementwise_numel), ("tiny_numel", tiny_numel),
                         ("tiny_repeats", tiny_repeats), ("repeats", repeats)):
         check_positive_int(name, value)
@@ -835,6 +872,10 @@ def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, 
     Returns the axes."""
     import matplotlib.pyplot as plt
 
+    if not isinstance(roofline, Roofline):
+        raise TypeError(f"roofline must be a Roofline (measure_roofline's first result), "
+                        f"got {type(roofline).__name__}")
+    points = check_sequence("points", points, of="RooflinePoint s", allow_empty=True)
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4.5))
     scale, unit = (1e3, "GFLOP/s") if roofline.peak_tflops < 1 else (1.0, "TFLOP/s")
@@ -907,7 +948,10 @@ def ablation_plan(
     of :data:`d2lgpu.fast.TECHNIQUES` added per row. A technique that does not apply on
     ``device`` (:func:`d2lgpu.technique_skip_reason`), or that ``skip`` names with a
     reason, gets a skipped row and stays off in the rows after it."""
-    device = torch.device(device)
+    device = as_device(device)
+    if skip is not None and not isinstance(skip, Mapping):
+        raise TypeError(f"skip must map technique names to reasons, e.g. "
+                        f"{{'compile': 'too slow here'}}, got {type(skip).__name__} {skip!r}")
     skip = dict(skip or {})
     unknown = set(skip) - set(TECHNIQUES)
     if unknown:
@@ -1005,7 +1049,7 @@ def ablation_verdict(row: AblationRow, base: AblationRow) -> str:
 
 def mfu_note(device: torch.device | str, peak: float | None) -> str:
     """Why MFU is or is not reported on ``device``, in one line."""
-    device = torch.device(device)
+    device = as_device(device)
     if peak is not None:
         check_positive_float("peak", peak)
         dtype = peak_format(device) if device.type == "cuda" else None
@@ -1056,6 +1100,9 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
     the first per row, whose spread says whether a difference is more than noise.
     ``quick`` runs each row once for 2 epochs: a speed, but no spread to judge it by.
     """
+    if chosen is not None and not isinstance(chosen, str):
+        raise TypeError(f"chosen must be 'quick', 'cpu', 'full' or None (this process's "
+                        f"workload), got {type(chosen).__name__} {chosen!r}")
     chosen = workload() if chosen is None else chosen
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, None, None, repeats=2)
@@ -1086,7 +1133,11 @@ def ablation_data(
 
     from d2lgpu.data import fashion_mnist_tensors, load_data_fashion_mnist
 
-    device = torch.device(device)
+    device = as_device(device)
+    for name, size in (("train_size", train_size), ("test_size", test_size)):
+        if size is not None:
+            check_positive_int(name, size)
+    check_bool("quick", quick, none_means="quick mode")
     quick = quick_mode() if quick is None else quick
     train_iter, test_iter = load_data_fashion_mnist(batch_size, quick=quick)
     loaders = []
@@ -1182,7 +1233,8 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
     images/s of the epochs after the first, their spread (fastest - slowest over the
     median), speed-up over the baseline, MFU, first-epoch seconds (compiling included),
     test accuracy and :func:`ablation_verdict`; skipped rows give their reason."""
-    rows = list(rows)
+    rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
+                          allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
         raise TypeError("format_ablation_table takes the AblationRow s of run_ablation")
     base_row = next((r for r in rows if r.ran), None)
@@ -1225,7 +1277,8 @@ def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = N
     such; each bar carries its speed-up, verdict and MFU. Returns the axes."""
     import matplotlib.pyplot as plt
 
-    rows = list(rows)
+    rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
+                          allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
         raise TypeError("plot_ablation takes the AblationRow s of run_ablation")
     if ax is None:
@@ -1309,6 +1362,8 @@ def _quiet_dynamo() -> Iterator[None]:
 def explain_graph_breaks(fn: Callable, *args, **kwargs) -> GraphBreakReport:
     """Trace ``fn(*args, **kwargs)`` with ``torch._dynamo.explain`` (no code generation:
     it takes a second, not a compile) and report its graphs and graph breaks."""
+    if not callable(fn):
+        raise TypeError(f"fn must be the function or model to trace, got {type(fn).__name__}")
     with _quiet_dynamo():
         explanation = torch._dynamo.explain(fn)(*args, **kwargs)
     breaks = []
@@ -1351,7 +1406,7 @@ def compare_compile_modes(
     """Time one SGD training step of a fresh ``make_model()`` (seeded with ``seed``) per
     ``torch.compile`` mode ("eager": not compiled) on ``batch``; the first call
     includes the compilation. Modes with CUDA graphs mark each step's start."""
-    device = torch.device(device)
+    device = as_device(device)
     X, y = (t.to(device) for t in batch)
     rows = []
     for mode in modes:
@@ -1402,6 +1457,12 @@ def capture_training_step(
     run first on a side stream (torch's recipe: lazy state such as momentum buffers
     and cuBLAS workspaces must exist before recording). Needs a CUDA device.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(example, (tuple, list)) and len(example) == 2
+            and all(isinstance(t, torch.Tensor) for t in example)):
+        raise TypeError(f"example must be an (X, y) pair of tensors, got "
+                        f"{type(example).__name__} {example!r}"[:200])
     X0, y0 = example
     if X0.device.type != "cuda":
         raise ValueError(

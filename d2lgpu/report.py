@@ -238,6 +238,10 @@ def diagnose_cuda(
         How many GPUs the driver sees regardless of ``CUDA_VISIBLE_DEVICES``
         (NVML's count), or None when unknown.
     """
+    if visible_devices_env is not None and not isinstance(visible_devices_env, str):
+        raise TypeError(f"visible_devices_env must be CUDA_VISIBLE_DEVICES as a str (or None: "
+                        f"not set), got {type(visible_devices_env).__name__} "
+                        f"{visible_devices_env!r}")
     if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 0:
         raise ValueError(f"device_count must be an int of 0 or more (torch.cuda.device_count()), "
                          f"got {device_count!r}")
@@ -799,6 +803,9 @@ def require_cuda_device(device: torch.device | str, what: str) -> torch.device:
     ``what`` names the caller in the message. A device that is not CUDA is returned
     unchanged; a bare ``'cuda'`` becomes the current GPU, as torch reads it.
     """
+    if not isinstance(what, str) or not what:
+        raise TypeError(f"what must name the caller for the message (a non-empty str), "
+                        f"got {type(what).__name__} {what!r}")
     device = as_device(device)
     if device.type != "cuda":
         return device

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from d2lgpu.checks import check_positive_float, check_positive_int, check_seed
+from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_seed
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
 from d2lgpu.memory import OPTIMIZERS, check_module, check_tensor, make_optimizer, storage_bytes
 from d2lgpu.models import MLPBlock, residual_mlp
@@ -114,6 +114,9 @@ def _torch_version() -> tuple[int, int]:
 
 def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
     """Why FSDP2 cannot run here on ``device_type`` (``"cpu"`` or ``"cuda"``); None when it can."""
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda' (a torch.device's .type), "
+                         f"got {device_type!r}")
     if fully_shard is None:
         return f"FSDP2 (fully_shard) needs torch >= 2.4; this is torch {torch.__version__}"
     if device_type == "cpu" and _torch_version() < FSDP2_CPU_MIN_TORCH:
@@ -305,6 +308,11 @@ def fsdp_param_dtype(
                 "mixed_precision must be True, False, 'auto', 'bf16' or 'fp16', got None"
             )
         mixed_precision = "auto" if mixed_precision else False
+    elif mixed_precision not in ("auto", "bf16", "fp16") and not isinstance(
+        mixed_precision, torch.dtype
+    ):
+        raise ValueError(f"mixed_precision must be True, False, 'auto', 'bf16', 'fp16' or a "
+                         f"torch.dtype, got {mixed_precision!r}")
     return precision_policy(device, mixed_precision, capability=capability).dtype
 
 
@@ -493,6 +501,8 @@ def collective_formula(
     :func:`padded_parameter_bytes`), in bf16 for the all-gathers under mixed
     precision and in fp32 for the reduction.
     """
+    check_bool("reshard_after_forward", reshard_after_forward)
+    check_bool("mixed_precision", mixed_precision)
     padded = padded_parameter_bytes(model, world_size)
     gathers = 2 if reshard_after_forward else 1
     gather_bytes = padded // 2 if mixed_precision else padded

@@ -273,6 +273,15 @@ def train_epoch(
     if not (hasattr(scaler, "scale") and hasattr(scaler, "step")):
         raise TypeError(f"scaler must be a torch.amp.GradScaler (policy.make_scaler()), got "
                         f"{type(scaler).__name__}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"scheduler must have a step() method (a LinearWarmup) or be None, "
+                        f"got {type(scheduler).__name__} {scheduler!r}")
+    if on_batch is not None and not callable(on_batch):
+        raise TypeError(f"on_batch must be a function called after each batch, or None, "
+                        f"got {type(on_batch).__name__} {on_batch!r}")
+    if not isinstance(techniques, Techniques):
+        raise TypeError(f"techniques must be a Techniques (e.g. Techniques()), "
+                        f"got {type(techniques).__name__} {techniques!r}")
     net.train()
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)

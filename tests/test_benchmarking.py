@@ -568,3 +568,13 @@ def test_compile_or_reason_refuses_a_silent_fallback() -> None:
 def test_benchmarking_names_the_fix_for_bad_input(call, match) -> None:
     with pytest.raises((TypeError, ValueError), match=match):
         call()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(device=None, variant="fused"), "device"),
+    (dict(device=torch.device("cpu"), variant="fused"), "device"),
+    (dict(device="cpu", variant=None), "variant"),
+])
+def test_copy_peak_ceiling_names_a_non_string(kwargs, name):
+    with pytest.raises(TypeError, match=name):
+        bm.copy_peak_ceiling(**kwargs)

@@ -225,3 +225,24 @@ def test_training_estimate_needs_a_loader():
         training_estimate(None, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"total_steps must be an int >= 0 or None"):
         StepEstimate("x", "ten")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(gpu_name=True), "gpu_name"),
+    (dict(calibration="fast"), "calibration"),
+    (dict(calibration=float("nan")), "calibration"),
+    (dict(clock="no"), "clock"),
+    (dict(out=None), "out"),
+])
+def test_chapter_clock_names_a_bad_argument(kwargs, name):
+    from d2lgpu.estimate import ChapterClock
+
+    with pytest.raises((TypeError, ValueError), match=name):
+        ChapterClock(cpu_seconds=60.0, quick_seconds=20.0, **kwargs)
+
+
+def test_calibration_names_a_bad_clock():
+    from d2lgpu.estimate import calibration_seconds
+
+    with pytest.raises(TypeError, match="clock"):
+        calibration_seconds(clock=3)

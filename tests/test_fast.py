@@ -17,6 +17,7 @@ from d2lgpu.fast import (
     DeviceLoader,
     fashion_mnist_on_device,
     make_sgd,
+    peak_format,
     peak_tflops,
     training_flops_per_example,
 )
@@ -734,3 +735,39 @@ def test_train_names_a_string_fast_argument():
     resident, _ = tiny_data()
     with pytest.raises(TypeError, match="fast must be True or False"):
         d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, fast="no", progress=False)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(params=None), "params"),
+    (dict(params=[1.0]), "params"),
+    (dict(lr=None), "lr"),
+    (dict(lr=float("nan")), "lr"),
+    (dict(lr=True), "lr"),
+    (dict(momentum=float("nan")), "momentum"),
+    (dict(momentum=-1), "momentum"),
+    (dict(weight_decay="no"), "weight_decay"),
+    (dict(device=-1), "device"),
+])
+def test_make_sgd_refuses_bad_arguments_by_name(kwargs, name):
+    args = dict(params=list(nn.Linear(2, 2).parameters()), lr=0.1, device="cpu")
+    args.update(kwargs)
+    with pytest.raises((TypeError, ValueError)) as info:
+        make_sgd(**args)
+    assert name in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("function", [peak_format, peak_tflops])
+def test_peak_lookups_name_a_bad_device(function):
+    with pytest.raises(ValueError, match="device"):
+        function(-1)
+
+
+@pytest.mark.parametrize("net", [None, "resnet18"])
+def test_flop_count_names_a_bad_net(net):
+    with pytest.raises(TypeError, match="net"):
+        training_flops_per_example(net)
+
+
+def test_compile_model_names_a_bad_device():
+    with pytest.raises(ValueError, match="device"):
+        d2lgpu.fast.compile_model(nn.Linear(2, 2), d2lgpu.fast.Techniques(), -1)

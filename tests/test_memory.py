@@ -213,3 +213,20 @@ def test_checkpointing_compares_gradients_with_deterministic_cudnn():
 def test_bad_input_to_memory_names_the_fix(call, words):
     with pytest.raises((TypeError, ValueError), match=words):
         call()
+
+
+@pytest.mark.parametrize("exclude", [None, "weights", 3, [1.0]])
+def test_saved_activations_names_a_bad_exclude(exclude):
+    with pytest.raises(TypeError, match="exclude"):
+        SavedActivations(exclude)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: mlp_activation_bytes(2, 4, 8, 16, 1, element_size="4"), "element_size"),
+    (lambda: resnet18_activation_bytes(2, element_size=float("nan")), "element_size"),
+    (lambda: measure_training_memory(nn.Linear(4, 3), torch.ones(2, 4), torch.zeros(2).long(),
+                                     activations_formula="no"), "activations_formula"),
+])
+def test_memory_formulas_name_a_bad_argument(call, name):
+    with pytest.raises((TypeError, ValueError), match=name):
+        call()

@@ -12,6 +12,7 @@ from torch import nn
 
 from d2lgpu.distributed import DistContext, find_free_port, launch
 from d2lgpu.model_parallel import (
+    BubbleRun,
     ModelSpec,
     PipelineRun,
     SavedActivations,
@@ -169,3 +170,49 @@ def test_2d_equals_one_process_with_a_quarter_of_the_parameters(four_ranks):
     ref = train_reference(SPEC, batch_size=4, seq_len=8, steps=2, lr=0.05)
     assert max_abs_diff(two_d.state_dict, ref.state_dict) < TOL
     assert two_d.extra["bytes_per_rank"] == [(param_bytes_2d(SPEC, 2, 2),) * 2] * 4
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: ModelSpec(width="64"), "width"),
+    (lambda: ModelSpec(hidden=None), "hidden"),
+    (lambda: ModelSpec(depth=-1), "depth"),
+    (lambda: ModelSpec(heads=float("nan")), "heads"),
+    (lambda: ModelSpec(norm="no"), "norm"),
+    (lambda: PipelineRun(spec=None), "spec"),
+    (lambda: PipelineRun(seq_len=True), "seq_len"),
+    (lambda: PipelineRun(steps=0), "steps"),
+    (lambda: PipelineRun(lr=float("nan")), "lr"),
+    (lambda: PipelineRun(seed=-1), "seed"),
+    (lambda: BubbleRun(spec="mlp"), "spec"),
+    (lambda: BubbleRun(n_microbatches=None), "n_microbatches"),
+    (lambda: BubbleRun(microbatch_size=None), "microbatch_size"),
+    (lambda: BubbleRun(repeats="5"), "repeats"),
+    (lambda: split_table(width=1024), "params"),
+    (lambda: split_table(params="7e9", width=1, layers=1, tokens=1), "params"),
+    (lambda: split_table(params=7e9, width=1.5, layers=1, tokens=1), "width"),
+    (lambda: split_table(params=7e9, width=1, layers=None, tokens=1), "layers"),
+    (lambda: split_table(n=True), "n"),
+    (lambda: split_table(microbatches=-1), "microbatches"),
+    (lambda: split_table(bytes_per_number="2"), "bytes_per_number"),
+])
+def test_run_settings_and_split_table_refuse_bad_values_by_name(make, name):
+    with pytest.raises((TypeError, ValueError)) as info:
+        make()
+    assert name in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: check_mesh(None, 4), "shape"),
+    (lambda: check_mesh((2, 2), "4"), "world_size"),
+    (lambda: max_abs_diff(None, {}), "a must be a state dict"),
+    (lambda: max_abs_diff({}, [1]), "b must be a state dict"),
+    (lambda: param_bytes_2d(None, 2, 2), "spec"),
+    (lambda: param_bytes_2d(ModelSpec(), 0, 2), "dp"),
+    (lambda: train_reference("mlp", 4, 2, 1, 0.1), "spec"),
+    (lambda: train_reference(ModelSpec(), 4, 2, 1, float("nan")), "lr"),
+    (lambda: split_stages(None, 2), "model"),
+])
+def test_model_parallel_helpers_name_a_bad_argument(call, name):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    assert name in str(info.value), str(info.value)

@@ -112,3 +112,14 @@ def test_plot_functions_name_what_they_need():
 
     with pytest.raises(TypeError, match=r"rows must be the SweepRows"):
         plot_precision_sweep([1, 2])
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(xscale=None), "xscale"),
+    (dict(yscale="logarithmic"), "yscale"),
+    (dict(yscale=True), "yscale"),
+])
+def test_plot_lines_names_a_bad_scale(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        plot_lines([1, 2], [1, 2], **kwargs)
+    plt.close("all")

@@ -827,3 +827,39 @@ def test_plain_fp16_grad_scaler_recipe_trains_on_the_cpu():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert scaler.get_scale() == 2.0**16  # no overflow in this small problem: no back-off
+
+
+def _ok_row():
+    return P.SweepRow("fp32", 8, 0.1, None, 1.0, 3, "ok")
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.format_sweep_table(None), "rows"),
+    (lambda: P.format_sweep_table("fp32"), "rows"),
+    (lambda: P.sweep_checks(None, ["fp32"], [8], "cpu"), "rows"),
+    (lambda: P.sweep_checks([_ok_row()], "fp32", [8], "cpu"), "modes"),
+    (lambda: P.sweep_checks([_ok_row()], ["fp32"], None, "cpu"), "batch_sizes"),
+    (lambda: P.sweep_checks([_ok_row()], ["fp32"], [8], "cpu", loss_tolerance=float("nan")),
+     "loss_tolerance"),
+    (lambda: P.native_tensor_core_formats(None), "capability"),
+    (lambda: P.native_tensor_core_formats("8.0"), "capability"),
+    (lambda: P.narrow_tensor_core_formats(None), "capability"),
+    (lambda: P.mode_unavailable_reason("bf16", "cuda", capability=8), "capability"),
+    (lambda: P.amp_sweep_mode("cuda", capability="no"), "capability"),
+    (lambda: P.mode_unavailable_reason("bf16", None), "device"),
+    (lambda: P.amp_sweep_mode(None), "device"),
+    (lambda: P.cpu_flags(None), "cpuinfo"),
+    (lambda: P.cpu_has_native_bf16(-1), "cpuinfo"),
+    (lambda: P.random_batch_maker(None), "input_shape"),
+    (lambda: P.random_batch_maker((4, "no")), "input_shape"),
+    (lambda: P.random_batch_maker((4,), num_classes="10"), "num_classes"),
+    (lambda: P.sweep_mlp("16", 8, 1), "in_features"),
+    (lambda: P.sweep_mlp(16, 8.0, 1), "width"),
+    (lambda: P.sweep_mlp(16, 8, True), "depth"),
+    (lambda: P.sweep_mlp(16, 8, 1, num_classes=None), "num_classes"),
+])
+def test_bad_arguments_get_an_error_naming_the_parameter(call, name):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    assert name in str(info.value), str(info.value)
+    assert "' object" not in str(info.value)  # not a bare Python error

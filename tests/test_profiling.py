@@ -685,3 +685,63 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
     assert rows[0].speeds == (10.0, 10.0, 40.0, 40.0) and rows[0].images_per_second == 25.0
     with pytest.raises(ValueError, match="repeats"):
         P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU, repeats=0)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.Roofline(1.0, 2.0, memory_label=None), "memory_label"),
+    (lambda: P.Roofline(1.0, 2.0, bandwidths={"copy": float("nan")}), "bandwidths"),
+    (lambda: P.Roofline(1.0, 2.0, bandwidths=None), "bandwidths"),
+    (lambda: P.ablation_data(8, "cpu", train_size="no"), "train_size"),
+    (lambda: P.ablation_data(8, "cpu", test_size=-1), "test_size"),
+    (lambda: P.ablation_data(8, "cpu", quick="no"), "quick"),
+    (lambda: P.ablation_plan("cpu", skip="compile"), "skip"),
+    (lambda: P.ablation_settings(True), "chosen"),
+    (lambda: P.measure_roofline("cpu", 8, stream_numel="big"), "stream_numel"),
+])
+def test_roofline_and_ablation_helpers_name_a_bad_argument(call, name):
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    assert name in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("function", [P.profiler_activities, P.ablation_plan])
+def test_profiling_helpers_name_a_bad_device(function):
+    with pytest.raises(ValueError, match="device"):
+        function(-1)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.summarize_trace(None), "events"),
+    (lambda: P.timeline_lanes([1, 2]), "events"),
+    (lambda: P.merge_intervals(None), "intervals"),
+    (lambda: P.format_ablation_table(None), "rows"),
+    (lambda: P.plot_ablation("rows"), "rows"),
+])
+def test_trace_and_ablation_readers_name_a_bad_argument(call, name):
+    with pytest.raises(TypeError, match=name):
+        call()
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.memory_timeline_from_trace(None), "events"),
+    (lambda: P.memory_timeline_from_snapshot(-1), "snapshot"),
+    (lambda: P.plot_roofline(None, []), "roofline"),
+    (lambda: P.plot_roofline(P.Roofline(1.0, 2.0), None), "points"),
+    (lambda: P.idle_gaps([], None, 1.0), "start"),
+    (lambda: P.idle_gaps([], 0.0, float("nan")), "end"),
+])
+def test_memory_timeline_roofline_plot_and_gaps_name_a_bad_argument(call, name):
+    with pytest.raises(TypeError, match=name):
+        call()
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: P.plot_memory_timeline(None), "timeline"),
+    (lambda: P.plot_memory_timeline([1, 2]), "timeline"),
+    (lambda: P.capture_training_step(None, None, None, None), "model"),
+    (lambda: P.capture_training_step(nn.Linear(2, 2), None, None, "batch"), "example"),
+    (lambda: P.explain_graph_breaks("model"), "fn"),
+])
+def test_timeline_plot_cuda_graph_and_explain_name_a_bad_argument(call, name):
+    with pytest.raises(TypeError, match=name):
+        call()

@@ -704,3 +704,15 @@ def test_gpu_in_numbers_without_a_gpu_shows_the_data_sheets():
     table = report.gpu_in_numbers(None)
     assert "yours" not in table and "H100 SXM5" in table
     assert set(report.GPU_DATASHEETS["H100 SXM5"]) <= set(report.GPU_NUMBERS_ROWS)
+
+
+@pytest.mark.parametrize("value", [0, True, float("nan")])
+def test_diagnose_names_a_non_string_visible_devices(value):
+    with pytest.raises(TypeError, match="visible_devices_env"):
+        _diagnose(visible_devices_env=value)
+
+
+@pytest.mark.parametrize("what", [None, "", 3])
+def test_require_cuda_device_names_a_bad_caller_label(what):
+    with pytest.raises(TypeError, match="what"):
+        report.require_cuda_device("cpu", what)

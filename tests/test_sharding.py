@@ -532,3 +532,39 @@ def test_fp16_mixed_precision_scales_the_loss(one_rank):
     assert result.param_dtype == "float16" == result.watch[0].compute_dtype
     assert result.watch[0].grad_dtype == "float32"
     assert all(math.isfinite(v) for v in result.losses)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(reshard_after_forward="no", mixed_precision=False), "reshard_after_forward"),
+    (dict(reshard_after_forward=True, mixed_precision=None), "mixed_precision"),
+])
+def test_collective_formula_refuses_string_and_none_flags(kwargs, name):
+    with pytest.raises(TypeError, match=name):
+        collective_formula(nn.Linear(4, 4), 2, **kwargs)
+
+
+def _param_dtype(device, mixed_precision):
+    from d2lgpu.sharding import fsdp_param_dtype
+
+    return fsdp_param_dtype(device, mixed_precision)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: fsdp2_unavailable_reason(None), "device_type"),
+    (lambda: fsdp2_unavailable_reason("gpu"), "device_type"),
+    (lambda: _param_dtype("cpu", "no"), "mixed_precision"),
+    (lambda: _param_dtype("cpu", 1.0), "mixed_precision"),
+])
+def test_fsdp_lookups_name_a_bad_argument(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+def test_an_empty_checkpoint_dir_is_a_usage_error(capsys):
+    from d2lgpu.fsdp_train import _parse_args
+
+    with pytest.raises(SystemExit) as info:
+        _parse_args(["--checkpoint-dir="])
+    assert info.value.code == 2
+    assert "argument --checkpoint-dir: the checkpoint directory must be a path" in (
+        capsys.readouterr().err)

@@ -407,3 +407,25 @@ def test_train_fast_checks_its_switches():
     for name in ("progress", "init", "channels_last"):
         with pytest.raises(TypeError, match=rf"{name} must be True or False"):
             d2lgpu.train_fast(linear_net(), pair, pair, 1, 0.1, "cpu", **{name: "no"})
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(scheduler="no"), "scheduler"),
+    (dict(scheduler=1), "scheduler"),
+    (dict(on_batch=True), "on_batch"),
+    (dict(techniques=None), "techniques"),
+    (dict(techniques="no"), "techniques"),
+])
+def test_train_epoch_names_a_bad_hook_or_techniques(kwargs, name):
+    from d2lgpu.training import train_epoch
+
+    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    X = torch.rand(8, 4, generator=torch.Generator().manual_seed(0))
+    policy = d2lgpu.precision_policy("cpu", False)
+    args = dict(net=net, train_iter=DataLoader(TensorDataset(X, torch.arange(8) % 3),
+                                               batch_size=4),
+                loss_fn=nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                device=torch.device("cpu"), policy=policy, scaler=policy.make_scaler())
+    args.update(kwargs)
+    with pytest.raises(TypeError, match=name):
+        train_epoch(**args)
