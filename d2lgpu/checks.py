@@ -161,6 +161,18 @@ def check_sequence(name: str, value: object, *, of: str, allow_empty: bool = Fal
 # --------------------------------------------------------------------------- #
 
 
+
+def check_module(name: str, value: object):
+    """Return ``value`` if it is a ``torch.nn.Module``; otherwise a TypeError naming ``name``."""
+    from torch import nn
+
+    if not isinstance(value, nn.Module):
+        raise TypeError(
+            f"{name} must be a torch.nn.Module (a model or a layer, e.g. d2lgpu.resnet18()), "
+            f"got {type(value).__name__} {value!r:.60}"
+        )
+    return value
+
 def check_tensor(
     name: str,
     value: object,

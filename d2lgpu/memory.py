@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from d2lgpu.benchmarking import format_table, time_fn
-from d2lgpu.checks import check_positive_float, check_positive_int
+from d2lgpu.checks import check_module, check_positive_float, check_positive_int
 
 __all__ = [
     "OPTIMIZERS",
@@ -73,15 +73,6 @@ OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2}
 
 _MIB = 2**20
 
-
-def check_module(name: str, value: object) -> nn.Module:
-    """Return ``value`` if it is an ``nn.Module``; otherwise a TypeError naming ``name``."""
-    if not isinstance(value, nn.Module):
-        raise TypeError(
-            f"{name} must be a torch.nn.Module (a model or a layer), got "
-            f"{type(value).__name__} {value!r:.60}"
-        )
-    return value
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:

@@ -38,6 +38,7 @@ from d2lgpu.checks import (
     check_finite_float,
     check_finite_tensors,
     check_loader,
+    check_module,
     check_positive_float,
     check_positive_int,
     check_seed,
@@ -441,15 +442,6 @@ def check_finite_loss(
         other = "or ramp it up over the first epoch with warmup_epochs=1"
     check_training_loss(loss, when=f"epoch {epoch}", lr=lr, first_loss=first_loss, advice=other)
 
-
-def check_module(name: str, net: object) -> nn.Module:
-    """Return ``net`` if it is an ``nn.Module``; else a TypeError naming ``name`` and the fix."""
-    if not isinstance(net, nn.Module):
-        raise TypeError(
-            f"{name} must be a torch.nn.Module (e.g. d2lgpu.resnet18()), got "
-            f"{type(net).__name__}"
-        )
-    return net
 
 
 def _one_device(name: str, device: object) -> torch.device:
