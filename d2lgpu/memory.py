@@ -96,6 +96,9 @@ def format_mib(nbytes: float) -> str:
     """Bytes as MiB with one decimal, the unit ``torch.cuda`` memory reports are read in."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)):
         raise TypeError(f"nbytes must be a number of bytes, got {type(nbytes).__name__} {nbytes!r}")
+    if nbytes != nbytes or nbytes in (float("inf"), float("-inf")):
+        # Negative counts are allowed (a difference of two counts); NaN and inf are a bug.
+        raise ValueError(f"nbytes must be a finite number of bytes, got {nbytes!r}")
     return f"{nbytes / _MIB:.1f} MiB"
 
 

@@ -405,6 +405,11 @@ def fix_torch29_first_exchange(stage: Any) -> Any:
     size, gloo stops the process ("8 vs 4. Received data size doesn't match"). Later torch
     has no such exchange, and then this does nothing.
     """
+    from torch.distributed.pipelining import PipelineStage
+
+    if not isinstance(stage, PipelineStage):
+        raise TypeError(f"stage must be a torch.distributed.pipelining.PipelineStage, got "
+                        f"{type(stage).__name__} {stage!r:.60}")
     make_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
     if make_ops is None:
         return stage

@@ -200,6 +200,7 @@ def test_checkpointing_compares_gradients_with_deterministic_cudnn():
         (lambda: storage_bytes(torch.zeros(3)), r"pass \[tensor\]"),
         (lambda: storage_bytes(["x"]), "must be a torch.Tensor"),
         (lambda: format_mib("12"), "nbytes must be a number"),
+        (lambda: format_mib(float("nan")), "nbytes must be a finite number"),
         (lambda: make_optimizer("sgd", _mlp(), lr=0.1), "model.parameters()"),
         (lambda: make_optimizer("sgd", _mlp().parameters(), lr=float("nan")), "lr must be"),
         (lambda: optimizer_state_formula(None, _mlp()), "optimizer must be one of"),

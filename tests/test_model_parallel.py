@@ -105,19 +105,31 @@ def test_2d_bytes_formula_and_split_table():
 
 
 def test_torch29_first_exchange_is_sent_as_float():
+    from torch.distributed.pipelining import PipelineStage
+
     class Op:
         def __init__(self, tensor):
             self.tensor = tensor
 
-    class OldStage:  # torch 2.9: int64 sent into a float32 buffer
+    class OldStage(PipelineStage):  # torch 2.9: int64 sent into a float32 buffer
+        def __init__(self):  # no process group needed to test the patch
+            pass
+
         def _get_init_p2p_neighbors_ops(self):
             return [Op(torch.tensor(3)), Op(torch.zeros(1))]
+
+    class NewStage(PipelineStage):  # later torch: no such exchange, nothing to change
+        def __init__(self):
+            pass
 
     ops = fix_torch29_first_exchange(OldStage())._get_init_p2p_neighbors_ops()
     assert [op.tensor.dtype for op in ops] == [torch.float32, torch.float32]
     assert ops[0].tensor.item() == 3.0
-    new = object()  # later torch: no such exchange, nothing to change
-    assert fix_torch29_first_exchange(new) is new
+    if not hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):
+        new = NewStage()
+        assert fix_torch29_first_exchange(new) is new
+    with pytest.raises(TypeError, match="stage must be a torch.distributed.pipelining"):
+        fix_torch29_first_exchange(object())
 
 
 # --- one launch of 4 ranks ---------------------------------------------------------------
