@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from d2lgpu.benchmarking import format_table, time_fn
-from d2lgpu.checks import check_module, check_positive_float, check_positive_int
+from d2lgpu.checks import check_module, check_positive_float, check_positive_int, check_tensor
 
 __all__ = [
     "OPTIMIZERS",
@@ -74,15 +74,6 @@ OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2}
 _MIB = 2**20
 
 
-
-def check_tensor(name: str, value: object) -> torch.Tensor:
-    """Return ``value`` if it is a tensor; otherwise a TypeError naming ``name``."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor, got {type(value).__name__} {value!r:.60}; "
-            "convert it with torch.as_tensor"
-        )
-    return value
 
 
 def _check_batch(X: object, y: object) -> None:

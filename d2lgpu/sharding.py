@@ -50,9 +50,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_seed
+from d2lgpu.checks import (
+    check_bool,
+    check_module,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    check_tensor,
+)
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
-from d2lgpu.memory import OPTIMIZERS, check_module, check_tensor, make_optimizer, storage_bytes
+from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
 from d2lgpu.models import MLPBlock, residual_mlp
 from d2lgpu.precision import precision_policy
 
