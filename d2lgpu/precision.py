@@ -44,11 +44,13 @@ from d2lgpu.devices import as_device
 
 __all__ = [
     "CPU_BF16_FLAGS",
+    "PRECISIONS",
     "PRECISION_MODES",
     "PrecisionPolicy",
     "SweepComparison",
     "SweepRow",
     "amp_sweep_mode",
+    "check_precision",
     "compare_sweep_modes",
     "cpu_flags",
     "cpu_has_native_bf16",
@@ -91,13 +93,49 @@ def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     return formats
 
 
+#: The one precision vocabulary of the course. Every entry point that trains takes
+#: ``precision=`` with one of these: "auto" lets the device decide
+#: (:func:`precision_policy`), "fp32" is strict fp32 (TF32 off), "tf32" is fp32 with
+#: TF32 Tensor Core matmuls and convolutions (compute capability 8.0+), "fp16" is fp16
+#: autocast with a GradScaler, and "bf16" is bf16 autocast.
+PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16")
+
+# What people write instead, and the word of the vocabulary that means it.
+_SPELLINGS: dict[object, str] = {
+    True: "auto", False: "fp32", None: "fp32",
+    "off": "fp32", "float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+}
+
+
+def check_precision(precision: object, name: str = "precision") -> str:
+    """Return ``precision`` if it is a word of :data:`PRECISIONS`; raise naming the fix if not."""
+    if isinstance(precision, str) and precision in PRECISIONS:
+        return precision
+    choices = ", ".join(repr(p) for p in PRECISIONS)
+    if isinstance(precision, torch.dtype):
+        hint = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision)
+    elif isinstance(precision, str):
+        hint = _SPELLINGS.get(precision.lower(), precision.lower())
+    elif isinstance(precision, bool) or precision is None:
+        hint = _SPELLINGS[precision]
+    else:
+        hint = None
+    fix = f": write {name}={hint!r}" if hint in PRECISIONS else ""
+    raise ValueError(f"{name}={precision!r} is not one of {choices}{fix}")
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """How to run a training step: autocast dtype (None: plain fp32) and loss scaling."""
+    """How to run a training step: autocast dtype (None: fp32), loss scaling, and TF32.
+
+    ``tf32``: True allows TF32 in fp32 matmuls and convolutions, False forbids it
+    (strict fp32), None leaves PyTorch's settings as they are.
+    """
 
     device_type: str
     dtype: torch.dtype | None
     use_scaler: bool
+    tf32: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device_type, str) or not self.device_type:
@@ -109,15 +147,17 @@ class PrecisionPolicy:
             raise ValueError(
                 "PrecisionPolicy.dtype must be torch.float16, torch.bfloat16 or None (plain "
                 f"fp32), got {self.dtype!r}; autocast has no other dtype. "
-                "d2lgpu.precision_policy(device, amp) builds a valid policy"
+                "d2lgpu.precision_policy(device, precision) builds a valid policy"
             )
         check_bool("use_scaler", self.use_scaler)
+        check_bool("tf32", self.tf32, none_means="leave PyTorch's TF32 settings alone")
 
     @property
     def name(self) -> str:
+        """The policy's word of :data:`PRECISIONS` ("fp16 + GradScaler" for scaled fp16)."""
         names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
         if self.dtype is None:
-            return "fp32"
+            return "tf32" if self.tf32 else "fp32"
         return names[self.dtype] + (" + GradScaler" if self.use_scaler else "")
 
     def autocast(self) -> AbstractContextManager:
@@ -126,15 +166,19 @@ class PrecisionPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
+    def matmul_precision(self) -> AbstractContextManager:
+        """TF32 on or off for fp32 matmuls and convolutions (:func:`tf32_matmuls`), as ``tf32`` says.
+
+        Only CUDA has TF32; on other devices the flags are left alone (torch 2.9 warns
+        when its old TF32 flags are touched).
+        """
+        if self.tf32 is None or self.device_type != "cuda":
+            return contextlib.nullcontext()
+        return tf32_matmuls(self.tf32)
+
     def make_scaler(self) -> torch.amp.GradScaler:
         """A GradScaler, enabled only when this policy needs loss scaling (fp16)."""
         return torch.amp.GradScaler(self.device_type, enabled=self.use_scaler)
-
-
-_ALIASES = {
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-}
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
@@ -187,69 +231,56 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def precision_policy(
     device: torch.device | str,
-    amp: bool | str | torch.dtype | None = "auto",
+    precision: str = "auto",
     capability: tuple[int, int] | None = None,
     cpu_native_bf16: bool | None = None,
 ) -> PrecisionPolicy:
-    """Choose the precision for training on ``device``.
+    """Turn a word of :data:`PRECISIONS` into how ``device`` trains.
 
-    ``amp`` is False/None/"off"/"fp32" (or ``torch.float32``) for plain fp32;
-    "fp16"/"bf16" (or the dtype) to force one; True/"auto" to let the device
-    decide: bf16 from compute capability 8.0, fp16 with a GradScaler on 7.x,
-    and plain fp32 below 7.0, where there are no Tensor Cores to gain from
-    (a GTX 10xx runs fp16 arithmetic far slower than fp32). On the CPU "auto"
-    means bf16 autocast where the CPU computes bf16 natively
-    (:func:`cpu_has_native_bf16`: AVX512-BF16 or AMX) and fp32 elsewhere, where
-    bf16 is emulated and slower than fp32. On other device types it means fp32,
-    because there is no rule here for what they run fast. This is the one rule
-    for "auto" in the course: :func:`d2lgpu.train` and the fast path use it too.
-    ``capability`` overrides the one read from the device, and ``cpu_native_bf16``
-    what :func:`cpu_has_native_bf16` says about this CPU (for tests, and for
-    tables of machines you do not have).
+    "fp32" is strict fp32 (TF32 off), "tf32" fp32 with TF32 allowed, "fp16" fp16
+    autocast with a GradScaler, "bf16" bf16 autocast. "auto" lets the device
+    decide: bf16 from compute capability 8.0, fp16 with a GradScaler on 7.x, and
+    fp32 below 7.0, where there are no Tensor Cores to gain from (a GTX 10xx runs
+    fp16 arithmetic far slower than fp32). On the CPU "auto" means bf16 autocast
+    where the CPU computes bf16 natively (:func:`cpu_has_native_bf16`: AVX512-BF16
+    or AMX) and fp32 elsewhere, where bf16 is emulated and slower than fp32. On
+    other device types it means fp32, because there is no rule here for what they
+    run fast. This is the one rule for "auto" in the course: every entry point
+    that takes ``precision=`` uses it. ``capability`` overrides the one read from
+    the device, and ``cpu_native_bf16`` what :func:`cpu_has_native_bf16` says about
+    this CPU (for tests, and for tables of machines you do not have).
     """
     device = as_device(device)
+    precision = check_precision(precision)
     if capability is not None:
         _check_capability(capability)
     check_bool("cpu_native_bf16", cpu_native_bf16, none_means="ask this CPU")
-    fp32 = PrecisionPolicy(device.type, None, False)
-    if amp is None or amp is False or amp is torch.float32:
-        return fp32
-    if isinstance(amp, str) and amp.lower() in {"off", "fp32", "float32"}:
-        return fp32
-    if amp is True or (isinstance(amp, str) and amp.lower() == "auto"):
+    if precision in ("fp32", "tf32"):
+        return PrecisionPolicy(device.type, None, False, tf32=precision == "tf32")
+    if precision == "auto":
+        fp32 = PrecisionPolicy(device.type, None, False)
         if device.type == "cuda":
             if capability is None:
                 capability = _cuda_capability(device)
             formats = native_tensor_core_formats(capability)
             if "bf16" in formats:
-                dtype = torch.bfloat16
+                precision = "bf16"
             elif "fp16" in formats:
-                dtype = torch.float16
+                precision = "fp16"
             else:
                 return fp32
         elif device.type == "cpu":
             native = cpu_has_native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
             if not native:
                 return fp32
-            dtype = torch.bfloat16
+            precision = "bf16"
         else:
             return fp32
-    elif isinstance(amp, torch.dtype):
-        dtype = amp
-    elif isinstance(amp, str) and amp.lower() in _ALIASES:
-        dtype = _ALIASES[amp.lower()]
-    else:
-        raise ValueError(
-            f"amp={amp!r} is not understood: use False or 'fp32', True or 'auto', 'fp16' or 'bf16'"
-        )
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"autocast runs in torch.float16 or torch.bfloat16, not {dtype}; "
-            "use amp='fp16', amp='bf16', or amp=False for fp32"
-        )
     # fp16 has a narrow range: small gradients underflow to zero without loss scaling.
     # bf16 has fp32's range, so it needs none.
-    return PrecisionPolicy(device.type, dtype, use_scaler=dtype == torch.float16)
+    if precision == "fp16":
+        return PrecisionPolicy(device.type, torch.float16, use_scaler=True)
+    return PrecisionPolicy(device.type, torch.bfloat16, use_scaler=False)
 
 
 @contextlib.contextmanager
@@ -367,8 +398,7 @@ def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | Non
 
 def _mode_policy(mode: str, device: torch.device) -> PrecisionPolicy:
     """The autocast policy of a sweep mode (fp32 and tf32 both run without autocast)."""
-    amp = {"fp32": False, "tf32": False, "fp16": "fp16", "bf16": "bf16"}[mode]
-    return precision_policy(device, amp)
+    return precision_policy(device, mode)
 
 
 def _measure_one(
@@ -419,10 +449,7 @@ def _measure_one(
         scaler.update()
         losses.append(loss.detach())
 
-    # The TF32 switches act on CUDA only; elsewhere they are left alone (torch 2.9 warns
-    # about the old flags when they are read).
-    switch = tf32_matmuls(mode == "tf32") if on_cuda else contextlib.nullcontext()
-    with switch:
+    with policy.matmul_precision():  # TF32 on for "tf32", off for "fp32"; CUDA only
         timing = time_fn(train_step, device, warmup=warmup, repeats=steps)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     last_loss = float(losses[-1])

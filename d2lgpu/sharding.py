@@ -320,6 +320,10 @@ def fsdp_param_dtype(
     ):
         raise ValueError(f"mixed_precision must be True, False, 'auto', 'bf16', 'fp16' or a "
                          f"torch.dtype, got {mixed_precision!r}")
+    if isinstance(mixed_precision, torch.dtype):
+        mixed_precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(mixed_precision, "fp32")
+    if mixed_precision is False:
+        mixed_precision = "fp32"
     return precision_policy(device, mixed_precision, capability=capability).dtype
 
 

@@ -605,7 +605,11 @@ def train(
         net.to(device)
     if amp is None:
         amp = "auto" if techniques.autocast else False
-    policy = precision_policy(device, amp)
+    if isinstance(amp, torch.dtype):
+        amp = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(amp, amp)
+    if isinstance(amp, str) and amp.lower() in ("auto", "fp16", "bf16", "half", "off", "float16", "bfloat16"):
+        amp = {"half": "fp16", "float16": "fp16", "bfloat16": "bf16", "off": "fp32"}.get(amp.lower(), amp.lower())
+    policy = precision_policy(device, {True: "auto", False: "fp32"}.get(amp, amp) if isinstance(amp, bool) else amp)
     model = compile_model(net, techniques, device)
     if len(devices) > 1:
         # DataParallel's replica threads re-enter autocast with the default dtype

@@ -232,7 +232,7 @@ def test_auto_precision_on_cpu_is_bf16_only_where_native(monkeypatch):
     assert d2lgpu.Techniques.fast(CPU).autocast is False
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert precision_policy(CPU, "auto").dtype == torch.bfloat16
-    assert precision_policy(CPU, False).dtype is None
+    assert precision_policy(CPU, "fp32").dtype is None
     assert d2lgpu.Techniques.fast(CPU).autocast is True
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -38,9 +40,8 @@ def test_native_tensor_core_formats(capability, formats):
         ((9, 0), torch.bfloat16, False),
     ],
 )
-@pytest.mark.parametrize("amp", [True, "auto", "AUTO"])
-def test_auto_policy_follows_compute_capability(capability, dtype, use_scaler, amp):
-    policy = P.precision_policy("cuda:0", amp, capability=capability)
+def test_auto_policy_follows_compute_capability(capability, dtype, use_scaler):
+    policy = P.precision_policy("cuda:0", "auto", capability=capability)
     assert (policy.device_type, policy.dtype, policy.use_scaler) == ("cuda", dtype, use_scaler)
 
 
@@ -55,7 +56,6 @@ def test_auto_policy_on_cpu_without_native_bf16_is_fp32(monkeypatch):
     # Emulated bf16 is slower than fp32: "auto" means what the device runs fast.
     monkeypatch.setattr(P, "cpu_has_native_bf16", lambda: False)
     assert P.precision_policy("cpu", "auto").dtype is None
-    assert P.precision_policy("cpu", True).name == "fp32"
     assert P.precision_policy("cpu", "bf16").dtype == torch.bfloat16  # forcing still works
     # The sweep still sets bf16 against fp32 on such a CPU, to show what it costs.
     assert P.amp_sweep_mode("cpu") == "bf16"
@@ -63,29 +63,67 @@ def test_auto_policy_on_cpu_without_native_bf16_is_fp32(monkeypatch):
 
 @pytest.mark.parametrize("capability", [(6, 1), (7, 5), (9, 0)])
 @pytest.mark.parametrize(
-    ("amp", "dtype", "use_scaler", "name"),
+    ("precision", "dtype", "use_scaler", "tf32", "name"),
     [
-        ("fp16", torch.float16, True, "fp16 + GradScaler"),
-        ("half", torch.float16, True, "fp16 + GradScaler"),
-        (torch.float16, torch.float16, True, "fp16 + GradScaler"),
-        ("bf16", torch.bfloat16, False, "bf16"),
-        (torch.bfloat16, torch.bfloat16, False, "bf16"),
-        (False, None, False, "fp32"),
-        (None, None, False, "fp32"),
-        ("off", None, False, "fp32"),
-        ("fp32", None, False, "fp32"),
-        (torch.float32, None, False, "fp32"),
+        ("fp16", torch.float16, True, None, "fp16 + GradScaler"),
+        ("bf16", torch.bfloat16, False, None, "bf16"),
+        ("fp32", None, False, False, "fp32"),
+        ("tf32", None, False, True, "tf32"),
     ],
 )
-def test_explicit_policy_ignores_capability(capability, amp, dtype, use_scaler, name):
-    policy = P.precision_policy("cuda", amp, capability=capability)
-    assert (policy.dtype, policy.use_scaler, policy.name) == (dtype, use_scaler, name)
+def test_explicit_policy_ignores_capability(capability, precision, dtype, use_scaler, tf32, name):
+    policy = P.precision_policy("cuda", precision, capability=capability)
+    assert (policy.dtype, policy.use_scaler, policy.tf32, policy.name) == (
+        dtype, use_scaler, tf32, name)
 
 
-@pytest.mark.parametrize("amp", ["fp8", "yes", 1, 0.5, torch.float64, torch.int8])
-def test_bad_amp_values_are_rejected_with_the_valid_choices(amp):
-    with pytest.raises(ValueError, match="fp16|bf16"):
-        P.precision_policy("cpu", amp)
+def test_the_vocabulary_is_the_five_words_every_entry_point_takes():
+    assert P.PRECISIONS == ("auto", "fp32", "tf32", "fp16", "bf16")
+    for word in P.PRECISIONS:
+        assert P.check_precision(word) == word
+
+
+@pytest.mark.parametrize(
+    ("precision", "fix"),
+    [
+        (True, "precision='auto'"),
+        (False, "precision='fp32'"),
+        (None, "precision='fp32'"),
+        ("half", "precision='fp16'"),
+        ("BF16", "precision='bf16'"),
+        ("bfloat16", "precision='bf16'"),
+        ("off", "precision='fp32'"),
+        (torch.float16, "precision='fp16'"),
+        (torch.bfloat16, "precision='bf16'"),
+        (torch.float32, "precision='fp32'"),
+    ],
+)
+def test_other_spellings_are_refused_with_the_word_to_write(precision, fix):
+    with pytest.raises(ValueError, match="is not one of") as info:
+        P.precision_policy("cpu", precision)
+    assert fix in str(info.value)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "yes", 1, 0.5, torch.float64, torch.int8])
+def test_bad_precision_values_are_rejected_with_the_valid_choices(precision):
+    with pytest.raises(ValueError, match="'auto', 'fp32', 'tf32', 'fp16', 'bf16'") as info:
+        P.precision_policy("cpu", precision)
+    assert "write" not in str(info.value)  # no fix to suggest: the choices are the help
+
+
+def test_tf32_switch_acts_on_cuda_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(P, "tf32_matmuls", lambda enabled: calls.append(enabled) or contextlib.nullcontext())
+    with P.PrecisionPolicy("cpu", None, False, tf32=True).matmul_precision():
+        pass
+    with P.PrecisionPolicy("cuda", None, False, tf32=None).matmul_precision():
+        pass
+    assert calls == []
+    with P.PrecisionPolicy("cuda", None, False, tf32=False).matmul_precision():
+        pass
+    with P.PrecisionPolicy("cuda", None, False, tf32=True).matmul_precision():
+        pass
+    assert calls == [False, True]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +143,7 @@ def test_cuda_policy_without_a_gpu_says_how_to_fall_back(monkeypatch):
 
 def test_fp32_policy_autocast_changes_nothing():
     layer = nn.Linear(4, 3)
-    with P.precision_policy("cpu", False).autocast():
+    with P.precision_policy("cpu", "fp32").autocast():
         assert layer(torch.randn(2, 4)).dtype == torch.float32
 
 
@@ -125,7 +163,7 @@ def test_make_scaler_is_enabled_only_for_fp16():
     # (A CUDA scaler on a machine without CUDA disables itself, so the fp16 case uses the CPU.)
     assert P.precision_policy("cpu", "fp16").make_scaler().is_enabled()
     assert not P.precision_policy("cpu", "bf16").make_scaler().is_enabled()
-    assert not P.precision_policy("cpu", False).make_scaler().is_enabled()
+    assert not P.precision_policy("cpu", "fp32").make_scaler().is_enabled()
 
 
 # ---------------------------------------------------------------------------

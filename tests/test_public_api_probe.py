@@ -89,7 +89,7 @@ VALID = {
     training.train_epoch: lambda: dict(
         net=_linear(), train_iter=_loader(), loss_fn=nn.CrossEntropyLoss(),
         optimizer=torch.optim.SGD(_linear().parameters(), lr=0.1), device=CPU,
-        policy=precision_policy(CPU, False), scaler=precision_policy(CPU, False).make_scaler()),
+        policy=precision_policy(CPU, "fp32"), scaler=precision_policy(CPU, "fp32").make_scaler()),
     training.train_fast: lambda: dict(
         net=_linear(), train_data=_uint8_pair(), test_data=_uint8_pair(), num_epochs=1, lr=0.1,
         device=CPU, batch_size=10, progress=False, init=True),

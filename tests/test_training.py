@@ -421,7 +421,7 @@ def test_train_epoch_names_a_bad_hook_or_techniques(kwargs, name):
 
     net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
     X = torch.rand(8, 4, generator=torch.Generator().manual_seed(0))
-    policy = d2lgpu.precision_policy("cpu", False)
+    policy = d2lgpu.precision_policy("cpu", "fp32")
     args = dict(net=net, train_iter=DataLoader(TensorDataset(X, torch.arange(8) % 3),
                                                batch_size=4),
                 loss_fn=nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
