@@ -224,6 +224,9 @@ class SnapshotError(ValueError):
     """A snapshot this run cannot continue from; the message names the file and the way out."""
 
 
+#: The per-epoch lists a snapshot's history holds.
+_HISTORY_KEYS = ("train_loss", "train_acc", "test_acc", "epoch_seconds", "examples_per_second")
+
 #: What a snapshot holds (see the end of every epoch in :func:`train_ddp`).
 _SNAPSHOT_KEYS = ("model", "optimizer", "epochs_done", "history", "config")
 
@@ -435,6 +438,136 @@ def _check_resumable(snapshot: dict, cfg: DDPConfig, path: Path) -> None:
         )
 
 
+def _check_train_args(
+    cfg: object, ctx: object, data: object, device: object
+) -> tuple[int, int]:
+    """Refuse bad arguments to :func:`train_ddp`; return (world size, rank) of this process."""
+    if not isinstance(cfg, DDPConfig):
+        raise TypeError(f"cfg must be a DDPConfig, got {type(cfg).__name__}")
+    if ctx is not None and not isinstance(ctx, DistContext):
+        raise TypeError(
+            f"ctx must be the DistContext that process_group() yields, or None, got "
+            f"{type(ctx).__name__}"
+        )
+    if device is not None and not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device or None, got {device!r}")
+    if data is not None:
+        _check_data(data)
+    world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
+    if cfg.batch_size % world_size:
+        raise ValueError(
+            f"batch_size={cfg.batch_size} is the global batch and must be divisible by the "
+            f"{world_size} ranks: use a multiple of {world_size}"
+        )
+    return world_size, rank
+
+
+def _make_loaders(
+    cfg: DDPConfig, data: Tensors4, rank: int, world_size: int
+) -> tuple[DistributedSampler, DataLoader, DataLoader]:
+    """This rank's sampler and loaders: its slice of every epoch's shuffle, and of the test set."""
+    train_x, train_y, test_x, test_y = data
+    local_batch = cfg.batch_size // world_size
+    train_set = TensorDataset(_as_float_images(train_x), train_y)
+    # Evaluation: every rank takes every world_size-th test example; no padding,
+    # so the summed counts are exactly the test set.
+    test_set = Subset(
+        TensorDataset(_as_float_images(test_x), test_y), range(rank, len(test_y), world_size)
+    )
+    # The same permutation on every rank (seed + epoch); rank r takes positions r, r+W, ...
+    sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed
+    )
+    train_loader = DataLoader(train_set, batch_size=local_batch, sampler=sampler)
+    test_loader = DataLoader(test_set, batch_size=local_batch)
+    return sampler, train_loader, test_loader
+
+
+def _resume(
+    snapshot: dict,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: DDPConfig,
+    path: Path,
+    say: bool,
+) -> tuple[int, dict[str, list[float]]]:
+    """Load the snapshot's model and optimizer; return its epochs done and history."""
+    model.load_state_dict(snapshot["model"])
+    optimizer.load_state_dict(snapshot["optimizer"])
+    start_epoch = snapshot["epochs_done"]
+    if say:
+        if start_epoch == cfg.epochs:
+            print(
+                f"snapshot {path} already holds all {start_epoch} epochs: nothing "
+                "left to train (--epochs is the total; pass a larger one to train on)",
+                flush=True,
+            )
+        else:
+            print(f"resuming from {path} after epoch {start_epoch}", flush=True)
+    return start_epoch, snapshot["history"]
+
+
+def _train_epoch(
+    net: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> tuple[float, float, int]:
+    """One pass over this rank's batches; returns its (summed loss, correct, examples)."""
+    loss_fn = nn.CrossEntropyLoss()
+    net.train()
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device)
+    seen = 0
+    for X, y in loader:
+        X, y = X.to(device), y.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        logits = net(X)
+        loss = loss_fn(logits, y)
+        loss.backward()  # with DDP, gradients arrive here already averaged over ranks
+        optimizer.step()
+        loss_sum += loss.detach() * len(y)
+        correct += (logits.argmax(dim=1) == y).sum()
+        seen += len(y)
+    return loss_sum.item(), correct.item(), seen
+
+
+def _record_epoch(
+    history: dict[str, list[float]], stats: list, seconds: float, epoch: int, cfg: DDPConfig
+) -> None:
+    """Append one epoch's whole-job totals to ``history``; refuse a loss that is not finite.
+
+    Checked once per epoch (no extra GPU sync per step), on the totals every rank
+    shares, so all ranks stop together; the snapshot keeps the last good epoch.
+    """
+    loss_sum, correct, seen, test_correct, test_seen = stats
+    if not math.isfinite(loss_sum):
+        raise FloatingPointError(
+            f"the training loss of epoch {epoch + 1} is {loss_sum / seen} (not "
+            f"finite): training diverged (lr={cfg.lr} may be too large) or the data hold "
+            "nan or inf. Stopped before writing this epoch to the snapshot"
+        )
+    history["train_loss"].append(loss_sum / seen)
+    history["train_acc"].append(correct / seen)
+    history["test_acc"].append(test_correct / max(test_seen, 1))
+    history["epoch_seconds"].append(seconds)
+    history["examples_per_second"].append(seen / seconds)
+
+
+def _epoch_line(
+    history: dict[str, list[float]], epoch: int, cfg: DDPConfig, ctx: DistContext | None
+) -> str:
+    """What rank 0 prints after an epoch."""
+    return (
+        f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
+        f"train acc {history['train_acc'][-1]:.3f}, "
+        f"test acc {history['test_acc'][-1]:.3f}, "
+        f"{history['epoch_seconds'][-1]:.1f} s, "
+        f"{history['examples_per_second'][-1]:.0f} examples/s "
+        f"({ctx.world_size if ctx else 1} rank(s), {ctx.backend if ctx else 'no process group'})"
+    )
+
+
 def train_ddp(
     cfg: DDPConfig,
     ctx: DistContext | None = None,
@@ -448,26 +581,9 @@ def train_ddp(
     that DDP must reproduce. ``data`` replaces Fashion-MNIST (tests use small
     synthetic tensors). ``device`` defaults to ``ctx.device`` (CPU without ctx).
     """
-    if not isinstance(cfg, DDPConfig):
-        raise TypeError(f"cfg must be a DDPConfig, got {type(cfg).__name__}")
-    if ctx is not None and not isinstance(ctx, DistContext):
-        raise TypeError(
-            f"ctx must be the DistContext that process_group() yields, or None, got "
-            f"{type(ctx).__name__}"
-        )
-    if device is not None and not isinstance(device, torch.device):
-        raise TypeError(f"device must be a torch.device or None, got {device!r}")
-    if data is not None:
-        _check_data(data)
-    world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
+    world_size, rank = _check_train_args(cfg, ctx, data, device)
     is_main = rank == 0
     device = device or (ctx.device if ctx is not None else torch.device("cpu"))
-    if cfg.batch_size % world_size:
-        raise ValueError(
-            f"batch_size={cfg.batch_size} is the global batch and must be divisible by the "
-            f"{world_size} ranks: use a multiple of {world_size}"
-        )
-    local_batch = cfg.batch_size // world_size
 
     # The snapshot first: a run that cannot continue from it fails before loading any data.
     snapshot_path = Path(cfg.snapshot) if cfg.snapshot else None
@@ -476,44 +592,19 @@ def train_ddp(
         assert snapshot_path is not None
         _check_resumable(snapshot, cfg, snapshot_path)
 
-    train_x, train_y, test_x, test_y = data if data is not None else _load_tensors(cfg)
-    train_set = TensorDataset(_as_float_images(train_x), train_y)
-    # Evaluation: every rank takes every world_size-th test example; no padding,
-    # so the summed counts are exactly the test set.
-    test_set = Subset(
-        TensorDataset(_as_float_images(test_x), test_y), range(rank, len(test_y), world_size)
+    sampler, train_loader, test_loader = _make_loaders(
+        cfg, data if data is not None else _load_tensors(cfg), rank, world_size
     )
-    # The same permutation on every rank (seed + epoch); rank r takes positions r, r+W, ...
-    sampler = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed
-    )
-    train_loader = DataLoader(train_set, batch_size=local_batch, sampler=sampler)
-    test_loader = DataLoader(test_set, batch_size=local_batch)
-
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere
     model = build_model(cfg.model).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    loss_fn = nn.CrossEntropyLoss()
-
-    history: dict[str, list[float]] = {
-        k: []
-        for k in ("train_loss", "train_acc", "test_acc", "epoch_seconds", "examples_per_second")
-    }
+    history: dict[str, list[float]] = {k: [] for k in _HISTORY_KEYS}
     start_epoch = 0
     if snapshot is not None:
-        model.load_state_dict(snapshot["model"])
-        optimizer.load_state_dict(snapshot["optimizer"])
-        start_epoch = snapshot["epochs_done"]
-        history = snapshot["history"]
-        if is_main and cfg.log:
-            if start_epoch == cfg.epochs:
-                print(
-                    f"snapshot {snapshot_path} already holds all {start_epoch} epochs: nothing "
-                    "left to train (--epochs is the total; pass a larger one to train on)",
-                    flush=True,
-                )
-            else:
-                print(f"resuming from {snapshot_path} after epoch {start_epoch}", flush=True)
+        assert snapshot_path is not None
+        start_epoch, history = _resume(
+            snapshot, model, optimizer, cfg, snapshot_path, is_main and cfg.log
+        )
 
     # DDP registers hooks that all-reduce gradient buckets while backward is still running.
     net: nn.Module = model
@@ -527,59 +618,22 @@ def train_ddp(
         for epoch in range(start_epoch, cfg.epochs):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
             mark_progress(f"epoch {epoch + 1} started")  # named if a peer times out waiting
-            net.train()
             started = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            correct = torch.zeros((), device=device)
-            seen = 0
-            for X, y in train_loader:
-                X, y = X.to(device), y.to(device)
-                optimizer.zero_grad(set_to_none=True)
-                logits = net(X)
-                loss = loss_fn(logits, y)
-                loss.backward()  # with DDP, gradients arrive here already averaged over ranks
-                optimizer.step()
-                loss_sum += loss.detach() * len(y)
-                correct += (logits.argmax(dim=1) == y).sum()
-                seen += len(y)
-            test_correct, test_seen = _count_correct(net, test_loader, device)
-            stats = [loss_sum.item(), correct.item(), seen, test_correct, test_seen]
+            stats = [*_train_epoch(net, train_loader, optimizer, device),
+                     *_count_correct(net, test_loader, device)]
             if ctx is not None:
                 stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
-            # Checked once per epoch (no extra GPU sync per step), on the totals every
-            # rank shares, so all ranks stop together; the snapshot keeps the last good epoch.
-            if not math.isfinite(stats[0]):
-                raise FloatingPointError(
-                    f"the training loss of epoch {epoch + 1} is {stats[0] / stats[2]} (not "
-                    f"finite): training diverged (lr={cfg.lr} may be too large) or the data hold "
-                    "nan or inf. Stopped before writing this epoch to the snapshot"
-                )
-            seconds = time.perf_counter() - started
-            history["train_loss"].append(stats[0] / stats[2])
-            history["train_acc"].append(stats[1] / stats[2])
-            history["test_acc"].append(stats[3] / max(stats[4], 1))
-            history["epoch_seconds"].append(seconds)
-            history["examples_per_second"].append(stats[2] / seconds)
+            _record_epoch(history, stats, time.perf_counter() - started, epoch, cfg)
             if is_main and cfg.log:
-                print(
-                    f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
-                    f"train acc {history['train_acc'][-1]:.3f}, "
-                    f"test acc {history['test_acc'][-1]:.3f}, "
-                    f"{seconds:.1f} s, {history['examples_per_second'][-1]:.0f} examples/s "
-                    f"({world_size} rank(s), {ctx.backend if ctx else 'no process group'})",
-                    flush=True,
-                )
+                print(_epoch_line(history, epoch, cfg, ctx), flush=True)
             if is_main and snapshot_path is not None:
-                _save_snapshot(
-                    snapshot_path,
-                    {
-                        "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "epochs_done": epoch + 1,
-                        "history": history,
-                        "config": _recorded_config(cfg),
-                    },
-                )
+                _save_snapshot(snapshot_path, {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "epochs_done": epoch + 1,
+                    "history": history,
+                    "config": _recorded_config(cfg),
+                })
             if ctx is not None:
                 mark_progress(f"barrier after epoch {epoch + 1}")
                 dist.barrier()  # nobody moves on (or fails, below) before the snapshot is on disk
