@@ -81,6 +81,7 @@ from d2lgpu.distributed import (
     process_group,
 )
 from d2lgpu.precision import tf32_matmuls
+from d2lgpu.training import History
 
 __all__ = [
     "MODELS",
@@ -158,28 +159,21 @@ class DDPConfig:
 
 
 @dataclass
-class DDPResult:
-    """What a run returns (on rank 0 in full; the same numbers on every rank).
+class DDPResult(History):
+    """What a run returns: the :class:`~d2lgpu.training.History` of :func:`~d2lgpu.train`,
+    plus what only a DDP job has (on rank 0 in full; the same numbers on every rank).
 
     The per-epoch lists cover every epoch of the run, including those done
     before a restart (they come back from the snapshot). ``state_dict`` is the
     final model on the CPU, for comparing runs.
     """
 
-    world_size: int
-    backend: str
+    world_size: int = 1
+    #: "gloo" or "nccl"; "none" for one process without a process group.
+    backend: str = "none"
     #: Epochs that were already done when this process started (0 without a snapshot).
-    resumed_from_epoch: int
-    train_loss: list[float] = field(default_factory=list)
-    train_acc: list[float] = field(default_factory=list)
-    test_acc: list[float] = field(default_factory=list)
-    epoch_seconds: list[float] = field(default_factory=list)
-    examples_per_second: list[float] = field(default_factory=list)
+    resumed_from_epoch: int = 0
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def epochs_done(self) -> int:
-        return len(self.train_loss)
 
 
 def strip_batchnorm(module: nn.Module) -> nn.Module:
@@ -643,6 +637,7 @@ def train_ddp(
         world_size=world_size,
         backend=ctx.backend if ctx is not None else "none",
         resumed_from_epoch=start_epoch,
+        device=str(device),
         state_dict={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         **history,
     )
@@ -771,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> DDPResult:
         result = train_ddp(cfg, ctx)
         if ctx.is_main:
             print(
-                f"done: {result.epochs_done} epochs, final test acc {result.test_acc[-1]:.3f}",
+                f"done: {result.num_epochs} epochs, final test acc {result.test_acc[-1]:.3f}",
                 flush=True,
             )
         return result

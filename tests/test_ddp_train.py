@@ -14,6 +14,7 @@ import torch
 
 from d2lgpu import ddp_train
 from d2lgpu.ddp_train import DDPConfig, SnapshotError, main, read_snapshot, train_ddp
+from d2lgpu.training import History
 
 COMMON = dict(batch_size=32, lr=0.1, model="small_cnn", seed=0, quick=True, log=False)
 
@@ -168,8 +169,11 @@ def test_as_many_epochs_as_the_snapshot_holds_trains_nothing_and_says_so(
     )
     out = capsys.readouterr().out
     assert f"{path} already holds all 1 epochs: nothing left to train" in out, out
-    assert result.resumed_from_epoch == 1 and result.epochs_done == 1
+    assert result.resumed_from_epoch == 1 and result.num_epochs == 1
     assert "epoch 1/1" not in out  # no epoch was trained
+    # A DDP result is a History: the epoch it did not train came back from the snapshot.
+    assert isinstance(result, History) and result.device == "cpu"
+    assert result.summary().endswith("examples/sec on cpu"), result.summary()
 
 
 def _garbage(path):

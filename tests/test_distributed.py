@@ -124,14 +124,14 @@ def test_resume_from_snapshot_continues_the_epoch_count(tmp_path):
     snapshot = tmp_path / "snap.pt"
     common = dict(batch_size=32, lr=0.1, model="small_cnn", log=False)
     first = train_ddp(DDPConfig(epochs=1, snapshot=str(snapshot), **common), None, data)
-    assert first.epochs_done == 1 and first.resumed_from_epoch == 0
+    assert first.num_epochs == 1 and first.resumed_from_epoch == 0
     saved = read_snapshot(snapshot)
     assert saved["epochs_done"] == 1 and not snapshot.with_name("snap.pt.tmp").exists()
 
     resumed = train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **common), None, data)
     straight = train_ddp(DDPConfig(epochs=2, **common), None, data)
     assert resumed.resumed_from_epoch == 1
-    assert resumed.epochs_done == 2  # history of epoch 1 came back from the snapshot
+    assert resumed.num_epochs == 2  # history of epoch 1 came back from the snapshot
     assert resumed.train_loss[0] == first.train_loss[0]
     # Interrupted + resumed training is the same computation as uninterrupted training.
     assert _max_abs_diff(resumed.state_dict, straight.state_dict) < 1e-6
@@ -169,7 +169,7 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch(monkeypatch):
     cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False)
     two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 30.0), timeout_s=180)
     one = train_ddp(cfg, None, data)
-    assert two.world_size == 2 and two.backend == "gloo" and two.epochs_done == 2
+    assert two.world_size == 2 and two.backend == "gloo" and two.num_epochs == 2
     diff = _max_abs_diff(two.state_dict, one.state_dict)
     assert diff < 1e-5, f"DDP and single-process weights differ by {diff}"
     # The parameters moved (otherwise equality would prove nothing).
@@ -186,7 +186,7 @@ def test_ddp_with_nccl_on_two_gpus_matches_one_process_on_the_full_batch():
     cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False, tf32=False)
     two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 60.0), timeout_s=300)
     one = train_ddp(cfg, None, data, device=torch.device("cuda", 0))
-    assert two.backend == "nccl" and two.epochs_done == 2
+    assert two.backend == "nccl" and two.num_epochs == 2
     # Looser than on the CPU: cuDNN may choose other convolution algorithms per batch size.
     diff = _max_abs_diff(two.state_dict, one.state_dict)
     assert diff < 1e-3, f"DDP (NCCL) and single-GPU weights differ by {diff}"
