@@ -510,36 +510,18 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
-@contextmanager
-def process_group(
-    rank: int | None = None,
-    world_size: int | None = None,
-    *,
-    master_port: int | None = None,
-    master_addr: str = LOOPBACK,
-    local_rank: int | None = None,
-    local_world_size: int | None = None,
-    backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> Iterator[DistContext]:
-    """Join a process group for the ``with`` block, and always leave it afterwards.
-
-    Under ``torchrun`` call it without arguments: rank, world size, local rank
-    and the rendezvous address come from the environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-    ``MASTER_PORT``). Processes started by :func:`launch` pass ``rank``,
-    ``world_size`` and ``master_port`` (one machine, so local rank = rank).
-
-    ``backend=None`` lets :func:`choose_backend` decide. ``timeout_s`` bounds the
-    rendezvous (joining the group; a port held by another program ends in an
-    error that names it) and how long any collective waits for the other ranks.
-    After an error in a multi-rank NCCL group the group is not torn down here
-    (that would wait for the stuck peers): end the process, as :func:`launch`
-    and torchrun do.
-    """
+def _resolve_ranks(
+    rank: int | None,
+    world_size: int | None,
+    master_port: int | None,
+    master_addr: str,
+    local_rank: int | None,
+    local_world_size: int | None,
+) -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size), from the arguments or torchrun's
+    environment, checked; the arguments are :func:`process_group`'s."""
     if (rank is None) != (world_size is None):
         raise ValueError("pass both rank and world_size (spawned processes) or neither (torchrun)")
-    under_torchrun = rank is None
     if rank is None:
         rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
         local_rank = _env_int("LOCAL_RANK") if local_rank is None else local_rank
@@ -568,47 +550,101 @@ def process_group(
         raise ValueError(
             f"need 0 <= local_rank < local_world_size, got {local_rank} and {local_world_size}"
         )
+    return rank, world_size, local_rank, local_world_size
+
+
+def _as_timeout(timeout_s: float) -> datetime.timedelta:
+    """``timeout_s`` as the timedelta torch.distributed takes, refusing what is not one."""
     check_positive_float("timeout_s", timeout_s)
     try:
-        timeout = datetime.timedelta(seconds=timeout_s)
+        return datetime.timedelta(seconds=timeout_s)
     except OverflowError:
         raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}") from None
+
+
+def _rank_device(backend: str, local_rank: int) -> torch.device:
+    """Where this rank computes: its own GPU with NCCL (made the current one), the CPU with gloo."""
+    if not isinstance(backend, str) or backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo' (or None to choose), got {backend!r}")
+    if backend == "gloo":
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= gpus:
+        raise RuntimeError(
+            f"backend 'nccl' needs one GPU per process, but local rank {local_rank} has no "
+            f"GPU of its own ({gpus} visible): start fewer processes or use backend='gloo'"
+        )
+    device = torch.device("cuda", local_rank)
+    # Bind before init so NCCL and every later CUDA call use this rank's GPU,
+    # not GPU 0 for everyone.
+    torch.cuda.set_device(device)
+    return device
+
+
+def _rendezvous(
+    under_torchrun: bool,
+    master_addr: str,
+    master_port: int | None,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+) -> dist.Store:
+    """The store the ranks meet at: torchrun's, or one rank 0 serves at ``master_addr:port``."""
+    if under_torchrun:
+        return _torchrun_store(rank, world_size, timeout_s)
+    assert master_port is not None  # _resolve_ranks refused None with an explicit rank
+    return _open_store(
+        master_addr,
+        master_port,
+        rank,
+        world_size,
+        serve=rank == 0,
+        timeout_s=timeout_s,
+        fix="Choose a free port in the parent with d2lgpu.distributed.find_free_port() and "
+        "pass the same one to every rank",
+    )
+
+
+@contextmanager
+def process_group(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    master_port: int | None = None,
+    master_addr: str = LOOPBACK,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Iterator[DistContext]:
+    """Join a process group for the ``with`` block, and always leave it afterwards.
+
+    Under ``torchrun`` call it without arguments: rank, world size, local rank
+    and the rendezvous address come from the environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``). Processes started by :func:`launch` pass ``rank``,
+    ``world_size`` and ``master_port`` (one machine, so local rank = rank).
+
+    ``backend=None`` lets :func:`choose_backend` decide. ``timeout_s`` bounds the
+    rendezvous (joining the group; a port held by another program ends in an
+    error that names it) and how long any collective waits for the other ranks.
+    After an error in a multi-rank NCCL group the group is not torn down here
+    (that would wait for the stuck peers): end the process, as :func:`launch`
+    and torchrun do.
+    """
+    under_torchrun = rank is None and world_size is None
+    rank, world_size, local_rank, local_world_size = _resolve_ranks(
+        rank, world_size, master_port, master_addr, local_rank, local_world_size
+    )
+    timeout = _as_timeout(timeout_s)
     if dist.is_initialized():
         raise RuntimeError(
             "this process already belongs to a process group; leave it first "
             "(torch.distributed.destroy_process_group()) or reuse it"
         )
-
     backend = choose_backend(local_world_size) if backend is None else backend
-    if not isinstance(backend, str) or backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend must be 'nccl' or 'gloo' (or None to choose), got {backend!r}")
-    if backend == "nccl":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if local_rank >= gpus:
-            raise RuntimeError(
-                f"backend 'nccl' needs one GPU per process, but local rank {local_rank} has no "
-                f"GPU of its own ({gpus} visible): start fewer processes or use backend='gloo'"
-            )
-        device = torch.device("cuda", local_rank)
-        # Bind before init so NCCL and every later CUDA call use this rank's GPU,
-        # not GPU 0 for everyone.
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-
-    if under_torchrun:
-        store = _torchrun_store(rank, world_size, timeout_s)
-    else:
-        store = _open_store(
-            master_addr,
-            master_port,
-            rank,
-            world_size,
-            serve=rank == 0,
-            timeout_s=timeout_s,
-            fix="Choose a free port in the parent with d2lgpu.distributed.find_free_port() and "
-            "pass the same one to every rank",
-        )
+    device = _rank_device(backend, local_rank)
+    store = _rendezvous(under_torchrun, master_addr, master_port, rank, world_size, timeout_s)
     global _progress_store, _progress_rank, _progress_count
     progress = dist.PrefixStore("d2lgpu/progress", store)
     _check_same_world_size(progress, rank, world_size)
