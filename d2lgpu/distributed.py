@@ -1109,6 +1109,99 @@ def _rank_start_method() -> str:
     return "forkserver"
 
 
+def _check_launch(
+    fn: object, nprocs: object, args: object, timeout_s: float | None, grace_s: float,
+    poll_s: float,
+) -> None:
+    """Refuse what :func:`launch` cannot run, before any process starts."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
+    check_positive_int("nprocs", nprocs)
+    _check_times(timeout_s, grace_s, poll_s)
+    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
+        fn, "__qualname__", ""
+    ):
+        raise ValueError(
+            f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
+            "or inside another function, so a spawned process cannot import it: move it into a "
+            ".py module and import it from there"
+        )
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
+
+
+def _rank_environment() -> dict[str, str]:
+    """The ranks' environment: this process's, plus the loopback interface for gloo.
+
+    Set for the ranks only, not in this process, whose later children inherit it.
+    """
+    environment = dict(os.environ)
+    if "GLOO_SOCKET_IFNAME" not in environment and _loopback_interface():
+        environment["GLOO_SOCKET_IFNAME"] = _loopback_interface() or ""
+    return environment
+
+
+def _watch(
+    processes: list, deadline: float | None, grace_s: float, poll_s: float
+) -> tuple[list[int], bool]:
+    """Wait until every rank succeeded, one failed, or the deadline passed.
+
+    Returns the ranks seen failed at the first poll that saw any (empty when
+    none failed) and whether the deadline passed.
+    """
+    first_seen: list[int] = []
+    while True:
+        codes = [p.exitcode for p in processes]
+        # A dead process's status is there at once, so the ranks seen failed
+        # at the first poll that sees any include the one that failed first.
+        first_seen = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if first_seen or all(c == 0 for c in codes):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            return [], True
+        time.sleep(poll_s)
+    if first_seen:
+        # Give the other ranks a moment to notice and record their own errors.
+        end = time.monotonic() + grace_s
+        while any(p.is_alive() for p in processes) and time.monotonic() < end:
+            time.sleep(poll_s)
+    return first_seen, False
+
+
+def _stop_the_rest(processes: list, grace_s: float) -> list[int]:
+    """Terminate the ranks still running (kill them after ``grace_s``); return which they were."""
+    still_running = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    for rank in still_running:
+        processes[rank].terminate()
+    for p in processes:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return still_running
+
+
+def _rank0_result(workdir: Path, fn: Callable[..., Any], nprocs: int) -> Any:
+    """The value rank 0 returned, read back from the file it wrote."""
+    result = workdir / "result.pt"
+    if not result.exists():
+        raise RankError(
+            f"rank 0 of {nprocs} ended with status 0 without returning from "
+            f"{getattr(fn, '__qualname__', fn)} (os._exit(0), or a native library ending "
+            "the process), so there is no value to return",
+            0,
+            0,
+        )
+    try:
+        return torch.load(result, weights_only=False)
+    except Exception as exc:
+        raise RuntimeError(
+            f"rank 0's return value was pickled but cannot be unpickled here "
+            f"({type(exc).__name__}: {exc}): return plain data (tensors, numbers, strings "
+            "and containers of them) whose classes this process can import"
+        ) from exc
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -1145,74 +1238,32 @@ def launch(
     ``TypeError`` naming its type). Each process gets an equal share of the CPU
     cores for its intra-op threads, so two ranks on two cores do not fight over them.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
-    check_positive_int("nprocs", nprocs)
-    _check_times(timeout_s, grace_s, poll_s)
-    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
-        fn, "__qualname__", ""
-    ):
-        raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
-            "or inside another function, so a spawned process cannot import it: move it into a "
-            ".py module and import it from there"
-        )
-    if not isinstance(args, tuple):
-        raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
+    _check_launch(fn, nprocs, args, timeout_s, grace_s, poll_s)
     threads = max(1, (os.cpu_count() or 1) // nprocs)
-    # The ranks' environment: this process's, plus the loopback interface for gloo
-    # (set for the ranks only, not in this process, whose later children inherit it).
-    environment = dict(os.environ)
-    if "GLOO_SOCKET_IFNAME" not in environment and _loopback_interface():
-        environment["GLOO_SOCKET_IFNAME"] = _loopback_interface() or ""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
     with tempfile.TemporaryDirectory(prefix="d2lgpu-launch-") as tmp:
         workdir = Path(tmp)
-        context = mp.start_processes(
+        # Start the workers.
+        processes = mp.start_processes(
             _run_rank,
-            args=(fn, args, str(workdir), nprocs, threads, environment),
+            args=(fn, args, str(workdir), nprocs, threads, _rank_environment()),
             nprocs=nprocs,
             join=False,
             start_method=_rank_start_method(),
-        )
-        processes = context.processes
+        ).processes
+        # Watch them; whatever happens (KeyboardInterrupt too: the stop button), leave
+        # no orphans behind.
         first_seen: list[int] = []
-        still_running: list[int] = []
         timed_out = False
         try:
-            while True:
-                codes = [p.exitcode for p in processes]
-                # A dead process's status is there at once, so the ranks seen failed
-                # at the first poll that sees any include the one that failed first.
-                first_seen = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-                if first_seen:
-                    break
-                if all(c == 0 for c in codes):
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                time.sleep(poll_s)
-            if first_seen:
-                # Give the other ranks a moment to notice and record their own errors.
-                end = time.monotonic() + grace_s
-                while any(p.is_alive() for p in processes) and time.monotonic() < end:
-                    time.sleep(poll_s)
+            first_seen, timed_out = _watch(processes, deadline, grace_s, poll_s)
         finally:
-            # Also reached on KeyboardInterrupt (the stop button): no orphans left behind.
-            still_running = [rank for rank, p in enumerate(processes) if p.is_alive()]
-            for rank in still_running:
-                processes[rank].terminate()
-            for p in processes:
-                p.join(timeout=grace_s)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            still_running = _stop_the_rest(processes, grace_s)
         exitcodes = [p.exitcode for p in processes]
         # Ended by launch's own terminate() or kill(), not by something of their own.
         stop_codes = {-signal.SIGTERM, -getattr(signal, "SIGKILL", signal.SIGTERM)}
         stopped = [rank for rank in still_running if exitcodes[rank] in stop_codes]
+        # Blame the failing rank.
         if first_seen:
             _raise_first_failure(_Outcome.read(workdir, exitcodes, first_seen, stopped))
         if timed_out:
@@ -1226,23 +1277,8 @@ def launch(
                     ]
                 )
             )
-        result = workdir / "result.pt"
-        if not result.exists():
-            raise RankError(
-                f"rank 0 of {nprocs} ended with status 0 without returning from "
-                f"{getattr(fn, '__qualname__', fn)} (os._exit(0), or a native library ending "
-                "the process), so there is no value to return",
-                0,
-                0,
-            )
-        try:
-            return torch.load(result, weights_only=False)
-        except Exception as exc:
-            raise RuntimeError(
-                f"rank 0's return value was pickled but cannot be unpickled here "
-                f"({type(exc).__name__}: {exc}): return plain data (tensors, numbers, strings "
-                "and containers of them) whose classes this process can import"
-            ) from exc
+        # Collect rank 0's result.
+        return _rank0_result(workdir, fn, nprocs)
 
 
 def faulty_worker(
