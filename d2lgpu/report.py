@@ -213,31 +213,11 @@ _FIX_NO_DRIVER = (
 )
 
 
-def diagnose_cuda(
-    *,
-    cuda_build: str | None,
-    visible_devices_env: str | None,
-    driver_found: bool,
-    device_count: int,
-    physical_gpu_count: int | None = None,
-) -> CudaDiagnosis:
-    """Say whether CUDA is usable and, if not, why and how to fix it.
-
-    A pure function of the facts, so that every case can be tested anywhere:
-
-    cuda_build
-        ``torch.version.cuda``: the CUDA version torch was built with, None for
-        a CPU-only build.
-    visible_devices_env
-        The value of ``CUDA_VISIBLE_DEVICES`` (None when unset).
-    driver_found
-        Whether an NVIDIA driver is present (NVML loads, or ``/proc/driver/nvidia`` exists).
-    device_count
-        How many GPUs torch sees (``torch.cuda.device_count()`` when available, else 0).
-    physical_gpu_count
-        How many GPUs the driver sees regardless of ``CUDA_VISIBLE_DEVICES``
-        (NVML's count), or None when unknown.
-    """
+def _check_cuda_facts(
+    cuda_build: object, visible_devices_env: object, driver_found: object, device_count: object,
+    physical_gpu_count: object,
+) -> None:
+    """Refuse facts :func:`diagnose_cuda` cannot read, naming where each one comes from."""
     if visible_devices_env is not None and not isinstance(visible_devices_env, str):
         raise TypeError(f"visible_devices_env must be CUDA_VISIBLE_DEVICES as a str (or None: "
                         f"not set), got {type(visible_devices_env).__name__} "
@@ -254,7 +234,12 @@ def diagnose_cuda(
         raise TypeError(f"cuda_build is torch.version.cuda: a string such as '12.4', or None for "
                         f"a CPU-only build; got {type(cuda_build).__name__} {cuda_build!r}")
     check_bool("driver_found", driver_found)
-    env_problems: list[CudaProblem] = []
+
+
+def _visible_devices_problems(
+    visible_devices_env: str | None, physical_gpu_count: int | None
+) -> list[CudaProblem]:
+    """What is wrong with ``CUDA_VISIBLE_DEVICES``: it hides every GPU, or it is malformed."""
     visible = parse_cuda_visible_devices(visible_devices_env)
     shown = repr(visible_devices_env)
     hides_all = visible == []
@@ -282,12 +267,10 @@ def diagnose_cuda(
                 f"hides every GPU: it starts with GPU {visible[0]}, but the driver sees only "
                 f"{physical_gpu_count} GPU(s), numbered from 0"
             )
-        env_problems.append(
-            CudaProblem("hidden_by_env", f"{VISIBLE_DEVICES_ENV}={shown} {detail}.",
-                        _FIX_VISIBLE_DEVICES)
-        )
-    elif visible_devices_env is not None and _is_malformed(visible_devices_env, visible):
-        env_problems.append(
+        return [CudaProblem("hidden_by_env", f"{VISIBLE_DEVICES_ENV}={shown} {detail}.",
+                            _FIX_VISIBLE_DEVICES)]
+    if visible_devices_env is not None and _is_malformed(visible_devices_env, visible):
+        return [
             CudaProblem(
                 "malformed_env",
                 f"{VISIBLE_DEVICES_ENV}={shown} is malformed: CUDA reads only the number each "
@@ -296,12 +279,12 @@ def diagnose_cuda(
                 "write the indices you mean separated by commas, without gaps or spaces, "
                 "e.g. `0,1`.",
             )
-        )
+        ]
+    return []
 
-    if device_count > 0:
-        return CudaDiagnosis(True, device_count, tuple(env_problems))
 
-    # Most fundamental first: the build, then the driver, then the variable.
+def _install_problems(cuda_build: str | None, driver_found: bool) -> list[CudaProblem]:
+    """What is wrong below the variable: a CPU-only torch build, no NVIDIA driver."""
     problems: list[CudaProblem] = []
     if cuda_build is None:
         problems.append(
@@ -321,7 +304,43 @@ def diagnose_cuda(
                 _FIX_NO_DRIVER,
             )
         )
-    problems += env_problems
+    return problems
+
+
+def diagnose_cuda(
+    *,
+    cuda_build: str | None,
+    visible_devices_env: str | None,
+    driver_found: bool,
+    device_count: int,
+    physical_gpu_count: int | None = None,
+) -> CudaDiagnosis:
+    """Say whether CUDA is usable and, if not, why and how to fix it.
+
+    A pure function of the facts, so that every case can be tested anywhere:
+
+    cuda_build
+        ``torch.version.cuda``: the CUDA version torch was built with, None for
+        a CPU-only build.
+    visible_devices_env
+        The value of ``CUDA_VISIBLE_DEVICES`` (None when unset).
+    driver_found
+        Whether an NVIDIA driver is present (NVML loads, or ``/proc/driver/nvidia`` exists).
+    device_count
+        How many GPUs torch sees (``torch.cuda.device_count()`` when available, else 0).
+    physical_gpu_count
+        How many GPUs the driver sees regardless of ``CUDA_VISIBLE_DEVICES``
+        (NVML's count), or None when unknown.
+    """
+    _check_cuda_facts(
+        cuda_build, visible_devices_env, driver_found, device_count, physical_gpu_count
+    )
+    env_problems = _visible_devices_problems(visible_devices_env, physical_gpu_count)
+    if device_count > 0:
+        return CudaDiagnosis(True, device_count, tuple(env_problems))
+
+    # Most fundamental first: the build, then the driver, then the variable.
+    problems = _install_problems(cuda_build, driver_found) + env_problems
     if not problems:
         problems.append(
             CudaProblem(
