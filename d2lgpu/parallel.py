@@ -221,6 +221,69 @@ def _per_example_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(logits, y, reduction="none")
 
 
+def _check_replicas(
+    forward: object, loss_fn: object, replicas: object
+) -> list[Sequence[torch.Tensor]]:
+    """Refuse what :func:`data_parallel_step` cannot step; return the replicas as a list."""
+    if not callable(forward):
+        raise TypeError(
+            f"forward must be a function forward(X, params) -> outputs, got "
+            f"{type(forward).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
+    if isinstance(replicas, torch.Tensor):
+        raise TypeError("replicas must be a list of parameter lists (one per device), got a tensor")
+    try:
+        replicas = check_sequence("replicas", replicas, of="parameter lists (one per device)")
+        replicas = [
+            check_sequence(f"replicas[{d}]", r, of="parameter tensors") for d, r in
+            enumerate(replicas)
+        ]
+    except ValueError:
+        raise ValueError("data_parallel_step needs at least one replica with parameters; "
+                         "see replicate_params") from None
+    if any(len(r) != len(replicas[0]) for r in replicas):
+        raise ValueError(
+            "every replica must hold the same, non-empty list of parameters; "
+            f"got lengths {[len(r) for r in replicas]}"
+        )
+    for d, params in enumerate(replicas):
+        for i, p in enumerate(params):
+            check_tensor(f"replicas[{d}][{i}]", p)
+            if not p.requires_grad:
+                raise ValueError(
+                    f"replicas[{d}][{i}] does not require grad: make replicas with "
+                    "d2lgpu.replicate_params(params, device)"
+                )
+    return replicas
+
+
+def _backward_on_every_shard(
+    forward: Forward,
+    loss_fn: PerExampleLoss,
+    replicas: Sequence[Sequence[torch.Tensor]],
+    X_shards: Sequence[torch.Tensor],
+    y_shards: Sequence[torch.Tensor],
+    batch_size: int,
+) -> list[torch.Tensor]:
+    """Step 2: each device's forward and backward on its shard; returns the shards' losses."""
+    shard_losses = []
+    for params, X_shard, y_shard in zip(replicas, X_shards, y_shards, strict=True):
+        losses = loss_fn(forward(X_shard, params), y_shard)
+        if losses.shape != (X_shard.shape[0],):
+            raise ValueError(
+                f"loss_fn must return one loss per example (shape ({X_shard.shape[0]},)), got "
+                f"shape {tuple(losses.shape)}; use reduction='none'"
+            )
+        shard_loss = losses.sum() / batch_size
+        # On GPUs, backward is queued asynchronously: the devices work side by side
+        # while Python moves on to the next shard.
+        shard_loss.backward()
+        shard_losses.append(shard_loss.detach())
+    return shard_losses
+
+
 def data_parallel_step(
     forward: Forward,
     replicas: Sequence[Sequence[torch.Tensor]],
@@ -251,58 +314,14 @@ def data_parallel_step(
     update is not absurdly large (more than :data:`MAX_UPDATE_RATIO` times the
     size of the weights, plus one). On an error no replica has been changed.
     """
-    if not callable(forward):
-        raise TypeError(
-            f"forward must be a function forward(X, params) -> outputs, got "
-            f"{type(forward).__name__}"
-        )
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a function, got {type(loss_fn).__name__}")
+    replicas = _check_replicas(forward, loss_fn, replicas)
     lr = check_positive_float("lr", lr)
-    if isinstance(replicas, torch.Tensor):
-        raise TypeError("replicas must be a list of parameter lists (one per device), got a tensor")
-    try:
-        replicas = check_sequence("replicas", replicas, of="parameter lists (one per device)")
-        replicas = [
-            check_sequence(f"replicas[{d}]", r, of="parameter tensors") for d, r in
-            enumerate(replicas)
-        ]
-    except ValueError:
-        raise ValueError("data_parallel_step needs at least one replica with parameters; "
-                         "see replicate_params") from None
-    num_params = len(replicas[0])
-    if any(len(r) != num_params for r in replicas):
-        raise ValueError(
-            "every replica must hold the same, non-empty list of parameters; "
-            f"got lengths {[len(r) for r in replicas]}"
-        )
-    for d, params in enumerate(replicas):
-        for i, p in enumerate(params):
-            check_tensor(f"replicas[{d}][{i}]", p)
-            if not p.requires_grad:
-                raise ValueError(
-                    f"replicas[{d}][{i}] does not require grad: make replicas with "
-                    "d2lgpu.replicate_params(params, device)"
-                )
     devices = [r[0].device for r in replicas]
-    X_shards, y_shards = split_batch(X, y, devices)
-    batch_size = X.shape[0]
-
-    shard_losses = []
-    for params, X_shard, y_shard in zip(replicas, X_shards, y_shards, strict=True):
-        losses = loss_fn(forward(X_shard, params), y_shard)
-        if losses.shape != (X_shard.shape[0],):
-            raise ValueError(
-                f"loss_fn must return one loss per example (shape ({X_shard.shape[0]},)), got "
-                f"shape {tuple(losses.shape)}; use reduction='none'"
-            )
-        shard_loss = losses.sum() / batch_size
-        # On GPUs, backward is queued asynchronously: the devices work side by side
-        # while Python moves on to the next shard.
-        shard_loss.backward()
-        shard_losses.append(shard_loss.detach())
-
-    for i in range(num_params):
+    X_shards, y_shards = split_batch(X, y, devices)  # 1.
+    shard_losses = _backward_on_every_shard(  # 2.
+        forward, loss_fn, replicas, X_shards, y_shards, X.shape[0]
+    )
+    for i in range(len(replicas[0])):  # 3.
         allreduce([params[i].grad for params in replicas])
 
     # One host synchronisation, after all the work is queued: the loss, and what the
@@ -317,7 +336,7 @@ def data_parallel_step(
             for p in params:
                 p.grad = None
         raise
-    with torch.no_grad():
+    with torch.no_grad():  # 4.
         for params in replicas:
             for p in params:
                 p -= lr * p.grad
