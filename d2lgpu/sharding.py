@@ -1079,13 +1079,7 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
         mixed_precision=param_dtype or False,
     )
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
-    scaler = None
-    if param_dtype == torch.float16:
-        # fp16's narrow range lets small gradients underflow: scale the loss (chapter 6).
-        # The sharded scaler agrees over all ranks whether any gradient shard overflowed.
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(ctx.device.type)
+    scaler = _sharded_scaler(param_dtype, ctx)
     config = _recorded_config(plan, param_dtype)
     start, losses = _resume(run, model, optimizer, ctx, config)
     pending: list[torch.Tensor] = []  # local losses not yet averaged over the ranks
@@ -1099,18 +1093,13 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
         fail = None
         if run.fail_rank == ctx.rank and step == run.fail_at_step:
             fail = f"rank {ctx.rank} failed on purpose in step {step} (the others wait in backward)"
-        if step == plan.steps - 1 or fail:
-            loss, watch = _watched_step(model, X, y, fail, scaler)
-        else:
-            loss = nn.functional.cross_entropy(model(X).float(), y)
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            optimizer.step()
-        else:  # skips the step where a gradient overflowed, on every rank alike
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        pending.append(loss.detach())
+        loss, watched = _train_step(
+            model, optimizer, scaler, X, y, watch=step == plan.steps - 1 or fail is not None,
+            fail=fail,
+        )
+        if watched is not None:
+            watch = watched
+        pending.append(loss)
 
         done = step + 1
         log_now = run.log_every is not None and done % run.log_every == 0
@@ -1139,6 +1128,64 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     losses += _mean_over_ranks(pending, ctx)
     _check_losses(losses, start_check, plan)
 
+    return _fsdp_result(
+        run, ctx, model, optimizer, start, losses, test_acc, saved, watch, param_dtype
+    )
+
+
+def _sharded_scaler(param_dtype: torch.dtype | None, ctx: DistContext) -> Any:
+    """A ShardedGradScaler when the layers compute in fp16, None otherwise.
+
+    fp16's narrow range lets small gradients underflow: scale the loss (chapter 6).
+    The sharded scaler agrees over all ranks whether any gradient shard overflowed.
+    """
+    if param_dtype != torch.float16:
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(ctx.device.type)
+
+
+def _train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    watch: bool,
+    fail: str | None,
+) -> tuple[torch.Tensor, StepWatch | None]:
+    """One optimizer step of the sharded model; returns this rank's loss (not yet averaged)
+    and, for a watched step (:func:`_watched_step`), what was seen in it."""
+    seen = None
+    if watch:
+        loss, seen = _watched_step(model, X, y, fail, scaler)
+    else:
+        loss = nn.functional.cross_entropy(model(X).float(), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+    if scaler is None:
+        optimizer.step()
+    else:  # skips the step where a gradient overflowed, on every rank alike
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), seen
+
+
+def _fsdp_result(
+    run: FSDPRun,
+    ctx: DistContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start: int,
+    losses: list[float],
+    test_acc: list[tuple[int, float]],
+    saved: list[str],
+    watch: StepWatch,
+    param_dtype: torch.dtype | None,
+) -> FSDPResult:
+    """What :func:`train_fsdp` returns: the run, and every rank's memory and collectives."""
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     per_rank = _gather((local_bytes(model.parameters()), local_bytes(state), watch), ctx)
     return FSDPResult(
@@ -1153,7 +1200,7 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
         optimizer_bytes=[r[1] for r in per_rank],
         watch=[r[2] for r in per_rank],
         comm_formula=collective_formula(
-            plan.shape.build(),
+            run.plan.shape.build(),
             ctx.world_size,
             reshard_after_forward=run.reshard_after_forward,
             mixed_precision=param_dtype is not None,
