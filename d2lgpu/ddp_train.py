@@ -26,9 +26,9 @@ examples in total, ``batch_size / world_size`` on each rank, so the same
 command trains the same model whatever the number of processes.
 
 A snapshot continues only the run that wrote it: resuming with another
-``--model``, ``--batch-size``, ``--lr``, ``--seed`` or ``--quick``/``--full``,
-or with fewer ``--epochs`` than it holds, is refused (:class:`SnapshotError`),
-as is a file that is not a snapshot or does not match its checksum.
+``--model``, ``--batch-size``, ``--lr``, ``--seed``, ``--precision`` or
+``--quick``/``--full``, or with fewer ``--epochs`` than it holds, is refused
+(:class:`SnapshotError`), as is a file that is not a snapshot or does not match its checksum.
 ``--epochs`` is the total: with as many epochs as the snapshot holds there is
 nothing left to train, which it says, and exits 0. A training loss that is not
 finite (nan or inf) at the end of an epoch stops the run with
@@ -40,7 +40,6 @@ traceback) and exit with status 1; bad flag values are usage errors (status 2).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import io
 import math
@@ -80,7 +79,7 @@ from d2lgpu.distributed import (
     mark_progress,
     process_group,
 )
-from d2lgpu.precision import tf32_matmuls
+from d2lgpu.precision import PRECISIONS, PrecisionPolicy, check_precision, precision_policy
 from d2lgpu.training import History
 
 __all__ = [
@@ -129,10 +128,13 @@ class DDPConfig:
     #: For demonstrating restarts: the last rank raises after this epoch's snapshot,
     #: on the first attempt only (torchrun counts attempts in TORCHELASTIC_RESTART_COUNT).
     fail_after_epoch: int | None = None
-    #: TF32 in fp32 matmuls and cuDNN convolutions while training: None leaves PyTorch's
-    #: settings as they are; False forbids TF32 (to compare runs to 1e-5, not 1e-3),
-    #: True allows it. The previous settings come back afterwards.
-    tf32: bool | None = None
+    #: A word of :data:`d2lgpu.precision.PRECISIONS`, turned into autocast, loss scaling and
+    #: TF32 by :func:`d2lgpu.precision_policy` on the rank's device. "fp32" (the default)
+    #: is strict fp32, TF32 off on GPUs, so that DDP can be compared with one process to
+    #: 1e-5, not 1e-3; "tf32" allows TF32 in fp32 matmuls and convolutions (CUDA only);
+    #: "fp16" and "bf16" autocast (fp16 with a GradScaler); "auto" lets the device decide.
+    #: TF32 settings come back afterwards.
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         check_positive_int("epochs", self.epochs)
@@ -143,9 +145,9 @@ class DDPConfig:
         check_seed(self.seed)
         if self.fail_after_epoch is not None:
             check_positive_int("fail_after_epoch", self.fail_after_epoch)
-        for name in ("quick", "tf32"):
-            if getattr(self, name) not in (None, True, False):
-                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+        if self.quick not in (None, True, False):
+            raise ValueError(f"quick must be True, False or None, got {self.quick!r}")
+        check_precision(self.precision)
         check_bool("log", self.log)
         for name in ("snapshot", "data_root"):
             value = getattr(self, name)
@@ -232,6 +234,7 @@ _MUST_MATCH = {
     "lr": "--lr",
     "seed": "--seed",
     "quick": "--quick/--full",
+    "precision": "--precision",
 }
 
 
@@ -505,9 +508,15 @@ def _train_epoch(
     net: nn.Module,
     loader: DataLoader,
     optimizer: torch.optim.Optimizer,
+    policy: PrecisionPolicy,
+    scaler: torch.amp.GradScaler,
     device: torch.device,
 ) -> tuple[float, float, int]:
-    """One pass over this rank's batches; returns its (summed loss, correct, examples)."""
+    """One pass over this rank's batches; returns its (summed loss, correct, examples).
+
+    ``policy`` says whether forward runs under autocast; ``scaler`` scales the loss
+    for fp16 and does nothing otherwise (:meth:`PrecisionPolicy.make_scaler`).
+    """
     loss_fn = nn.CrossEntropyLoss()
     net.train()
     loss_sum = torch.zeros((), device=device)
@@ -516,10 +525,14 @@ def _train_epoch(
     for X, y in loader:
         X, y = X.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
-        logits = net(X)
-        loss = loss_fn(logits, y)
-        loss.backward()  # with DDP, gradients arrive here already averaged over ranks
-        optimizer.step()
+        with policy.autocast():
+            logits = net(X)
+            loss = loss_fn(logits.float(), y)
+        # With DDP, gradients arrive here already averaged over ranks; every rank then
+        # sees the same overflow (or none), so the scaler skips the same steps everywhere.
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         loss_sum += loss.detach() * len(y)
         correct += (logits.argmax(dim=1) == y).sum()
         seen += len(y)
@@ -607,14 +620,17 @@ def train_ddp(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
 
-    tf32 = contextlib.nullcontext() if cfg.tf32 is None else tf32_matmuls(cfg.tf32)
-    with tf32:
+    policy = precision_policy(device, cfg.precision)
+    scaler = policy.make_scaler()
+    if snapshot is not None and snapshot.get("scaler"):
+        scaler.load_state_dict(snapshot["scaler"])
+    with policy.matmul_precision():  # TF32 on or off, as the precision says (CUDA only)
         for epoch in range(start_epoch, cfg.epochs):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
             mark_progress(f"epoch {epoch + 1} started")  # named if a peer times out waiting
             started = time.perf_counter()
-            stats = [*_train_epoch(net, train_loader, optimizer, device),
-                     *_count_correct(net, test_loader, device)]
+            stats = [*_train_epoch(net, train_loader, optimizer, policy, scaler, device),
+                     *_count_correct(net, test_loader, device, policy)]
             if ctx is not None:
                 stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
             _record_epoch(history, stats, time.perf_counter() - started, epoch, cfg)
@@ -624,6 +640,7 @@ def train_ddp(
                 _save_snapshot(snapshot_path, {
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(),
+                    "scaler": scaler.state_dict(),  # empty unless fp16 scales the loss
                     "epochs_done": epoch + 1,
                     "history": history,
                     "config": _recorded_config(cfg),
@@ -663,13 +680,17 @@ def _check_data(data: object) -> None:
             raise TypeError(f"the {name} labels must be integer class indices, got {labels.dtype}")
 
 
-def _count_correct(net: nn.Module, loader: DataLoader, device: torch.device) -> tuple[int, int]:
+def _count_correct(
+    net: nn.Module, loader: DataLoader, device: torch.device, policy: PrecisionPolicy
+) -> tuple[int, int]:
     net.eval()
     correct = seen = 0
     with torch.no_grad():
         for X, y in loader:
             X, y = X.to(device), y.to(device)
-            correct += int((net(X).argmax(dim=1) == y).sum())
+            with policy.autocast():
+                logits = net(X)
+            correct += int((logits.argmax(dim=1) == y).sum())
             seen += len(y)
     return correct, seen
 
@@ -728,6 +749,13 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
         help="resume from this file if it exists, and rewrite it after every epoch",
     )
     parser.add_argument("--seed", type=seed_flag, default=DDPConfig.seed)
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=DDPConfig.precision,
+        help="fp32 (strict, the default), tf32, fp16 (with loss scaling), bf16, or auto: the "
+        "device's fast format (d2lgpu.precision_policy)",
+    )
     add_job_flags(parser, crash_point="this epoch")
     args = parser.parse_args(argv)
     quick = quick_mode() if args.quick is None else args.quick
@@ -742,6 +770,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
             seed=args.seed,
             quick=quick,
             fail_after_epoch=args.fail_after_epoch,
+            precision=args.precision,
         )
     except ValueError as exc:  # the flags were checked above; this is a safety net
         parser.error(str(exc))

@@ -6,6 +6,7 @@ multi-process runs are in test_distributed.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -39,7 +40,6 @@ def _images(n_train: int = 64, n_test: int = 32):
         ({"seed": 1.5}, "seed"),
         ({"epochs": 0}, "epochs"),
         ({"fail_after_epoch": 0}, "fail_after_epoch"),
-        ({"tf32": "no"}, "tf32"),
     ],
 )
 def test_bad_settings_are_refused_by_name(change, name):
@@ -58,6 +58,7 @@ def test_bad_settings_are_refused_by_name(change, name):
         (["--timeout", "nan"], "--timeout"),
         (["--timeout", "0"], "--timeout"),
         (["--fail-after-epoch", "0"], "--fail-after-epoch"),
+        (["--precision", "half"], "--precision"),
     ],
 )
 def test_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
@@ -71,7 +72,29 @@ def test_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
     assert f"argument {flag}:" in err and "Traceback" not in err, err
 
 
-def test_tf32_false_turns_tf32_off_during_training_and_restores_it(monkeypatch):
+def test_bad_precision_is_refused_naming_the_word_to_write():
+    with pytest.raises(ValueError, match="precision=False is not one of .*write precision='fp32'"):
+        DDPConfig(**COMMON, precision=False)
+
+
+def _precision_on_cuda(monkeypatch):
+    """Train on the CPU with the precision policy a CUDA device would get for the same word."""
+    policy = ddp_train.precision_policy
+    monkeypatch.setattr(
+        ddp_train,
+        "precision_policy",
+        lambda device, precision: dataclasses.replace(
+            policy(device, precision), device_type="cuda"
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "precision, during", [("fp32", ("highest", False)), ("tf32", ("high", True))]
+)
+def test_precision_sets_tf32_during_training_on_cuda_and_restores_it(
+    precision, during, monkeypatch
+):
     seen = []
     count_correct = ddp_train._count_correct
 
@@ -79,20 +102,37 @@ def test_tf32_false_turns_tf32_off_during_training_and_restores_it(monkeypatch):
         seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
         return count_correct(*args, **kwargs)
 
+    _precision_on_cuda(monkeypatch)
     monkeypatch.setattr(ddp_train, "_count_correct", spy)
     previous = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high")
-    torch.backends.cudnn.allow_tf32 = True
+    opposite = ("high", True) if precision == "fp32" else ("highest", False)
+    torch.set_float32_matmul_precision(opposite[0])
+    torch.backends.cudnn.allow_tf32 = opposite[1]
     try:
-        train_ddp(DDPConfig(epochs=1, tf32=False, **COMMON), None, _images())
-        assert seen == [("highest", False)]
-        assert torch.get_float32_matmul_precision() == "high"
-        assert torch.backends.cudnn.allow_tf32 is True
-        train_ddp(DDPConfig(epochs=1, **COMMON), None, _images())  # tf32=None: left alone
-        assert seen[-1] == ("high", True)
+        train_ddp(DDPConfig(epochs=1, precision=precision, **COMMON), None, _images())
+        assert seen == [during]
+        assert torch.get_float32_matmul_precision() == opposite[0]
+        assert torch.backends.cudnn.allow_tf32 is opposite[1]
     finally:
         torch.set_float32_matmul_precision(previous[0])
         torch.backends.cudnn.allow_tf32 = previous[1]
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_low_precision_trains_under_autocast_and_fp16_scales_the_loss(
+    precision, dtype, monkeypatch
+):
+    seen = []
+    train_epoch = ddp_train._train_epoch
+
+    def spy(net, loader, optimizer, policy, scaler, device):
+        seen.append((policy.dtype, scaler.is_enabled()))
+        return train_epoch(net, loader, optimizer, policy, scaler, device)
+
+    monkeypatch.setattr(ddp_train, "_train_epoch", spy)
+    result = train_ddp(DDPConfig(epochs=1, precision=precision, **COMMON), None, _images())
+    assert seen == [(dtype, precision == "fp16")]
+    assert math.isfinite(result.train_loss[0])
 
 
 # --- training that goes wrong -------------------------------------------------------------
@@ -139,7 +179,8 @@ def one_epoch_snapshot(_trained_once, tmp_path):
 def test_resuming_with_other_settings_is_refused_naming_each(one_epoch_snapshot):
     path = one_epoch_snapshot
     written = path.read_bytes()
-    changed = {**COMMON, "lr": 0.05, "batch_size": 16, "seed": 3, "quick": False}
+    changed = {**COMMON, "lr": 0.05, "batch_size": 16, "seed": 3, "quick": False,
+               "precision": "bf16"}
     with pytest.raises(ValueError) as info:
         train_ddp(DDPConfig(epochs=2, snapshot=str(path), **changed), None, _images())
     message = str(info.value)
@@ -148,6 +189,7 @@ def test_resuming_with_other_settings_is_refused_naming_each(one_epoch_snapshot)
     assert "--batch-size 32 in the snapshot, 16 now" in message
     assert "--seed 0 in the snapshot, 3 now" in message
     assert "--quick in the snapshot, --full now" in message
+    assert "--precision fp32 in the snapshot, bf16 now" in message
     assert "--model" not in message  # only the settings that differ
     assert "another --snapshot path" in message and "delete" in message
     assert path.read_bytes() == written  # the refused run did not touch it

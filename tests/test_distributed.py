@@ -181,9 +181,11 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch(monkeypatch):
 @pytest.mark.multigpu
 def test_ddp_with_nccl_on_two_gpus_matches_one_process_on_the_full_batch():
     data = _synthetic_images()
-    # TF32 off in both runs (cuDNN convolutions use it by default from Ampere on): its
+    # Strict fp32, TF32 off in both runs (cuDNN convolutions use it by default from Ampere on): its
     # 10-bit mantissa alone can move the weights by more than the tolerance.
-    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False, tf32=False)
+    cfg = DDPConfig(
+        epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False, precision="fp32"
+    )
     two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 60.0), timeout_s=300)
     one = train_ddp(cfg, None, data, device=torch.device("cuda", 0))
     assert two.backend == "nccl" and two.num_epochs == 2
