@@ -22,7 +22,7 @@ shards; a temporary directory renamed when complete). A job started again with
 the same ``--checkpoint-dir``, by hand or by ``torchrun --max-restarts``,
 continues from the latest complete checkpoint, with any number of ranks.
 Every checkpoint records its settings and the checksums of its files: resuming
-with another learning rate, batch size, model or mixed precision, or from a
+with another learning rate, batch size, model or ``--precision``, or from a
 damaged checkpoint, is refused with the reason. A loss that stops being finite,
 or rises to ten times the first step's, stops the job (training diverged).
 """
@@ -39,6 +39,7 @@ import torch
 from d2lgpu.checks import positive_int_flag, positive_number_flag
 from d2lgpu.config import quick_mode
 from d2lgpu.distributed import add_job_flags, process_group
+from d2lgpu.precision import PRECISIONS
 from d2lgpu.sharding import (
     CheckpointError,
     FSDPResult,
@@ -82,11 +83,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="resume from the latest checkpoint here, and write one after every epoch",
     )
     parser.add_argument(
-        "--mixed-precision",
-        action="store_true",
-        help="compute in the device's low precision (bf16; fp16 on GPUs before sm80; on a CPU "
-        "bf16 where it runs natively, else fp32) and reduce gradients in fp32 "
-        "(MixedPrecisionPolicy)",
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32 (strict, the default); tf32 (TF32 matmuls on CUDA); bf16 or fp16: the layers "
+        "compute in it and reduce gradients in fp32 (MixedPrecisionPolicy; fp16 with loss "
+        "scaling); auto: the device's rule (bf16 from sm80, fp16 before; on a CPU bf16 where "
+        "it runs natively, else fp32)",
     )
     parser.add_argument(
         "--keep-gathered",
@@ -143,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
         run = FSDPRun(
             plan,
             reshard_after_forward=not args.keep_gathered,
-            mixed_precision=args.mixed_precision,
+            precision=args.precision,
             checkpoint_root=args.checkpoint_dir,
             save_every=plan.steps_per_epoch if args.checkpoint_dir else None,
             resume_from=args.checkpoint_dir,
@@ -163,9 +166,12 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
                 f"{plan.steps_per_epoch} steps per epoch, {plan.steps} in all",
                 flush=True,
             )
-            if args.mixed_precision:
-                dtype = fsdp_param_dtype(ctx.device, True)
-                print(f"mixed precision: layers compute in {dtype or torch.float32}", flush=True)
+            if args.precision != "fp32":
+                dtype = fsdp_param_dtype(ctx.device, args.precision)
+                print(
+                    f"precision {args.precision}: layers compute in {dtype or torch.float32}",
+                    flush=True,
+                )
         result = train_fsdp(run, ctx)
         if ctx.is_main:
             print(

@@ -61,7 +61,7 @@ from d2lgpu.checks import (
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
 from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
 from d2lgpu.models import MLPBlock, residual_mlp
-from d2lgpu.precision import precision_policy
+from d2lgpu.precision import check_precision, precision_policy
 
 try:  # public from torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -298,33 +298,20 @@ def _require_fsdp2(device_type: str) -> None:
 
 def fsdp_param_dtype(
     device: torch.device | str,
-    mixed_precision: bool | str | torch.dtype,
+    precision: str,
     capability: tuple[int, int] | None = None,
 ) -> torch.dtype | None:
-    """The dtype FSDP2 computes in on ``device`` for ``mixed_precision``; None for plain fp32.
+    """The dtype FSDP2's layers compute in on ``device`` for ``precision``; None for fp32.
 
-    False: fp32. True or ``"auto"``: the course's one rule,
-    :func:`d2lgpu.precision.precision_policy` (bf16 from compute capability 8.0,
-    fp16 on 7.x, where bf16 is emulated and slow; on a CPU bf16 where it runs
-    natively, fp32 elsewhere). ``"bf16"``/``"fp16"`` or the dtype force one.
-    ``capability`` overrides the GPU's own (for tests and GPUs you do not have).
+    ``precision`` is a word of :data:`d2lgpu.precision.PRECISIONS`, read by the
+    course's one rule, :func:`d2lgpu.precision.precision_policy`: "auto" is bf16
+    from compute capability 8.0, fp16 on 7.x, where bf16 is emulated and slow, and
+    on a CPU bf16 where it runs natively, fp32 elsewhere; "bf16"/"fp16" force one;
+    "fp32" and "tf32" keep the layers in fp32 (TF32 only changes how CUDA rounds
+    fp32 matmuls: :func:`train_fsdp` switches it). ``capability`` overrides the
+    GPU's own (for tests and GPUs you do not have).
     """
-    if isinstance(mixed_precision, bool) or mixed_precision is None:
-        if mixed_precision is None:
-            raise TypeError(
-                "mixed_precision must be True, False, 'auto', 'bf16' or 'fp16', got None"
-            )
-        mixed_precision = "auto" if mixed_precision else False
-    elif mixed_precision not in ("auto", "bf16", "fp16") and not isinstance(
-        mixed_precision, torch.dtype
-    ):
-        raise ValueError(f"mixed_precision must be True, False, 'auto', 'bf16', 'fp16' or a "
-                         f"torch.dtype, got {mixed_precision!r}")
-    if isinstance(mixed_precision, torch.dtype):
-        mixed_precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(mixed_precision, "fp32")
-    if mixed_precision is False:
-        mixed_precision = "fp32"
-    return precision_policy(device, mixed_precision, capability=capability).dtype
+    return precision_policy(device, precision, capability=capability).dtype
 
 
 def shard_model(
@@ -332,16 +319,16 @@ def shard_model(
     mesh: Any,
     *,
     reshard_after_forward: bool = True,
-    mixed_precision: bool | str | torch.dtype = False,
+    precision: str = "fp32",
 ) -> nn.Module:
     """``fully_shard`` every :class:`~d2lgpu.models.MLPBlock`, then the whole model, in place.
 
     Bottom-up, as FSDP2 requires: each block becomes one communication group
     (one all-gather, one reduce-scatter), and the root call takes the
-    parameters left over (the first and last linear layers). ``mixed_precision``
-    (see :func:`fsdp_param_dtype`: True follows the device) computes with bf16 or
-    fp16 copies of the parameters and reduces gradients in fp32; the sharded
-    parameters and the optimizer stay fp32.
+    parameters left over (the first and last linear layers). A ``precision`` of
+    "bf16" or "fp16" (or "auto" where the device's rule picks one: see
+    :func:`fsdp_param_dtype`) computes with bf16 or fp16 copies of the parameters
+    and reduces gradients in fp32; the sharded parameters and the optimizer stay fp32.
     """
     check_module("model", model)
     if not hasattr(mesh, "device_type"):
@@ -355,7 +342,7 @@ def shard_model(
         )
     _require_fsdp2(mesh.device_type)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    param_dtype = fsdp_param_dtype(mesh.device_type, mixed_precision)
+    param_dtype = fsdp_param_dtype(mesh.device_type, precision)
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32
@@ -502,21 +489,26 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def collective_formula(
-    model: nn.Module, world_size: int, *, reshard_after_forward: bool, mixed_precision: bool
+    model: nn.Module, world_size: int, *, reshard_after_forward: bool, precision: str
 ) -> dict[str, int]:
     """Predicted payload bytes of one FSDP2 training step, by kind of collective.
 
     Every group's parameters are all-gathered before its forward, and again
     before its backward when they were resharded after forward; its gradients
     are reduce-scattered once. All of it at the padded size (see
-    :func:`padded_parameter_bytes`), in bf16 for the all-gathers under mixed
-    precision and in fp32 for the reduction.
+    :func:`padded_parameter_bytes`), the all-gathers in the dtype the layers compute
+    in (``precision`` "bf16" or "fp16": 2 bytes; "fp32" or "tf32": 4) and the
+    reduction in fp32. "auto" depends on the device: pass the word it resolved to.
     """
     check_bool("reshard_after_forward", reshard_after_forward)
-    check_bool("mixed_precision", mixed_precision)
+    if check_precision(precision) == "auto":
+        raise ValueError(
+            "collective_formula needs the precision the layers computed in, not 'auto': pass "
+            "'bf16' or 'fp16' when fsdp_param_dtype(device, 'auto') gave one, else 'fp32'"
+        )
     padded = padded_parameter_bytes(model, world_size)
     gathers = 2 if reshard_after_forward else 1
-    gather_bytes = padded // 2 if mixed_precision else padded
+    gather_bytes = padded // 2 if precision in ("bf16", "fp16") else padded
     return {"all_gather": gathers * gather_bytes, "reduce_scatter": padded}
 
 
@@ -792,9 +784,10 @@ class FSDPRun:
 
     plan: TrainPlan
     reshard_after_forward: bool = True
-    #: False for fp32; True follows the device's rule (:func:`fsdp_param_dtype`);
-    #: "bf16" or "fp16" force one.
-    mixed_precision: bool | str = False
+    #: A word of :data:`d2lgpu.precision.PRECISIONS`: "fp32" (strict; the default) or
+    #: "tf32" (TF32 matmuls on CUDA) keep fp32 layers; "bf16" or "fp16" compute in
+    #: that dtype (:func:`fsdp_param_dtype`); "auto" follows the device's rule.
+    precision: str = "fp32"
     #: Where to write checkpoints (see :func:`save_checkpoint`), every ``save_every`` steps.
     checkpoint_root: str | None = None
     save_every: int | None = None
@@ -818,14 +811,7 @@ class FSDPRun:
             raise TypeError(
                 f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"
             )
-        if not (
-            isinstance(self.mixed_precision, bool)
-            or self.mixed_precision in ("auto", "bf16", "fp16")
-        ):
-            raise ValueError(
-                "mixed_precision must be False, True (the device's rule), 'bf16' or 'fp16', "
-                f"got {self.mixed_precision!r}"
-            )
+        check_precision(self.precision)
         for name in ("checkpoint_root", "resume_from"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
@@ -888,6 +874,12 @@ def _gather(value: Any, ctx: DistContext) -> list[Any]:
     values: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(values, value)
     return values
+
+
+#: The word of :data:`d2lgpu.precision.PRECISIONS` for each dtype FSDP's layers compute in.
+_PRECISION_OF: dict[torch.dtype | None, str] = {
+    None: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -956,12 +948,14 @@ _MUST_MATCH = {
     "seed": "seed",
     "shuffle": "shuffle",
     "examples": "training examples",
-    "param_dtype": "compute dtype (mixed precision)",
+    "precision": "precision",
+    "param_dtype": "compute dtype",
 }
 
 
-def _recorded_config(plan: TrainPlan, param_dtype: torch.dtype | None) -> dict[str, Any]:
-    shape = plan.shape
+def _recorded_config(run: FSDPRun, param_dtype: torch.dtype | None) -> dict[str, Any]:
+    """The settings a checkpoint records, which a resumed run must share."""
+    plan, shape = run.plan, run.plan.shape
     return {
         "shape": [shape.width, shape.hidden, shape.depth, shape.in_features, shape.num_classes],
         "batch_size": plan.batch_size,
@@ -970,6 +964,7 @@ def _recorded_config(plan: TrainPlan, param_dtype: torch.dtype | None) -> dict[s
         "seed": plan.seed,
         "shuffle": plan.shuffle,
         "examples": len(plan.labels),
+        "precision": run.precision,
         "param_dtype": _dtype_name(param_dtype or torch.float32),
     }
 
@@ -1071,62 +1066,67 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     _require_fsdp2(ctx.device.type)
     if run.checkpoint_root is not None:
         prepare_checkpoint_root(run.checkpoint_root)  # before any training
-    param_dtype = fsdp_param_dtype(ctx.device, run.mixed_precision)
+    policy = precision_policy(ctx.device, run.precision)
+    param_dtype = policy.dtype
     model = shard_model(
         plan.shape.build(plan.seed),
         _device_mesh(ctx),
         reshard_after_forward=run.reshard_after_forward,
-        mixed_precision=param_dtype or False,
+        precision=run.precision,
     )
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
     scaler = _sharded_scaler(param_dtype, ctx)
-    config = _recorded_config(plan, param_dtype)
+    config = _recorded_config(run, param_dtype)
     start, losses = _resume(run, model, optimizer, ctx, config)
     pending: list[torch.Tensor] = []  # local losses not yet averaged over the ranks
     start_check = start  # losses before this index were checked already
     test_acc: list[tuple[int, float]] = []
     saved: list[str] = []
     watch = StepWatch()
-    since = time.perf_counter()
-    for step in range(start, plan.steps):
-        X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
-        fail = None
-        if run.fail_rank == ctx.rank and step == run.fail_at_step:
-            fail = f"rank {ctx.rank} failed on purpose in step {step} (the others wait in backward)"
-        loss, watched = _train_step(
-            model, optimizer, scaler, X, y, watch=step == plan.steps - 1 or fail is not None,
-            fail=fail,
-        )
-        if watched is not None:
-            watch = watched
-        pending.append(loss)
+    with policy.matmul_precision():  # TF32 on or off for fp32 matmuls (CUDA only)
+        since = time.perf_counter()
+        for step in range(start, plan.steps):
+            X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
+            fail = None
+            if run.fail_rank == ctx.rank and step == run.fail_at_step:
+                fail = (
+                    f"rank {ctx.rank} failed on purpose in step {step} (the others wait in "
+                    "backward)"
+                )
+            loss, watched = _train_step(
+                model, optimizer, scaler, X, y, watch=step == plan.steps - 1 or fail is not None,
+                fail=fail,
+            )
+            if watched is not None:
+                watch = watched
+            pending.append(loss)
 
-        done = step + 1
-        log_now = run.log_every is not None and done % run.log_every == 0
-        save_now = run.save_every is not None and done % run.save_every == 0
-        if log_now or save_now:
-            losses += _mean_over_ranks(pending, ctx)
-            pending = []
-            # On the means every rank shares, so all ranks stop together, before a save.
-            _check_losses(losses, start_check, plan)
-            start_check = len(losses)
-        if log_now:
-            line = f"step {done}/{plan.steps}: loss {losses[-1]:.4f}"
-            if plan.test_images is not None:
-                test_acc.append((done, _test_accuracy(model, plan, ctx)))
-                line += f", test acc {test_acc[-1][1]:.3f}"
-            line += f", {time.perf_counter() - since:.1f} s"
-            since = time.perf_counter()
-            if ctx.is_main:
-                print(line, flush=True)
-        if save_now:
-            extra = {"losses": losses, "world_size": ctx.world_size, "config": config}
-            path = save_checkpoint(run.checkpoint_root or "", done, model, optimizer, extra)
-            saved.append(str(path))
-            if ctx.is_main and run.log_every:
-                print(f"saved checkpoint {path}", flush=True)
-    losses += _mean_over_ranks(pending, ctx)
-    _check_losses(losses, start_check, plan)
+            done = step + 1
+            log_now = run.log_every is not None and done % run.log_every == 0
+            save_now = run.save_every is not None and done % run.save_every == 0
+            if log_now or save_now:
+                losses += _mean_over_ranks(pending, ctx)
+                pending = []
+                # On the means every rank shares, so all ranks stop together, before a save.
+                _check_losses(losses, start_check, plan)
+                start_check = len(losses)
+            if log_now:
+                line = f"step {done}/{plan.steps}: loss {losses[-1]:.4f}"
+                if plan.test_images is not None:
+                    test_acc.append((done, _test_accuracy(model, plan, ctx)))
+                    line += f", test acc {test_acc[-1][1]:.3f}"
+                line += f", {time.perf_counter() - since:.1f} s"
+                since = time.perf_counter()
+                if ctx.is_main:
+                    print(line, flush=True)
+            if save_now:
+                extra = {"losses": losses, "world_size": ctx.world_size, "config": config}
+                path = save_checkpoint(run.checkpoint_root or "", done, model, optimizer, extra)
+                saved.append(str(path))
+                if ctx.is_main and run.log_every:
+                    print(f"saved checkpoint {path}", flush=True)
+        losses += _mean_over_ranks(pending, ctx)
+        _check_losses(losses, start_check, plan)
 
     return _fsdp_result(
         run, ctx, model, optimizer, start, losses, test_acc, saved, watch, param_dtype
@@ -1203,7 +1203,7 @@ def _fsdp_result(
             run.plan.shape.build(),
             ctx.world_size,
             reshard_after_forward=run.reshard_after_forward,
-            mixed_precision=param_dtype is not None,
+            precision=_PRECISION_OF[param_dtype],  # what "auto" resolved to here
         ),
         saved=saved,
         param_dtype=_dtype_name(param_dtype or torch.float32),

@@ -77,9 +77,10 @@ def test_padding_to_a_multiple_of_the_world_size():
     assert padded_parameter_bytes(layer, 1) == 18 * 4
     assert padded_parameter_bytes(layer, 3) == 18 * 4  # 3 rows split evenly
     assert padded_parameter_bytes(layer, 2) == (4 * 5 + 4) * 4  # padded to 4 rows
-    formula = collective_formula(layer, 2, reshard_after_forward=True, mixed_precision=False)
+    formula = collective_formula(layer, 2, reshard_after_forward=True, precision="fp32")
     assert formula == {"all_gather": 2 * 96, "reduce_scatter": 96}
-    formula = collective_formula(layer, 2, reshard_after_forward=False, mixed_precision=True)
+    assert collective_formula(layer, 2, reshard_after_forward=True, precision="tf32") == formula
+    formula = collective_formula(layer, 2, reshard_after_forward=False, precision="bf16")
     assert formula == {"all_gather": 48, "reduce_scatter": 96}
 
 
@@ -176,7 +177,7 @@ def two_ranks(tmp_path_factory):
         jobs += [
             FSDPRun(plan, checkpoint_root=str(checkpoints), save_every=2),
             FSDPRun(replace(plan, steps=1), reshard_after_forward=False),
-            FSDPRun(replace(plan, steps=2), mixed_precision=True),
+            FSDPRun(replace(plan, steps=2), precision="auto"),
         ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CUDA_VISIBLE_DEVICES", "")  # the spawned ranks use gloo on CPUs
@@ -310,6 +311,7 @@ def test_torchrun_two_nodes_restart_and_resume_from_the_checkpoint(tmp_path):
                 f"--checkpoint-dir={checkpoints}",
                 "--fail-after-epoch=1",
                 "--timeout=60",
+                "--precision=tf32",  # recorded in the checkpoint, and the same on resuming
             ]
             for node in (0, 1)
         ],
@@ -321,6 +323,7 @@ def test_torchrun_two_nodes_restart_and_resume_from_the_checkpoint(tmp_path):
     assert "rank 1 failed on purpose in step 2" in combined  # after epoch 1 (2 steps)
     assert f"resuming from {checkpoints / 'step-000002'} (step 2)" in combined
     assert combined.count("done: 4 steps") == 1  # one job of two ranks; rank 0 reports
+    assert "precision tf32: layers compute in torch.float32" in combined
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000002", "step-000004"]
 
 
@@ -332,6 +335,7 @@ def test_torchrun_two_nodes_restart_and_resume_from_the_checkpoint(tmp_path):
         (["--lr", "nan"], "--lr"),
         (["--timeout", "inf"], "--timeout"),
         (["--fail-after-epoch", "0"], "--fail-after-epoch"),
+        (["--precision", "half"], "--precision"),
     ],
 )
 def test_fsdp_train_bad_command_line_values_are_usage_errors(argv, flag, capsys):
@@ -359,29 +363,32 @@ def test_fsdp_compute_dtype_follows_the_package_rule(monkeypatch):
     from d2lgpu.sharding import fsdp_param_dtype
 
     # GPUs: bf16 from sm80, fp16 on 7.x (bf16 is emulated there), fp32 below.
-    assert fsdp_param_dtype("cuda", True, capability=(9, 0)) == torch.bfloat16
-    assert fsdp_param_dtype("cuda", True, capability=(7, 5)) == torch.float16  # T4
-    assert fsdp_param_dtype("cuda", True, capability=(7, 0)) == torch.float16  # V100
-    assert fsdp_param_dtype("cuda", True, capability=(6, 1)) is None
+    assert fsdp_param_dtype("cuda", "auto", capability=(9, 0)) == torch.bfloat16
+    assert fsdp_param_dtype("cuda", "auto", capability=(7, 5)) == torch.float16  # T4
+    assert fsdp_param_dtype("cuda", "auto", capability=(7, 0)) == torch.float16  # V100
+    assert fsdp_param_dtype("cuda", "auto", capability=(6, 1)) is None
     # CPUs: both branches of the native-bf16 question.
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
-    assert fsdp_param_dtype("cpu", True) == torch.bfloat16
+    assert fsdp_param_dtype("cpu", "auto") == torch.bfloat16
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
-    assert fsdp_param_dtype("cpu", True) is None
+    assert fsdp_param_dtype("cpu", "auto") is None
     assert fsdp_param_dtype("cpu", "bf16") == torch.bfloat16  # asked for by name
     assert fsdp_param_dtype("cuda", "fp16", capability=(9, 0)) == torch.float16
-    assert fsdp_param_dtype("cpu", False) is None
-    with pytest.raises(ValueError, match="mixed_precision"):
-        FSDPRun(_plan(), mixed_precision="yes")
+    assert fsdp_param_dtype("cpu", "fp32") is None
+    assert fsdp_param_dtype("cuda", "tf32", capability=(9, 0)) is None  # fp32 layers
+    with pytest.raises(ValueError, match="precision='yes' is not one of"):
+        FSDPRun(_plan(), precision="yes")
+    with pytest.raises(ValueError, match="write precision='auto'"):
+        FSDPRun(_plan(), precision=True)
 
 
 @needs_fsdp2_on_cpu
-def test_mixed_precision_true_computes_in_the_devices_dtype(one_rank, monkeypatch):
+def test_precision_auto_computes_in_the_devices_dtype(one_rank, monkeypatch):
     import d2lgpu.precision as precision
 
     for native, dtype in ((False, "float32"), (True, "bfloat16")):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
-        result = FSDPRun(_plan(steps=1), mixed_precision=True).run(one_rank)
+        result = FSDPRun(_plan(steps=1), precision="auto").run(one_rank)
         assert result.param_dtype == dtype == result.watch[0].compute_dtype
 
 
@@ -443,8 +450,13 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
     for change, words in changed:
         with pytest.raises(CheckpointError, match=words):
             FSDPRun(replace(plan, steps=4, **change), resume_from=str(tmp_path)).run(one_rank)
-    with pytest.raises(CheckpointError, match="compute dtype"):
-        FSDPRun(replace(plan, steps=4), mixed_precision="bf16", resume_from=str(tmp_path)).run(
+    with pytest.raises(CheckpointError, match="precision fp32 in the checkpoint, bf16 now"):
+        FSDPRun(replace(plan, steps=4), precision="bf16", resume_from=str(tmp_path)).run(
+            one_rank
+        )
+    # tf32 computes in fp32 too, but it is another setting: refused as well.
+    with pytest.raises(CheckpointError, match="precision fp32 in the checkpoint, tf32 now"):
+        FSDPRun(replace(plan, steps=4), precision="tf32", resume_from=str(tmp_path)).run(
             one_rank
         )
     with pytest.raises(CheckpointError, match="at step 2 and this run ends at step 2"):
@@ -506,7 +518,7 @@ def test_checkpoint_paths_are_checked_before_training(tmp_path, capsys):
         (lambda: train_single(None), "plan must be a TrainPlan"),
         (lambda: padded_parameter_bytes(None, 2), "model must be a torch.nn.Module"),
         (
-            lambda: collective_formula("mlp", 2, reshard_after_forward=True, mixed_precision=False),
+            lambda: collective_formula("mlp", 2, reshard_after_forward=True, precision="fp32"),
             "model must be",
         ),
         (lambda: latest_checkpoint(None), "root must be a path"),
@@ -526,34 +538,36 @@ def test_bad_input_to_sharding_names_the_fix(call, words):
 
 
 @needs_fsdp2_on_cpu
-def test_fp16_mixed_precision_scales_the_loss(one_rank):
+def test_fp16_precision_scales_the_loss(one_rank):
     # fp16 (a T4's or V100's choice) on the CPU: the same code path, with a loss scaler.
-    result = FSDPRun(_plan(steps=2), mixed_precision="fp16").run(one_rank)
+    result = FSDPRun(_plan(steps=2), precision="fp16").run(one_rank)
     assert result.param_dtype == "float16" == result.watch[0].compute_dtype
     assert result.watch[0].grad_dtype == "float32"
     assert all(math.isfinite(v) for v in result.losses)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(reshard_after_forward="no", mixed_precision=False), "reshard_after_forward"),
-    (dict(reshard_after_forward=True, mixed_precision=None), "mixed_precision"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(reshard_after_forward="no", precision="fp32"), TypeError, "reshard_after_forward"),
+    (dict(reshard_after_forward=True, precision=None), ValueError, "write precision='fp32'"),
+    (dict(reshard_after_forward=True, precision="auto"), ValueError, "not 'auto'"),
 ])
-def test_collective_formula_refuses_string_and_none_flags(kwargs, name):
-    with pytest.raises(TypeError, match=name):
+def test_collective_formula_refuses_bad_flags(kwargs, error, match):
+    with pytest.raises(error, match=match):
         collective_formula(nn.Linear(4, 4), 2, **kwargs)
 
 
-def _param_dtype(device, mixed_precision):
+def _param_dtype(device, precision):
     from d2lgpu.sharding import fsdp_param_dtype
 
-    return fsdp_param_dtype(device, mixed_precision)
+    return fsdp_param_dtype(device, precision)
 
 
 @pytest.mark.parametrize("call, name", [
     (lambda: fsdp2_unavailable_reason(None), "device_type"),
     (lambda: fsdp2_unavailable_reason("gpu"), "device_type"),
-    (lambda: _param_dtype("cpu", "no"), "mixed_precision"),
-    (lambda: _param_dtype("cpu", 1.0), "mixed_precision"),
+    (lambda: _param_dtype("cpu", "no"), "precision"),
+    (lambda: _param_dtype("cpu", 1.0), "precision"),
+    (lambda: _param_dtype("cpu", torch.bfloat16), "write precision='bf16'"),
 ])
 def test_fsdp_lookups_name_a_bad_argument(call, name):
     with pytest.raises(ValueError, match=name):
