@@ -340,19 +340,24 @@ def check_training_loss(
     lr: float | None = None,
     first_loss: float | None = None,
     advice: str = "",
+    factor: float = DIVERGENCE_FACTOR,
 ) -> None:
     """A FloatingPointError when a training loss is NaN or inf, or has blown up.
 
     ``when`` says where (``"epoch 3"``, ``"step 12"``); ``first_loss``, when given, is the
-    loss the run started from: a finite loss above :data:`DIVERGENCE_FACTOR` times
-    it (and above 1) has diverged too, even before it overflows. The message names
-    the learning rate and ``advice`` (what else to try). Every function that
-    trains calls this on the loss it has already read, so it costs no host read.
+    loss the run started from: a finite loss above ``factor`` times it (and above
+    ``factor``) has diverged too, even before it overflows. The default,
+    :data:`DIVERGENCE_FACTOR`, suits any loss a learner passes to a loop; a loop
+    that knows its loss can be stricter (FSDP's short cross-entropy runs stop at 10).
+    The message names the learning rate and ``advice`` (what else to try). Every
+    function that trains calls this on the loss it has already read, so it costs no
+    host read.
     Callers check the data and weights before blaming the learning rate.
     """
+    check_positive_float("factor", factor)
     exploded = (
         math.isfinite(loss) and first_loss is not None and math.isfinite(first_loss)
-        and loss > max(1.0, abs(first_loss)) * DIVERGENCE_FACTOR
+        and loss > max(1.0, abs(first_loss)) * factor
     )
     if math.isfinite(loss) and not exploded:
         return

@@ -57,6 +57,7 @@ from d2lgpu.checks import (
     check_positive_int,
     check_seed,
     check_tensor,
+    check_training_loss,
 )
 from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
 from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
@@ -1023,33 +1024,33 @@ def _resume(
     return extra["step"], list(extra.get("losses", []))
 
 
-#: A loss this many times the first step's means training diverged (cross-entropy
-#: starts near log(classes) and only goes down while training works).
+#: A loss this many times the first step's means training diverged. Stricter than the
+#: default of :func:`d2lgpu.checks.check_training_loss` (10,000, for any loss a learner
+#: gives :func:`d2lgpu.train`): these runs train a fresh model with cross-entropy, which
+#: starts near log(classes) and only goes down while training works.
 DIVERGED_FACTOR = 10.0
 
 
 def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
-    """Stop on a loss that is not finite, or far above the first step's: training diverged."""
+    """Stop on a loss that is not finite, or far above the first step's: training diverged.
+
+    The course's one loss check (:func:`d2lgpu.checks.check_training_loss`), at
+    :data:`DIVERGED_FACTOR`, on every loss from index ``first_new`` on.
+    """
     for step in range(first_new, len(losses)):
-        loss = losses[step]
-        if not math.isfinite(loss):
-            if step == 0:
-                raise FloatingPointError(
-                    f"the loss of the very first step is {loss}: before any update, so the "
-                    "initial weights hold nan or inf (the data were checked)"
-                )
+        if step == 0 and not math.isfinite(losses[0]):
             raise FloatingPointError(
-                f"the training loss became {loss} in step {step + 1}: training diverged "
-                f"(lr={plan.lr} may be too large: try {plan.lr / 10:g}). Stopped before "
-                "writing a checkpoint"
+                f"the loss of the very first step is {losses[0]}: before any update, so the "
+                "initial weights hold nan or inf (the data were checked)"
             )
-        if step > 0 and loss > DIVERGED_FACTOR * losses[0]:
-            raise FloatingPointError(
-                f"the training loss rose to {loss:.4g} in step {step + 1}, more than "
-                f"{DIVERGED_FACTOR:g} times the first step's {losses[0]:.4g}: training diverged "
-                f"(lr={plan.lr} may be too large: try {plan.lr / 10:g}). Stopped before writing "
-                "a checkpoint"
-            )
+        check_training_loss(
+            losses[step],
+            when=f"step {step + 1}",
+            lr=plan.lr,
+            first_loss=losses[0] if step > 0 else None,
+            advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint",
+            factor=DIVERGED_FACTOR,
+        )
 
 
 def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:

@@ -132,6 +132,10 @@ def test_the_shared_loss_check_stops_nan_inf_and_blow_ups():
             check_training_loss(loss, when="step 3", lr=0.5)
     with pytest.raises(FloatingPointError, match=r"grew to 1e\+34 from 2.3 in epoch 2"):
         check_training_loss(1e34, when="epoch 2", lr=100.0, first_loss=2.3)
+    # A loop that knows its loss starts near log(classes) stops sooner (FSDP: 10 times).
+    check_training_loss(2.3 * 9, when="step 4", first_loss=2.3, factor=10)
+    with pytest.raises(FloatingPointError, match=r"grew to 25.3 from 2.3 in step 4"):
+        check_training_loss(2.3 * 11, when="step 4", first_loss=2.3, factor=10)
 
 
 def test_paths_that_cannot_be_written_are_refused_before_any_work(tmp_path):
