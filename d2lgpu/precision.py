@@ -167,10 +167,10 @@ class PrecisionPolicy:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
     def matmul_precision(self) -> AbstractContextManager:
-        """TF32 on or off for fp32 matmuls and convolutions (:func:`tf32_matmuls`), as ``tf32`` says.
+        """TF32 on or off for fp32 matmuls and convolutions, as ``tf32`` says.
 
-        Only CUDA has TF32; on other devices the flags are left alone (torch 2.9 warns
-        when its old TF32 flags are touched).
+        The switch is :func:`tf32_matmuls`. Only CUDA has TF32; on other devices the
+        flags are left alone (torch 2.9 warns when its old TF32 flags are touched).
         """
         if self.tf32 is None or self.device_type != "cuda":
             return contextlib.nullcontext()

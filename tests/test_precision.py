@@ -113,7 +113,9 @@ def test_bad_precision_values_are_rejected_with_the_valid_choices(precision):
 
 def test_tf32_switch_acts_on_cuda_only(monkeypatch):
     calls = []
-    monkeypatch.setattr(P, "tf32_matmuls", lambda enabled: calls.append(enabled) or contextlib.nullcontext())
+    monkeypatch.setattr(
+        P, "tf32_matmuls", lambda enabled: calls.append(enabled) or contextlib.nullcontext()
+    )
     with P.PrecisionPolicy("cpu", None, False, tf32=True).matmul_precision():
         pass
     with P.PrecisionPolicy("cuda", None, False, tf32=None).matmul_precision():
