@@ -130,7 +130,8 @@ def test_low_precision_trains_under_autocast_and_fp16_scales_the_loss(
         return train_epoch(net, loader, optimizer, policy, scaler, device)
 
     monkeypatch.setattr(ddp_train, "_train_epoch", spy)
-    result = train_ddp(DDPConfig(epochs=1, precision=precision, **COMMON), None, _images())
+    # One batch of 32: enough to run the autocast path (fp16 is slow on a CPU).
+    result = train_ddp(DDPConfig(epochs=1, precision=precision, **COMMON), None, _images(32, 8))
     assert seen == [(dtype, precision == "fp16")]
     assert math.isfinite(result.train_loss[0])
 
