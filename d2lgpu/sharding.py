@@ -1059,7 +1059,9 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     The same seed gives the same full model on every rank, and ``fully_shard``
     keeps each rank's slice of it. The last step is watched
     (:class:`StepWatch`): collectives counted, full parameters held after
-    forward measured, the CUDA peak read on GPUs.
+    forward measured, the CUDA peak read on GPUs. ``run.precision`` picks the
+    dtype the layers compute in and, on CUDA, whether their fp32 matmuls may use TF32
+    (:func:`d2lgpu.precision_policy`).
     """
     if not isinstance(run, FSDPRun):
         raise TypeError(f"run must be an FSDPRun, got {type(run).__name__}")

@@ -392,6 +392,39 @@ def test_precision_auto_computes_in_the_devices_dtype(one_rank, monkeypatch):
         assert result.param_dtype == dtype == result.watch[0].compute_dtype
 
 
+@needs_fsdp2_on_cpu
+@pytest.mark.parametrize("precision, during", [("fp32", "highest"), ("tf32", "high")])
+def test_precision_sets_tf32_while_training_on_cuda_and_restores_it(
+    one_rank, monkeypatch, precision, during
+):
+    # The policy a CUDA device would get for the same word: fp32 layers either way, and
+    # TF32 off (strict fp32) or on for their matmuls while training.
+    import d2lgpu.sharding as sharding
+
+    policy = sharding.precision_policy
+    monkeypatch.setattr(
+        sharding,
+        "precision_policy",
+        lambda device, word, **kw: replace(policy(device, word, **kw), device_type="cuda"),
+    )
+    seen = []
+    train_step = sharding._train_step
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "_train_step", spy)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        result = FSDPRun(_plan(steps=1), precision=precision).run(one_rank)
+        assert seen == [during] and result.param_dtype == "float32"
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def _flip_bytes(path: Path, count: int = 64) -> None:
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
