@@ -108,7 +108,12 @@ def test_bad_flags_are_usage_errors_naming_the_fix(argv, world_size, words, caps
 
 @pytest.mark.parametrize(
     "argv, world_size, mesh",
-    [([], 4, (2, 2)), (["--batch-size=12"], 3, (3, 1)), (["--tp=4"], 4, (1, 4)), (["--dp=1"], 2, (1, 2))],
+    [
+        ([], 4, (2, 2)),
+        (["--batch-size=12"], 3, (3, 1)),
+        (["--tp=4"], 4, (1, 4)),
+        (["--dp=1"], 2, (1, 2)),
+    ],
 )
 def test_the_mesh_defaults_fill_in_what_is_not_given(argv, world_size, mesh, tmp_path):
     from d2lgpu.model_parallel_train import _parse_args
