@@ -740,7 +740,8 @@ class ResumableTwoDRun:
     #: Rank 0 prints the loss at every checkpoint, what it resumed from and the mesh change.
     log: bool = False
     #: For showing a crash: rank ``kill_rank`` is killed (SIGKILL, as the out-of-memory
-    #: killer does) in step ``kill_at_step``, after its forward, while the others wait for it.
+    #: killer does) after the forward of step ``kill_at_step`` (counted from 0), while the
+    #: others wait for it.
     kill_rank: int | None = None
     kill_at_step: int = 0
 
@@ -868,7 +869,7 @@ def _resume_2d(
 
 
 def _kill_this_rank(ctx: DistContext, step: int) -> None:
-    print(f"rank {ctx.rank} is killed (SIGKILL) in step {step}, after its forward; the "
+    print(f"rank {ctx.rank} is killed (SIGKILL) in step {step + 1}, after its forward; the "
           "others wait for it in backward", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 

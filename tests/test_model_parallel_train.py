@@ -1,7 +1,7 @@
 """model_parallel_train, chapter 9's torchrun entry point: killed, resumed on another mesh.
 
 One test pays for two torchrun launches of 2 gloo ranks: the first, on a (2, 1) mesh, has
-a rank killed after the checkpoint of step 4; the second resumes it on a (1, 2) mesh. The
+a rank killed in step 5, after the checkpoint of step 4; the second resumes on a (1, 2) mesh. The
 rest (flags, refusals, precision) runs in this process, in a one-rank group.
 """
 
@@ -52,7 +52,7 @@ def test_killed_on_a_2x1_mesh_and_resumed_on_1x2_equals_one_process(tmp_path):
     killed = _torchrun("--dp=2", "--tp=1", f"--checkpoint-dir={ckpt}", "--fail-after-epoch=2")
     out = killed.stdout + killed.stderr
     assert killed.returncode != 0, out[-3000:]
-    assert "rank 1 is killed (SIGKILL) in step 4" in out, out[-3000:]
+    assert "rank 1 is killed (SIGKILL) in step 5, after its forward" in out, out[-3000:]
     assert "mesh (dp, tp) = (2, 1)" in out
     # Complete checkpoints only: no temporary directory, nothing after the kill.
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004"]
@@ -70,7 +70,7 @@ def test_killed_on_a_2x1_mesh_and_resumed_on_1x2_equals_one_process(tmp_path):
     extra = load_checkpoint(ckpt / f"step-{STEPS:06d}", model, optimizer)
     ref = train_reference(SPEC, batch_size=BATCH, seq_len=SEQ, steps=STEPS, lr=LR)
     diff = max_abs_diff(model.state_dict(), ref.state_dict)
-    print(f"killed in step 4 on (2, 1), resumed on (1, 2): max |weight - one process| = "
+    print(f"killed in step 5 on (2, 1), resumed on (1, 2): max |weight - one process| = "
           f"{diff:.1e} (tolerance {TOL:g})")
     assert diff < TOL
     assert extra["mesh"] == [1, 2] and extra["step"] == STEPS
@@ -181,3 +181,11 @@ def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, one_rank
     extra = json.loads((tmp_path / "step-000002" / "extra.json").read_text())
     assert extra["config"]["precision"] == ("fp16 + GradScaler" if precision == "fp16" else "bf16")
     assert ("scaler" in extra) == (precision == "fp16")
+
+
+@needs_fsdp2_on_cpu
+def test_a_diverging_run_stops_before_saving_the_diverged_weights(tmp_path, one_rank):
+    run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=4, lr=1e30)
+    with pytest.raises(FloatingPointError, match="diverged.*try 1e[+]29"):
+        ResumableTwoDRun(run, str(tmp_path), save_every=1).run(one_rank)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
