@@ -12,8 +12,9 @@ CUDA graphs, memory timelines), ``distributed``, ``ddp_train`` and
 ``healthcheck`` (torch.distributed and torchrun), ``memory`` (where training
 memory goes, counted; gradient accumulation; activation checkpointing),
 ``sharding`` and ``fsdp_train`` (FSDP2, collectives counted, distributed
-checkpoints; imported by name, not re-exported here, to keep ``import d2lgpu``
-light), and ``checks`` (argument checks the others share).
+checkpoints), ``model_parallel`` and ``model_parallel_train`` (pipeline, tensor
+and 2-D parallelism; these four are imported by name, not re-exported here, to
+keep ``import d2lgpu`` light), and ``checks`` (argument checks the others share).
 """
 
 from d2lgpu.benchmarking import (

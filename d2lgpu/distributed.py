@@ -85,24 +85,32 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def add_job_flags(parser: argparse.ArgumentParser, *, crash_point: str) -> None:
+def add_job_flags(
+    parser: argparse.ArgumentParser, *, crash_point: str, data: bool = True
+) -> None:
     """The flags every torchrun trainer of the course shares: ``--data-root``,
     ``--quick``/``--full``, ``--timeout`` and ``--fail-after-epoch`` (the last rank
-    crashes once after ``crash_point``, to try ``torchrun --max-restarts``)."""
+    crashes once after ``crash_point``, to try ``torchrun --max-restarts``).
+    ``data=False`` leaves out the first three, for a trainer on synthetic data."""
     if not isinstance(parser, argparse.ArgumentParser):
         raise TypeError(f"parser must be an argparse.ArgumentParser, got {parser!r}")
     if not isinstance(crash_point, str):
         raise TypeError(f"crash_point must be a str such as 'this epoch', got {crash_point!r}")
-    parser.add_argument("--data-root", default=None, help="directory holding FashionMNIST/raw")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        dest="quick",
-        action="store_true",
-        default=None,
-        help="small balanced data subset (default: follow D2LGPU_QUICK)",
-    )
-    mode.add_argument("--full", dest="quick", action="store_false", help="the whole data set")
+    if data:
+        parser.add_argument(
+            "--data-root", default=None, help="directory holding FashionMNIST/raw"
+        )
+        mode = parser.add_mutually_exclusive_group()
+        mode.add_argument(
+            "--quick",
+            dest="quick",
+            action="store_true",
+            default=None,
+            help="small balanced data subset (default: follow D2LGPU_QUICK)",
+        )
+        mode.add_argument(
+            "--full", dest="quick", action="store_false", help="the whole data set"
+        )
     parser.add_argument(
         "--timeout",
         type=positive_number_flag,

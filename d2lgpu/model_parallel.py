@@ -14,13 +14,18 @@ so several of them share one :func:`d2lgpu.distributed.launch` through
   ``parallelize_module`` (Megatron-style: column-wise then row-wise), an MLP or
   an attention block, with or without sequence parallelism; the collectives
   of one step are counted.
-* :class:`TwoDRun`: FSDP2 over one mesh dimension and tensor parallelism over the other.
+* :class:`TwoDRun`: FSDP2 over one mesh dimension and tensor parallelism over the other;
+  :class:`ResumableTwoDRun` adds distributed checkpoints that a run on another mesh
+  shape resumes from (the job of :mod:`d2lgpu.model_parallel_train`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import signal
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -40,9 +45,19 @@ from d2lgpu.checks import (
     check_seed,
     check_sequence,
 )
-from d2lgpu.distributed import DistContext
+from d2lgpu.distributed import DistContext, mark_progress
 from d2lgpu.models import MLPBlock
-from d2lgpu.sharding import CollectiveCounter, CommStats
+from d2lgpu.precision import check_precision, precision_policy
+from d2lgpu.sharding import (
+    CheckpointError,
+    CollectiveCounter,
+    CommStats,
+    check_resumable,
+    latest_checkpoint,
+    load_checkpoint,
+    prepare_checkpoint_root,
+    save_checkpoint,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -50,19 +65,23 @@ __all__ = [
     "BubbleResult",
     "BubbleRun",
     "FunctionalCollectiveCounter",
+    "MUST_MATCH_2D",
     "ModelSpec",
     "PipelineRun",
+    "ResumableTwoDRun",
     "SavedActivations",
     "SplitRow",
     "TensorParallelRun",
     "TrainResult",
     "TwoDRun",
     "bubble_formula",
+    "check_2d",
     "check_mesh",
     "check_microbatches",
     "check_stages",
     "fix_torch29_first_exchange",
     "max_abs_diff",
+    "parallelize_2d",
     "param_bytes_2d",
     "split_table",
     "split_stages",
@@ -196,6 +215,9 @@ class ModelSpec:
         for name in ("width", "hidden", "depth", "heads"):
             check_positive_int(name, getattr(self, name))
         check_bool("norm", self.norm)
+        if self.kind == "attention" and self.width % self.heads:
+            raise ValueError(f"width {self.width} does not split into {self.heads} heads: use "
+                             f"a width that is a multiple of {self.heads}")
 
     def build(self, seed: int = 0) -> nn.Sequential:
         torch.manual_seed(seed)
@@ -678,6 +700,8 @@ class TwoDRun:
     """FSDP2 over mesh dimension ``dp`` and tensor parallel over ``tp``: ``mesh_shape = (dp, tp)``.
 
     The batch is split over ``dp``; the ranks of one ``tp`` group see the same examples.
+    ``precision`` is a word of :data:`d2lgpu.precision.PRECISIONS`: bf16 or fp16 become
+    FSDP2's ``MixedPrecisionPolicy`` (compute in it, reduce gradients in fp32).
     ``extra["bytes_per_rank"]``: each rank's bytes of parameters, and of optimizer state.
     """
 
@@ -688,9 +712,52 @@ class TwoDRun:
     steps: int = 2
     lr: float = 0.05
     seed: int = 0
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _check_spec(self.spec)
+        check_precision(self.precision)
 
     def run(self, ctx: DistContext) -> TrainResult:
         return train_2d(self, ctx)
+
+
+@dataclass(frozen=True)
+class ResumableTwoDRun:
+    """A :class:`TwoDRun` that writes distributed checkpoints and resumes from them.
+
+    Every ``save_every`` steps, and after the last one, all ranks write the model, the
+    optimizer and the step to ``checkpoint_root/step-NNNNNN``
+    (:func:`d2lgpu.sharding.save_checkpoint`: complete or absent). A run starts from the
+    latest complete checkpoint there, whatever the mesh shape that wrote it: DCP reads, for
+    each rank, the pieces of the saved tensors that it now holds. The settings that decide
+    the weights (:data:`MUST_MATCH_2D`) must be those of the checkpoint.
+    """
+
+    two_d: TwoDRun
+    checkpoint_root: str
+    save_every: int
+    #: Rank 0 prints the loss at every checkpoint, what it resumed from and the mesh change.
+    log: bool = False
+    #: For showing a crash: rank ``kill_rank`` is killed (SIGKILL, as the out-of-memory
+    #: killer does) after the forward of step ``kill_at_step`` (counted from 0), while the
+    #: others wait for it.
+    kill_rank: int | None = None
+    kill_at_step: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.two_d, TwoDRun):
+            raise TypeError(f"two_d must be a TwoDRun, got {type(self.two_d).__name__}")
+        if not isinstance(self.checkpoint_root, (str, os.PathLike)) or not str(
+            self.checkpoint_root
+        ):
+            raise TypeError(f"checkpoint_root must be a directory path, "
+                            f"got {self.checkpoint_root!r}")
+        check_positive_int("save_every", self.save_every)
+        check_bool("log", self.log)
+
+    def run(self, ctx: DistContext) -> TrainResult:
+        return train_2d(self.two_d, ctx, self)
 
 
 def _local_bytes(tensors) -> int:
@@ -703,49 +770,184 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def parallelize_2d(model: nn.Module, spec: ModelSpec, mesh) -> nn.Module:
+def parallelize_2d(
+    model: nn.Module, spec: ModelSpec, mesh, param_dtype: torch.dtype | None = None
+) -> nn.Module:
     """Tensor parallel over ``mesh["tp"]``, then ``fully_shard`` each block and the root over
-    ``mesh["dp"]``: the order FSDP2 needs (it shards the DTensors TP made)."""
-    from torch.distributed.fsdp import fully_shard
+    ``mesh["dp"]``: the order FSDP2 needs (it shards the DTensors TP made). With
+    ``param_dtype`` (bf16 or fp16) the blocks compute in it and reduce gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh["tp"], tp_plan(spec))
+    kwargs: dict[str, Any] = {"mesh": mesh["dp"]}
+    if param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32
+        )
     for block in model:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     return model
 
 
-def train_2d(run: TwoDRun, ctx: DistContext) -> TrainResult:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp, tp = check_mesh(run.mesh_shape, ctx.world_size)
-    _check_tp(run.spec, tp, run.seq_len, False)
-    if run.batch_size % dp:
+def check_2d(
+    spec: ModelSpec, mesh_shape: Sequence[int], world_size: int, batch_size: int
+) -> tuple[int, int]:
+    """``(dp, tp)`` if ``spec`` trains on that mesh of ``world_size`` ranks; else a ValueError."""
+    _check_spec(spec)
+    shape = check_mesh(mesh_shape, world_size)
+    if len(shape) != 2:
+        raise ValueError(f"a 2-D mesh has two dimensions (dp, tp), got {shape}")
+    dp, tp = shape
+    _check_tp(spec, tp, 1, False)
+    check_positive_int("batch_size", batch_size)
+    if batch_size % dp:
         raise ValueError(
-            f"a batch of {run.batch_size} does not split over {dp} data-parallel "
+            f"a batch of {batch_size} does not split over {dp} data-parallel "
             f"ranks: use a multiple of {dp}"
         )
+    return dp, tp
+
+
+#: What a 2-D checkpoint records of its run and a resumed run must repeat, with the words
+#: that name each setting (for :func:`d2lgpu.sharding.check_resumable`). The mesh shape is
+#: recorded too, but may change.
+MUST_MATCH_2D = {
+    "model": "model (kind, width, hidden, depth, heads, norm)",
+    "batch_size": "global batch size",
+    "seq_len": "sequence length",
+    "lr": "learning rate",
+    "optimizer": "optimizer",
+    "seed": "seed",
+    "precision": "precision",
+}
+
+
+def _recorded_2d(run: TwoDRun, precision: str) -> dict[str, Any]:
+    spec = run.spec
+    return {
+        "model": [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
+        "batch_size": run.batch_size,
+        "seq_len": run.seq_len,
+        "lr": run.lr,
+        "optimizer": "sgd, momentum 0.9",
+        "seed": run.seed,
+        "precision": precision,
+    }
+
+
+def _resume_2d(
+    job: ResumableTwoDRun, model: nn.Module, opt: torch.optim.Optimizer, ctx: DistContext,
+    config: dict[str, Any], mesh_shape: tuple[int, int],
+) -> tuple[int, list[float], dict[str, Any]]:
+    """Load the latest checkpoint under the root if there is one: (step, losses, extra)."""
+    path = latest_checkpoint(job.checkpoint_root)
+    if path is None:
+        return 0, [], {}
+    try:
+        extra = json.loads((path / "extra.json").read_text())
+    except (OSError, ValueError):
+        extra = {}  # no settings to check against: check_resumable says so
+    check_resumable(extra, config, path, MUST_MATCH_2D)
+    if extra["step"] >= job.two_d.steps:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {extra['step']} and this run ends at step "
+            f"{job.two_d.steps}: nothing left to train. Ask for more steps (they count from the "
+            f"start, not from the checkpoint); or, to start fresh, delete {path.parent} or "
+            "pass another checkpoint directory"
+        )
+    load_checkpoint(path, model, opt)  # checks every file against its checksum first
+    if ctx.is_main and job.log:
+        print(f"resuming from {path} (step {extra['step']})", flush=True)
+        saved = tuple(extra.get("mesh", ()))
+        if saved != mesh_shape:
+            print(f"the checkpoint was written on a mesh (dp, tp) = {saved}, this run has "
+                  f"{mesh_shape}: each rank reads the pieces of the saved tensors it now holds",
+                  flush=True)
+    return extra["step"], list(extra["losses"]), extra
+
+
+def _kill_this_rank(ctx: DistContext, step: int) -> None:
+    print(f"rank {ctx.rank} is killed (SIGKILL) in step {step + 1}, after its forward; the "
+          "others wait for it in backward", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dp_slice(run: TwoDRun, step: int, dp_rank: int, dp: int, device: torch.device):
+    """This data-parallel group's share of step ``step``'s batch."""
+    local = run.batch_size // dp
+    X, Y = run.spec.data(run.batch_size, run.seq_len, step, run.seed)
+    part = slice(dp_rank * local, (dp_rank + 1) * local)
+    return X[part].to(device), Y[part].to(device)
+
+
+def train_2d(
+    run: TwoDRun, ctx: DistContext, saving: ResumableTwoDRun | None = None
+) -> TrainResult:
+    """Train ``run`` on a ``(dp, tp)`` mesh of the ranks of ``ctx``; every rank calls it.
+
+    With ``saving``, continue from its latest checkpoint and write new ones.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp, tp = check_2d(run.spec, run.mesh_shape, ctx.world_size, run.batch_size)
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = parallelize_2d(run.spec.build(run.seed).to(ctx.device), run.spec, mesh)
+    policy = precision_policy(ctx.device, run.precision)
+    model = run.spec.build(run.seed).to(ctx.device)
+    model = parallelize_2d(model, run.spec, mesh, policy.dtype)
     opt = _optimizer(model.parameters(), run.lr)
-    dp_rank, local = mesh["dp"].get_local_rank(), run.batch_size // dp
-    losses = []
-    for step in range(run.steps):
-        X, Y = (
-            t.to(ctx.device) for t in run.spec.data(run.batch_size, run.seq_len, step, run.seed)
-        )
-        X, Y = (
-            X[dp_rank * local : (dp_rank + 1) * local],
-            Y[dp_rank * local : (dp_rank + 1) * local],
-        )
-        loss = F.mse_loss(model(X), Y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / ctx.world_size)
+    scaler = None
+    if policy.use_scaler:  # fp16: agree over all ranks whether any gradient overflowed
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(ctx.device.type)
+    config = _recorded_2d(run, policy.name)
+    start, losses, extra = 0, [], {}
+    if saving is not None:
+        prepare_checkpoint_root(saving.checkpoint_root)  # before any training
+        start, losses, extra = _resume_2d(saving, model, opt, ctx, config, (dp, tp))
+        if scaler is not None and "scaler" in extra:
+            scaler.load_state_dict(extra["scaler"])
+    dp_rank = mesh["dp"].get_local_rank()
+    with policy.matmul_precision():
+        for step in range(start, run.steps):
+            mark_progress(f"step {step + 1}")
+            X, Y = _dp_slice(run, step, dp_rank, dp, ctx.device)
+            loss = F.mse_loss(model(X).float(), Y)
+            if saving is not None and (saving.kill_rank, saving.kill_at_step) == (ctx.rank, step):
+                _kill_this_rank(ctx, step)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / ctx.world_size)
+            if not math.isfinite(losses[-1]):
+                raise FloatingPointError(
+                    f"the training loss became {losses[-1]} in step {step + 1}: training "
+                    f"diverged (lr={run.lr} may be too large: try {run.lr / 10:g})"
+                )
+            done = step + 1
+            if saving is not None and (done % saving.save_every == 0 or done == run.steps):
+                extra = {"losses": losses, "mesh": [dp, tp], "config": config}
+                if scaler is not None:
+                    extra["scaler"] = scaler.state_dict()
+                path = save_checkpoint(saving.checkpoint_root, done, model, opt, extra)
+                if ctx.is_main and saving.log:
+                    print(f"step {done}/{run.steps}: loss {losses[-1]:.4f}; saved {path}",
+                          flush=True)
+    return _finish_2d(model, opt, losses, ctx)
+
+
+def _finish_2d(
+    model: nn.Module, opt: torch.optim.Optimizer, losses: list[float], ctx: DistContext
+) -> TrainResult:
+    """Each rank's bytes, and the full weights: the result of :func:`train_2d`."""
     params = _local_bytes(model.parameters())
     optim = _local_bytes(
         v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)

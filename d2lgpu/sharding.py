@@ -94,6 +94,7 @@ __all__ = [
     "collective_formula",
     "counting_allreduce_hook",
     "AccumulationRun",
+    "check_resumable",
     "describe_shards",
     "fsdp2_unavailable_reason",
     "fsdp_param_dtype",
@@ -970,8 +971,17 @@ def _recorded_config(run: FSDPRun, param_dtype: torch.dtype | None) -> dict[str,
     }
 
 
-def _check_resumable(extra: dict[str, Any], config: dict[str, Any], path: Path) -> None:
-    """Refuse a checkpoint written under other settings, naming every difference."""
+def check_resumable(
+    extra: dict[str, Any],
+    config: dict[str, Any],
+    path: Path,
+    must_match: dict[str, str] | None = None,
+) -> None:
+    """Refuse a checkpoint written under other settings, naming every difference.
+
+    ``must_match`` maps each setting of ``config`` to the words that name it (default:
+    those of :func:`train_fsdp`).
+    """
     old = extra.get("config")
     if not isinstance(old, dict):
         raise CheckpointError(
@@ -980,7 +990,7 @@ def _check_resumable(extra: dict[str, Any], config: dict[str, Any], path: Path) 
         )
     differences = [
         f"{words} {old.get(key)} in the checkpoint, {config[key]} now"
-        for key, words in _MUST_MATCH.items()
+        for key, words in (_MUST_MATCH if must_match is None else must_match).items()
         if old.get(key) != config[key]
     ]
     if differences:
@@ -1011,7 +1021,7 @@ def _resume(
         return 0, []
     _verify_checkpoint(path)
     extra = json.loads((path / "extra.json").read_text())
-    _check_resumable(extra, config, path)
+    check_resumable(extra, config, path)
     if extra["step"] >= run.plan.steps:
         raise CheckpointError(
             f"checkpoint {path} is at step {extra['step']} and this run ends at step "

@@ -327,7 +327,9 @@ def test_a_native_crash_is_blamed_before_the_peers_the_watchdog_aborted():
 
 # --- a clean exit for every command-line entry point --------------------------------------
 
-@pytest.mark.parametrize("module", ["ddp_train", "healthcheck", "fsdp_train"])
+@pytest.mark.parametrize(
+    "module", ["ddp_train", "healthcheck", "fsdp_train", "model_parallel_train"]
+)
 def test_every_entry_point_ends_through_end_process(module):
     import ast
     import importlib.util

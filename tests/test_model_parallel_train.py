@@ -1,0 +1,191 @@
+"""model_parallel_train, chapter 9's torchrun entry point: killed, resumed on another mesh.
+
+One test pays for two torchrun launches of 2 gloo ranks: the first, on a (2, 1) mesh, has
+a rank killed in step 5, after the checkpoint of step 4; the second resumes on a (1, 2) mesh. The
+rest (flags, refusals, precision) runs in this process, in a one-rank group.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import replace
+
+import pytest
+import torch
+from _torchrun import CHILD_ENV, TORCHRUN
+
+from d2lgpu.distributed import find_free_port, process_group
+from d2lgpu.model_parallel import (
+    ModelSpec,
+    ResumableTwoDRun,
+    TwoDRun,
+    max_abs_diff,
+    train_reference,
+)
+from d2lgpu.sharding import CheckpointError, fsdp2_unavailable_reason, load_checkpoint
+
+NO_FSDP2_ON_CPU = fsdp2_unavailable_reason("cpu")
+needs_fsdp2_on_cpu = pytest.mark.skipif(NO_FSDP2_ON_CPU is not None, reason=str(NO_FSDP2_ON_CPU))
+
+SPEC = ModelSpec(width=32, hidden=64, depth=2)
+LR, BATCH, SEQ, STEPS = 0.05, 4, 4, 6
+FLAGS = [
+    "--width=32", "--hidden=64", "--depth=2", f"--batch-size={BATCH}", f"--seq-len={SEQ}",
+    f"--lr={LR}", "--precision=fp32", f"--steps={STEPS}", "--save-every=2", "--timeout=60",
+]
+TOL = 1e-5
+
+
+def _torchrun(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        TORCHRUN + ["--standalone", "--nproc_per_node=2", "-m", "d2lgpu.model_parallel_train",
+                    *FLAGS, *flags],
+        env=CHILD_ENV, capture_output=True, text=True, timeout=240,
+    )
+
+
+@needs_fsdp2_on_cpu
+def test_killed_on_a_2x1_mesh_and_resumed_on_1x2_equals_one_process(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    killed = _torchrun("--dp=2", "--tp=1", f"--checkpoint-dir={ckpt}", "--fail-after-epoch=2")
+    out = killed.stdout + killed.stderr
+    assert killed.returncode != 0, out[-3000:]
+    assert "rank 1 is killed (SIGKILL) in step 5, after its forward" in out, out[-3000:]
+    assert "mesh (dp, tp) = (2, 1)" in out
+    # Complete checkpoints only: no temporary directory, nothing after the kill.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000002", "step-000004"]
+
+    resumed = _torchrun("--dp=1", "--tp=2", f"--checkpoint-dir={ckpt}")
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"resuming from {ckpt / 'step-000004'} (step 4)" in out
+    assert "written on a mesh (dp, tp) = (2, 1), this run has (1, 2)" in out
+    assert f"done: {STEPS} steps" in out
+
+    # One process, no process group, loads the final checkpoint the (1, 2) mesh wrote.
+    model = SPEC.build(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    extra = load_checkpoint(ckpt / f"step-{STEPS:06d}", model, optimizer)
+    ref = train_reference(SPEC, batch_size=BATCH, seq_len=SEQ, steps=STEPS, lr=LR)
+    diff = max_abs_diff(model.state_dict(), ref.state_dict)
+    print(f"killed in step 5 on (2, 1), resumed on (1, 2): max |weight - one process| = "
+          f"{diff:.1e} (tolerance {TOL:g})")
+    assert diff < TOL
+    assert extra["mesh"] == [1, 2] and extra["step"] == STEPS
+    assert extra["losses"] == pytest.approx(ref.losses, abs=TOL)  # 4 from the first job
+
+
+# --- flags: usage errors that name the fix, without starting processes --------------------
+
+
+@pytest.mark.parametrize(
+    "argv, world_size, words",
+    [
+        (["--dp=2", "--tp=2"], 2, r"shape \(2, 2\) has 4 places but there are 2 ranks"),
+        (["--tp=3"], 3, "256 hidden units do not split over 3 tensor-parallel ranks"),
+        (["--kind=attention", "--tp=3"], 3, "4 heads do not split over 3"),
+        (["--batch-size=5", "--tp=1"], 2, "batch of 5 does not split over 2 data-parallel"),
+        (["--kind=attention", "--width=30"], None, "width 30 does not split into 4 heads"),
+        (["--precision=half"], None, "write --precision='fp16'"),
+        (["--steps=0"], None, "argument --steps: must be a positive int"),
+        (["--seed=-1"], None, "argument --seed"),
+        (["--fail-after-epoch=1"], None, "--fail-after-epoch needs --checkpoint-dir"),
+        (["--data-root=x"], None, "unrecognized arguments: --data-root"),  # synthetic data
+    ],
+)
+def test_bad_flags_are_usage_errors_naming_the_fix(argv, world_size, words, capsys):
+    from d2lgpu.model_parallel_train import _parse_args
+
+    with pytest.raises(SystemExit) as info:
+        _parse_args(argv, world_size)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(words, err), err
+
+
+@pytest.mark.parametrize(
+    "argv, world_size, mesh",
+    [
+        ([], 4, (2, 2)),
+        (["--batch-size=12"], 3, (3, 1)),
+        (["--tp=4"], 4, (1, 4)),
+        (["--dp=1"], 2, (1, 2)),
+    ],
+)
+def test_the_mesh_defaults_fill_in_what_is_not_given(argv, world_size, mesh, tmp_path):
+    from d2lgpu.model_parallel_train import _parse_args
+
+    _, job = _parse_args(argv, world_size)
+    assert isinstance(job, TwoDRun) and job.mesh_shape == mesh
+    _, job = _parse_args([*argv, f"--checkpoint-dir={tmp_path}"], world_size)
+    assert isinstance(job, ResumableTwoDRun) and job.two_d.mesh_shape == mesh
+
+
+def test_outside_torchrun_main_says_how_to_start_it(monkeypatch):
+    from d2lgpu.model_parallel_train import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="start it with torchrun"):
+        main(["--dp=1", "--tp=1"])
+
+
+# --- resuming under other settings, in a one-rank group ----------------------------------
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with process_group(0, 1, master_port=find_free_port(), timeout_s=30) as ctx:
+        yield ctx
+
+
+@needs_fsdp2_on_cpu
+def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank):
+    base = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR)
+    first = ResumableTwoDRun(base, str(tmp_path), save_every=2).run(one_rank)
+    changed = [
+        (dict(lr=0.1), "learning rate 0.05 in the checkpoint, 0.1 now"),
+        (dict(batch_size=8), "global batch size 4 in the checkpoint, 8 now"),
+        (dict(spec=replace(SPEC, depth=4)), r"model \(kind, width, hidden, depth, heads, norm\)"),
+        (dict(seed=1), "seed 0 in the checkpoint, 1 now"),
+        (dict(precision="bf16"), "precision fp32 in the checkpoint, bf16 now"),
+    ]
+    for change, words in changed:
+        run = ResumableTwoDRun(replace(base, steps=4, **change), str(tmp_path), save_every=2)
+        with pytest.raises(CheckpointError, match=words) as info:
+            run.run(one_rank)
+        assert "Rerun with the checkpoint's settings" in str(info.value)
+    with pytest.raises(CheckpointError, match="at step 2 and this run ends at step 2"):
+        ResumableTwoDRun(base, str(tmp_path), save_every=2).run(one_rank)
+    resumed = ResumableTwoDRun(replace(base, steps=3), str(tmp_path), save_every=2).run(one_rank)
+    ref = train_reference(SPEC, batch_size=BATCH, seq_len=SEQ, steps=3, lr=LR)
+    assert resumed.losses[:2] == first.losses  # the history came from the checkpoint
+    assert max_abs_diff(resumed.state_dict, ref.state_dict) < TOL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
+
+
+@needs_fsdp2_on_cpu
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, one_rank, tmp_path):
+    run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR,
+                  precision=precision)
+    result = ResumableTwoDRun(run, str(tmp_path), save_every=2).run(one_rank)
+    ref = train_reference(SPEC, batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR)
+    assert all(v.dtype == torch.float32 for v in result.state_dict.values())
+    # Close to fp32, but not equal: the matmuls ran in 16 bits.
+    assert result.losses == pytest.approx(ref.losses, abs=0.05)
+    assert result.losses != ref.losses
+    extra = json.loads((tmp_path / "step-000002" / "extra.json").read_text())
+    assert extra["config"]["precision"] == ("fp16 + GradScaler" if precision == "fp16" else "bf16")
+    assert ("scaler" in extra) == (precision == "fp16")
+
+
+@needs_fsdp2_on_cpu
+def test_a_diverging_run_stops_before_saving_the_diverged_weights(tmp_path, one_rank):
+    run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=4, lr=1e30)
+    with pytest.raises(FloatingPointError, match="diverged.*try 1e[+]29"):
+        ResumableTwoDRun(run, str(tmp_path), save_every=1).run(one_rank)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
