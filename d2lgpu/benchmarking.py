@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from d2lgpu.devices import num_gpus
+from d2lgpu.devices import require_cuda_device
 
 __all__ = [
     "ElementwiseRow",
@@ -63,11 +63,11 @@ __all__ = [
     "multiply_add_sweep",
     "multiply_add_table",
     "multiply_add_unfused",
-    "resolve_device",
     "run_multiply_add",
     "tflops",
     "time_fn",
     "time_naive",
+    "timing_device",
 ]
 
 DeviceLike = torch.device | str | int | None
@@ -192,47 +192,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def resolve_device(device: DeviceLike) -> torch.device | None:
-    """Turn a device spelling into a ``torch.device`` that exists here, or fail clearly.
+def timing_device(device: DeviceLike) -> torch.device | None:
+    """The device a timer waits on: ``device`` as ``require_cuda_device`` reads it.
 
     ``None`` stays ``None`` (meaning: whatever the timed function uses). An int
-    means a CUDA GPU, as in ``tensor.to(0)``. A bare ``'cuda'`` is resolved to
-    the *current* CUDA device, which is what PyTorch does with it.
+    means a CUDA GPU, as in ``tensor.to(0)``, and a bare ``'cuda'`` the *current*
+    GPU, as PyTorch reads them. Timers wait on a CPU, a CUDA GPU or Apple's MPS.
     """
     if device is None:
         return None
-    if isinstance(device, bool):
-        raise TypeError(f"device must be a torch.device, a string or a GPU index, got {device!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
+    dev = require_cuda_device(device, "timing")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("'mps' was asked for, but Apple's MPS backend is not available")
+    if dev.type not in ("cpu", "cuda", "mps"):
         raise ValueError(
-            f"{device!r} is not a device name PyTorch understands; "
-            "use 'cpu', 'cuda', 'cuda:0' or torch.device('cuda', 0)"
-        ) from err
-    if dev.type == "cpu":
-        return dev
-    if dev.type == "cuda":
-        count = num_gpus()
-        if count == 0:
-            raise RuntimeError(
-                f"{dev} was asked for, but this process sees no CUDA GPU; "
-                "use d2lgpu.try_gpu() to fall back to the CPU, "
-                "or run `python -m d2lgpu info` to see why CUDA is missing"
-            )
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= count:
-            raise RuntimeError(
-                f"{dev} does not exist: this process sees {count} GPU(s), numbered 0 to {count - 1}"
-            )
-        return torch.device("cuda", index)
-    if dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise RuntimeError("'mps' was asked for, but Apple's MPS backend is not available")
-        return dev
-    raise ValueError(
-        f"cannot time work on a {dev.type!r} device: only 'cpu', 'cuda' and 'mps' are supported"
-    )
+            f"cannot time work on a {dev.type!r} device: only 'cpu', 'cuda' and 'mps' are supported"
+        )
+    return dev
 
 
 def _synchronize(device: torch.device | None) -> None:
@@ -313,7 +289,7 @@ def time_fn(
     """
     _check_callable("fn", fn)
     _check_counts(warmup, repeats)
-    dev = resolve_device(device)
+    dev = timing_device(device)
     for _ in range(warmup):
         fn()
     times = []
@@ -338,7 +314,7 @@ def time_naive(
     """
     _check_callable("fn", fn)
     _check_counts(warmup, repeats)
-    dev = resolve_device(device)
+    dev = timing_device(device)
     for _ in range(warmup):
         fn()
     times = []
@@ -368,7 +344,7 @@ def benchmark_autorange(
     """
     _check_callable("fn", fn)
     _check_number("min_run_time", min_run_time, positive=True)
-    dev = resolve_device(device)
+    dev = timing_device(device)
     from torch.utils import benchmark
 
     on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
@@ -473,7 +449,7 @@ def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
     :func:`last_level_cache_bytes`, at least 64 MiB, and 256 MiB when the cache size
     is unknown; on a GPU its L2 cache, at least 256 MiB.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("copy_buffer_bytes needs a device, e.g. 'cpu' or 'cuda:0'")
     if dev.type == "cpu":
@@ -539,7 +515,7 @@ def measure_copy_bandwidth(
     defaults to :func:`copy_buffer_bytes`, well beyond the last-level cache, so that
     memory and not cache is measured.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("measure_copy_bandwidth needs a device, e.g. 'cpu' or 'cuda:0'")
     if nbytes is None:
@@ -631,7 +607,7 @@ def multiply_add_benchmark(
     ``tensor_passes`` tensor-sized reads and writes per step (6 unfused, 4
     fused) as a share of ``copy_gbps``, the device's measured copy bandwidth.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("multiply_add_benchmark needs a device, e.g. 'cpu' or 'cuda:0'")
     _check_int("numel", numel)
@@ -717,7 +693,7 @@ def multiply_add_sweep(
     compiled = any(is_compiled(step) for step, _ in variants.values())
     rows = []
     for device in devices:
-        dev = resolve_device(device)
+        dev = timing_device(device)
         if dev is None or str(dev) not in copy_gbps:
             raise ValueError(
                 f"no copy bandwidth for {dev}; measure it with measure_copy_bandwidth({dev!r}) "
@@ -813,7 +789,7 @@ def compile_or_reason(
     dynamo's recompile limit) an error instead of a silent slowdown.
     """
     _check_callable("step", step, "d2lgpu.benchmarking.multiply_add_unfused")
-    dev = resolve_device(device)
+    dev = timing_device(device)
     try:
         compiled = torch.compile(step, backend=backend, fullgraph=True)
         a = torch.randn(1024, device=dev)
@@ -855,7 +831,7 @@ def measure_host_to_device(
     memory does ``non_blocking=True`` return before the copy is done (the
     last column: the host is free to queue more work meanwhile).
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None or dev.type != "cuda":
         raise RuntimeError(
             f"host-to-device transfers are measured on a CUDA GPU, got {dev}; "
@@ -938,7 +914,7 @@ def compare_timers(
     """
     _check_callable("fn", fn)
     _check_counts(warmup, repeats)
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("compare_timers needs a device, e.g. 'cpu' or 'cuda:0'")
     for _ in range(warmup):
@@ -955,7 +931,7 @@ def device_cache_bytes(device: DeviceLike) -> int | None:
 
     A CUDA GPU reports its L2 cache; for the CPU this is :func:`last_level_cache_bytes`.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is not None and dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev).L2_cache_size) or None
     if dev is None or dev.type != "cpu":

@@ -65,8 +65,7 @@ from d2lgpu.checks import (
     check_sequence,
 )
 from d2lgpu.data import fashion_mnist_tensors
-from d2lgpu.devices import as_device, try_gpu
-from d2lgpu.report import require_cuda_device
+from d2lgpu.devices import as_device, require_cuda_device, try_gpu
 
 __all__ = [
     "COMPILE_MODES",

@@ -30,7 +30,7 @@ import torch
 
 from d2lgpu.checks import check_bool, check_positive_int
 from d2lgpu.config import describe_mode
-from d2lgpu.devices import as_device, num_gpus
+from d2lgpu.devices import as_device, num_gpus, require_cuda_device
 from d2lgpu.precision import native_tensor_core_formats
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "print_report",
     "print_setup",
     "read_nvml",
-    "require_cuda_device",
     "setup_summary",
 ]
 
@@ -787,42 +786,6 @@ def print_report(report: EnvironmentReport | None = None) -> None:
     if report is not None:
         _check_report(report, "print_report")
     print(format_report(environment_report() if report is None else report))
-
-
-# --------------------------------------------------------------------------------------
-# Checking a CUDA device before using it
-# --------------------------------------------------------------------------------------
-
-
-def require_cuda_device(device: torch.device | str, what: str) -> torch.device:
-    """``device`` with its GPU index filled in, once it is clear that CUDA can use it here.
-
-    Every function of the package that takes a device calls this before touching CUDA,
-    so that ``'cuda'`` on a machine without a usable GPU fails with the reason and its
-    fix (:func:`diagnose_this_machine`), not torch's bare "Found no NVIDIA driver".
-    ``what`` names the caller in the message. A device that is not CUDA is returned
-    unchanged; a bare ``'cuda'`` becomes the current GPU, as torch reads it.
-    """
-    if not isinstance(what, str) or not what:
-        raise TypeError(f"what must name the caller for the message (a non-empty str), "
-                        f"got {type(what).__name__} {what!r}")
-    device = as_device(device)
-    if device.type != "cuda":
-        return device
-    count = num_gpus()
-    if count == 0:
-        raise RuntimeError(
-            f"{what} was given {device}, but this process cannot use CUDA.\n"
-            f"{diagnose_this_machine()}\n"
-            "To run on the CPU instead, pass d2lgpu.try_gpu() (it is the CPU when there is no GPU)."
-        )
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= count:
-        raise RuntimeError(
-            f"{what} was given {device}, but {device} does not exist: this process sees {count} "
-            f"GPU(s), numbered 0 to {count - 1}. Run `python -m d2lgpu info` to see them."
-        )
-    return torch.device("cuda", index)
 
 
 # --------------------------------------------------------------------------------------
