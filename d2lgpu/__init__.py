@@ -26,6 +26,11 @@ from d2lgpu.benchmarking import (
     time_fn,
     time_naive,
 )
+from d2lgpu.chips import (
+    native_tensor_core_formats,
+    peak_tflops,
+    training_flops_per_example,
+)
 from d2lgpu.config import data_root, describe_mode, pick, quick_mode, workload
 from d2lgpu.data import (
     FASHION_MNIST_LABELS,
@@ -49,9 +54,7 @@ from d2lgpu.fast import (
     DeviceLoader,
     Techniques,
     fashion_mnist_on_device,
-    peak_tflops,
     technique_skip_reason,
-    training_flops_per_example,
 )
 from d2lgpu.memory import (
     Checkpointed,
@@ -82,7 +85,6 @@ from d2lgpu.precision import (
     cpu_has_native_bf16,
     format_sweep_table,
     mode_unavailable_reason,
-    native_tensor_core_formats,
     precision_policy,
     precision_sweep,
     random_batch_maker,

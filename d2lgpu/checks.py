@@ -40,6 +40,17 @@ def check_bool(name: str, value: object, *, none_means: str | None = None) -> bo
     raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
 
 
+def check_capability(capability: object) -> tuple[int, int]:
+    """``capability`` if it is a (major, minor) tuple of ints, as
+    ``torch.cuda.get_device_capability()`` returns; else a TypeError naming it."""
+    if not (
+        isinstance(capability, tuple) and len(capability) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
+    ):
+        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
+    return capability  # type: ignore[return-value]
+
+
 def check_positive_float(name: str, value: object) -> float:
     """Return ``value`` as a float if it is a finite number > 0, else a ValueError naming ``name``.
 

@@ -78,10 +78,7 @@ __all__ = [
     "compile_model",
     "fashion_mnist_on_device",
     "make_sgd",
-    "peak_format",
-    "peak_tflops",
     "technique_skip_reason",
-    "training_flops_per_example",
 ]
 
 #: Mean and standard deviation of the Fashion-MNIST training pixels scaled to [0, 1]
@@ -492,108 +489,3 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
     if techniques.cuda_graphs:
         return torch.compile(net, backend="cudagraphs")
     return net
-
-
-def training_flops_per_example(
-    net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
-) -> float:
-    """FLOPs of one training step (forward and backward) per example, counted by
-    ``torch.utils.flop_counter.FlopCounterMode`` on a small batch on the CPU.
-
-    Counts matrix multiplications and convolutions (2 FLOPs per multiply-add), which
-    is what Tensor Core peaks are quoted for; elementwise work is left out. The
-    model's weights and batch-norm statistics are left unchanged (it runs on a copy).
-    """
-    import copy
-
-    from torch.utils.flop_counter import FlopCounterMode
-
-    if not isinstance(net, nn.Module):
-        raise TypeError(f"net must be a torch.nn.Module (the model to count), "
-                        f"got {type(net).__name__} {net!r}")
-    check_positive_int("batch_size", batch_size)
-    probe = copy.deepcopy(net).to("cpu", torch.float32).train()
-    X = torch.zeros(batch_size, *example_shape)
-    with FlopCounterMode(display=False) as counter:
-        out = probe(X)
-        out.float().sum().backward()
-    return counter.get_total_flops() / batch_size
-
-
-#: Dense (no sparsity) Tensor Core peak in TFLOP/s of the fast reduced-precision format
-#: (bf16, or fp16 on GPUs without native bf16: T4, V100) from NVIDIA's data sheets,
-#: keyed by (model, form factor) as :func:`_model_and_form_factor` reads them from
-#: ``torch.cuda.get_device_name()``; form factor None: the name carries none (the H100
-#: SXM reports itself as "NVIDIA H100 80GB HBM3", the H200 SXM as "NVIDIA H200").
-#: Each value is (peak, SMs of the full GPU); the SM count is given for the GPUs that
-#: MIG can split, to scale the peak of a slice (None: not splittable).
-PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
-    ("h100", None): (989.0, 132),  # SXM5: 1,979 TFLOPS with sparsity
-    ("h100", "sxm5"): (989.0, 132),
-    ("h100", "pcie"): (756.0, 114),
-    ("h100", "nvl"): (835.0, 132),
-    ("h200", None): (989.0, 132),  # SXM
-    ("h200", "nvl"): (835.0, 132),
-    ("a100", None): (312.0, 108),  # SXM4 and PCIe alike
-    ("a100", "sxm"): (312.0, 108),
-    ("a100", "sxm4"): (312.0, 108),
-    ("a100", "pcie"): (312.0, 108),
-    ("a10", None): (125.0, None),
-    ("l40s", None): (362.0, None),
-    ("l40", None): (181.0, None),
-    ("l4", None): (121.0, None),
-    ("t4", None): (65.0, None),  # fp16
-    ("v100", "sxm2"): (125.0, None),  # fp16
-    ("v100", "pcie"): (112.0, None),
-    ("v100s", "pcie"): (130.0, None),
-}
-
-_FORM_FACTORS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
-
-
-def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
-    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the whole model word after the brand,
-    and the first form-factor word. Whole words, so "RTX A1000" is not an A100."""
-    words = name.lower().replace("-", " ").replace("_", " ").split()
-    while words and words[0] in ("nvidia", "tesla"):
-        words = words[1:]
-    if not words:
-        return None
-    form_factor = next((w for w in words[1:] if w in _FORM_FACTORS), None)
-    return words[0], form_factor
-
-
-def peak_format(device: torch.device | str) -> str | None:
-    """The format of :func:`peak_tflops`'s data-sheet peak on ``device``: "bf16" from
-    compute capability 8.0 (Ampere on), "fp16" on 7.x (T4, V100: no native bf16), None
-    where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
-    device = as_device(device)
-    if device.type != "cuda":
-        return None
-    major, _ = torch.cuda.get_device_capability(device)
-    return "bf16" if major >= 8 else "fp16" if major == 7 else None
-
-
-def peak_tflops(device: torch.device | str) -> float | None:
-    """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None.
-
-    None means unknown: the CPU, or a GPU that is not in the table (say "unknown peak").
-    A MIG slice reports its parent GPU's name but only its own multiprocessors; its
-    peak is the parent's scaled by its share of the SMs (a 3g.20gb slice of an A100
-    has 42 of 108). A GPU with more SMs than the table's is not the one the data
-    sheet describes, so its peak is unknown too.
-    """
-    device = as_device(device)
-    if device.type != "cuda":
-        return None
-    device = require_cuda_device(device, "peak_tflops")
-    key = _model_and_form_factor(torch.cuda.get_device_name(device))
-    if key not in PEAK_TFLOPS:
-        return None
-    peak, full_sms = PEAK_TFLOPS[key]
-    if full_sms is None:
-        return peak
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if sms > full_sms:
-        return None
-    return peak * sms / full_sms

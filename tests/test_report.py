@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import d2lgpu
-from d2lgpu import report
+from d2lgpu import chips, report
 from d2lgpu.__main__ import main
 from d2lgpu.report import (
     CudaDiagnosis,
@@ -679,7 +679,7 @@ def test_gpu_in_numbers_reads_what_the_properties_have():
     assert numbers["shared memory per SM, max"] == "64 KiB"
     assert numbers["memory bandwidth"] == "320 GB/s"  # 2 x 5.001 GHz x 32 bytes
     # where the board's own figures and the data sheet overlap, they agree
-    sheet = report.GPU_DATASHEETS["T4"]
+    sheet = chips.GPU_DATASHEETS["T4"]
     for key in ("compute capability", "SMs", "warp size (threads)", "max threads per SM",
                 "registers per SM (32-bit)", "shared memory per SM, max", "memory bandwidth"):
         assert str(numbers[key]) == str(sheet[key]), key
@@ -702,7 +702,7 @@ def test_gpu_in_numbers_on_an_older_torch_skips_missing_fields():
 def test_gpu_in_numbers_without_a_gpu_shows_the_data_sheets():
     table = report.gpu_in_numbers(None)
     assert "yours" not in table and "H100 SXM5" in table
-    assert set(report.GPU_DATASHEETS["H100 SXM5"]) <= set(report.GPU_NUMBERS_ROWS)
+    assert set(chips.GPU_DATASHEETS["H100 SXM5"]) <= set(report.GPU_NUMBERS_ROWS)
 
 
 @pytest.mark.parametrize("value", [0, True, float("nan")])
