@@ -36,9 +36,9 @@ from torch import nn
 from torch.utils import data
 
 import d2lgpu
-from d2lgpu.benchmarking import format_table
 from d2lgpu.chips import peak_format, peak_tflops, training_flops_per_example
 from d2lgpu.fast import fashion_mnist_on_device
+from d2lgpu.timing import format_table
 from d2lgpu.training import History, init_weights, set_seed, train_fast
 
 MODELS = {"resnet18": d2lgpu.resnet18, "small_cnn": d2lgpu.small_cnn}

@@ -17,13 +17,9 @@ light), and ``checks`` (argument checks the others share).
 """
 
 from d2lgpu.benchmarking import (
-    Timing,
     benchmark_autorange,
-    gbps,
     measure_copy_bandwidth,
     measure_host_to_device,
-    tflops,
-    time_fn,
     time_naive,
 )
 from d2lgpu.chips import (
@@ -124,6 +120,7 @@ from d2lgpu.report import (
     read_nvml,
     setup_summary,
 )
+from d2lgpu.timing import Timing, gbps, tflops, time_fn
 from d2lgpu.training import (
     History,
     evaluate_accuracy,

@@ -51,6 +51,22 @@ def check_capability(capability: object) -> tuple[int, int]:
     return capability  # type: ignore[return-value]
 
 
+def check_callable(name: str, value: object, *, example: str) -> None:
+    """A TypeError naming ``name`` and an ``example`` of what to pass, unless ``value`` can be
+    called."""
+    if not callable(value):
+        raise TypeError(f"{name} must be a function to call (e.g. {example}), got "
+                        f"{type(value).__name__} {value!r:.60}")
+
+
+def check_warmup_repeats(warmup: object, repeats: object) -> None:
+    """A ValueError naming the count, unless ``repeats`` is an int >= 1 and ``warmup`` >= 0."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int of at least 1, got {repeats!r}; try repeats=10")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int of 0 or more, got {warmup!r}; try warmup=2")
+
+
 def check_positive_float(name: str, value: object) -> float:
     """Return ``value`` as a float if it is a finite number > 0, else a ValueError naming ``name``.
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from d2lgpu.benchmarking import time_fn
 from d2lgpu.checks import (
     check_bool,
     check_capability,
@@ -43,6 +42,7 @@ from d2lgpu.checks import (
 )
 from d2lgpu.chips import native_tensor_core_formats
 from d2lgpu.devices import as_device
+from d2lgpu.timing import time_fn
 
 __all__ = [
     "CPU_BF16_FLAGS",
