@@ -37,7 +37,7 @@ from torch.utils import data
 
 import d2lgpu
 from d2lgpu.chips import peak_format, peak_tflops, training_flops_per_example
-from d2lgpu.fast import fashion_mnist_on_device
+from d2lgpu.data import fashion_mnist_on_device
 from d2lgpu.timing import format_table
 from d2lgpu.training import History, init_weights, set_seed, train_fast
 

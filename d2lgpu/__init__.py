@@ -32,6 +32,8 @@ from d2lgpu.data import (
     FASHION_MNIST_LABELS,
     QUICK_TEST_SIZE,
     QUICK_TRAIN_SIZE,
+    DeviceLoader,
+    fashion_mnist_on_device,
     fashion_mnist_tensors,
     get_fashion_mnist_labels,
     load_data_fashion_mnist,
@@ -46,12 +48,7 @@ from d2lgpu.distributed import (
     process_group,
 )
 from d2lgpu.estimate import ChapterClock, start_chapter
-from d2lgpu.fast import (
-    DeviceLoader,
-    Techniques,
-    fashion_mnist_on_device,
-    technique_skip_reason,
-)
+from d2lgpu.fast import Techniques, technique_skip_reason
 from d2lgpu.memory import (
     Checkpointed,
     LiveTensorBytes,

@@ -45,9 +45,10 @@ from d2lgpu.checks import (
     check_training_loss,
     find_non_finite_batch,
 )
+from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import as_device, resolve_devices, try_gpu
 from d2lgpu.estimate import training_estimate
-from d2lgpu.fast import DeviceLoader, Techniques, as_device_loader, compile_model, make_sgd
+from d2lgpu.fast import Techniques, as_device_loader, compile_model, make_sgd
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 

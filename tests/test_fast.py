@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 import d2lgpu
-from d2lgpu.fast import (
+from d2lgpu.data import (
     FASHION_MNIST_MEAN,
     FASHION_MNIST_STD,
     DeviceLoader,
     fashion_mnist_on_device,
-    make_sgd,
 )
+from d2lgpu.fast import make_sgd
 from d2lgpu.precision import precision_policy
 from d2lgpu.training import train_fast
 
