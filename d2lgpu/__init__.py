@@ -1,19 +1,29 @@
 """d2lgpu: the helpers of a course on finding, using and filling GPUs with PyTorch.
 
-Modules by concern: ``config`` (environment variables), ``devices`` (naming
-devices), ``report`` (what this machine can do, and why CUDA is missing),
-``benchmarking`` (timing GPU work correctly), ``data`` (Fashion-MNIST),
-``models`` (ResNet-18, a small CNN and a residual MLP), ``parallel`` (data
-parallelism by hand), ``training`` (the train loop), ``estimate`` (how long a
-run will take, measured), ``plotting``, ``precision`` (mixed precision),
-``fast`` (the fast path's techniques, one switch each), ``profiling``
-(profiler traces, the roofline, the fast path as an ablation, torch.compile and
-CUDA graphs, memory timelines), ``distributed``, ``ddp_train`` and
-``healthcheck`` (torch.distributed and torchrun), ``memory`` (where training
-memory goes, counted; gradient accumulation; activation checkpointing),
-``sharding`` and ``fsdp_train`` (FSDP2, collectives counted, distributed
-checkpoints; imported by name, not re-exported here, to keep ``import d2lgpu``
-light), and ``checks`` (argument checks the others share).
+A chapter's helpers live in its own modules:
+
+1. ``report`` (what this machine has, and why CUDA is missing) and ``chips``
+   (what a chip can do: Tensor Core formats, data sheets, peaks, FLOP counts);
+2. ``devices`` (naming and resolving devices), ``timing`` (the course's clock:
+   ``time_fn``, ``Timing``, rates, ``format_table``) and ``benchmarking`` (the
+   wrong timer, bandwidths, the multiply-add study);
+3. ``parallel`` (data parallelism by hand);
+4. ``data`` (Fashion-MNIST: loaders, tensors, ``DeviceLoader`` on the device),
+   ``models``, ``training`` (the train loop) and ``fast`` (the fast path's switches);
+5. ``distributed``, ``ddp_train`` and ``healthcheck`` (torch.distributed, torchrun);
+6. ``precision`` (the precision vocabulary and policy, the sweep);
+7. ``profiling`` (traces, the roofline, the ablation, torch.compile, CUDA graphs);
+8. ``memory``, ``sharding`` and ``fsdp_train`` (where memory goes; FSDP2,
+   collectives counted, distributed checkpoints);
+9. ``model_parallel`` and ``model_parallel_train`` (pipelines, tensor parallel).
+
+Every chapter uses ``config`` (the workload), ``estimate`` (the chapter clock),
+``plotting`` and ``checks`` (argument checks that name the fix). A helper that a
+second chapter needs moves down to a shared module (``devices``, ``chips``,
+``timing``, ``data``, ``models``), never sideways. The names the notebooks use
+are re-exported here; the distributed entry points and ``sharding``,
+``fsdp_train`` and ``model_parallel`` are imported by name, to keep
+``import d2lgpu`` light.
 """
 
 from d2lgpu.benchmarking import (
