@@ -132,7 +132,7 @@ class Techniques:
         """The fast path on ``device``: every technique up to the optimizer that pays off
         there (see :func:`technique_skip_reason`), plus ``compile``/``cuda_graphs`` when
         asked for (they cost compile time up front)."""
-        device = torch.device(device)
+        device = as_device(device)
         basic = TECHNIQUES[: TECHNIQUES.index("fused_optimizer") + 1]
         switches = {name: technique_skip_reason(name, device) is None for name in basic}
         return cls(**switches, compile=compile, cuda_graphs=cuda_graphs)
@@ -169,7 +169,7 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
     """
     if technique not in TECHNIQUES:
         raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
-    device = torch.device(device)
+    device = as_device(device)
     on_cuda = device.type == "cuda"
     if technique == "autocast":
         if precision.precision_policy(device, "auto").dtype is not None:

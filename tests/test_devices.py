@@ -158,3 +158,23 @@ def test_require_cuda_device_names_a_bad_caller_label(what):
 def test_require_cuda_device_names_the_spellings_of_a_bad_device():
     with pytest.raises(TypeError, match="use 'cpu', 'cuda'"):
         require_cuda_device(1.5, "x")
+
+
+# Every function that takes a device reads it through this module, so a misspelt one gets
+# the same error, naming the spellings, wherever it is passed.
+@pytest.mark.parametrize("call", [
+    lambda device: require_cuda_device(device, "x"),
+    lambda device: resolve_devices(device),
+    lambda device: d2lgpu.peak_tflops(device),
+    lambda device: d2lgpu.time_fn(lambda: None, device),
+    lambda device: d2lgpu.Techniques.fast(device),
+    lambda device: d2lgpu.technique_skip_reason("autocast", device),
+    lambda device: d2lgpu.precision_policy(device),
+    lambda device: d2lgpu.estimate.training_estimate([1], 1, device),
+    lambda device: d2lgpu.DeviceLoader(torch.zeros(2, 1, 2, 2, dtype=torch.uint8),
+                                       torch.zeros(2, dtype=torch.long), 1, device=device),
+], ids=["require_cuda_device", "resolve_devices", "peak_tflops", "time_fn", "Techniques.fast",
+        "technique_skip_reason", "precision_policy", "training_estimate", "DeviceLoader"])
+def test_a_misspelt_device_gets_one_error_everywhere(call):
+    with pytest.raises(ValueError, match=r"'cuda0' is not a device PyTorch understands; use 'cpu'"):
+        call("cuda0")
