@@ -33,7 +33,7 @@ import torch
 
 import d2lgpu
 from d2lgpu import profiling
-from d2lgpu.fast import peak_tflops, training_flops_per_example
+from d2lgpu.chips import peak_tflops, training_flops_per_example
 
 
 def machine_name(device: torch.device) -> str:

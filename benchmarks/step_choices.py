@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import d2lgpu
-from d2lgpu.benchmarking import format_table, time_fn
 from d2lgpu.fast import make_sgd
+from d2lgpu.timing import format_table, time_fn
 
 MODELS = {"resnet18": d2lgpu.resnet18, "small_cnn": d2lgpu.small_cnn}
 

@@ -36,13 +36,9 @@ from torch import nn
 from torch.utils import data
 
 import d2lgpu
-from d2lgpu.benchmarking import format_table
-from d2lgpu.fast import (
-    fashion_mnist_on_device,
-    peak_format,
-    peak_tflops,
-    training_flops_per_example,
-)
+from d2lgpu.chips import peak_format, peak_tflops, training_flops_per_example
+from d2lgpu.data import fashion_mnist_on_device
+from d2lgpu.timing import format_table
 from d2lgpu.training import History, init_weights, set_seed, train_fast
 
 MODELS = {"resnet18": d2lgpu.resnet18, "small_cnn": d2lgpu.small_cnn}
@@ -141,7 +137,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the fast path")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense Tensor Core peak of the device (default: "
-                             "d2lgpu.fast.PEAK_TFLOPS: bf16, fp16 on T4/V100)")
+                             "d2lgpu.chips.PEAK_TFLOPS: bf16, fp16 on T4/V100)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

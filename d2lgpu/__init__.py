@@ -1,37 +1,49 @@
 """d2lgpu: the helpers of a course on finding, using and filling GPUs with PyTorch.
 
-Modules by concern: ``config`` (environment variables), ``devices`` (naming
-devices), ``report`` (what this machine can do, and why CUDA is missing),
-``benchmarking`` (timing GPU work correctly), ``data`` (Fashion-MNIST),
-``models`` (ResNet-18, a small CNN and a residual MLP), ``parallel`` (data
-parallelism by hand), ``training`` (the train loop), ``estimate`` (how long a
-run will take, measured), ``plotting``, ``precision`` (mixed precision),
-``fast`` (the fast path's techniques, one switch each), ``profiling``
-(profiler traces, the roofline, the fast path as an ablation, torch.compile and
-CUDA graphs, memory timelines), ``distributed``, ``ddp_train`` and
-``healthcheck`` (torch.distributed and torchrun), ``memory`` (where training
-memory goes, counted; gradient accumulation; activation checkpointing),
-``sharding`` and ``fsdp_train`` (FSDP2, collectives counted, distributed
-checkpoints), ``model_parallel`` and ``model_parallel_train`` (pipeline, tensor
-and 2-D parallelism; these four are imported by name, not re-exported here, to
-keep ``import d2lgpu`` light), and ``checks`` (argument checks the others share).
+A chapter's helpers live in its own modules:
+
+1. ``report`` (what this machine has, and why CUDA is missing) and ``chips``
+   (what a chip can do: Tensor Core formats, data sheets, peaks, FLOP counts);
+2. ``devices`` (naming and resolving devices), ``timing`` (the course's clock:
+   ``time_fn``, ``Timing``, rates, ``format_table``) and ``benchmarking`` (the
+   wrong timer, bandwidths, the multiply-add study);
+3. ``parallel`` (data parallelism by hand);
+4. ``data`` (Fashion-MNIST: loaders, tensors, ``DeviceLoader`` on the device),
+   ``models``, ``training`` (the train loop) and ``fast`` (the fast path's switches);
+5. ``distributed``, ``ddp_train`` and ``healthcheck`` (torch.distributed, torchrun);
+6. ``precision`` (the precision vocabulary and policy, the sweep);
+7. ``profiling`` (traces, the roofline, the ablation, torch.compile, CUDA graphs);
+8. ``memory``, ``sharding`` and ``fsdp_train`` (where memory goes; FSDP2,
+   collectives counted, distributed checkpoints);
+9. ``model_parallel`` and ``model_parallel_train`` (pipelines, tensor parallel).
+
+Every chapter uses ``config`` (the workload), ``estimate`` (the chapter clock),
+``plotting`` and ``checks`` (argument checks that name the fix). A helper that a
+second chapter needs moves down to a shared module (``devices``, ``chips``,
+``timing``, ``data``, ``models``), never sideways. The names the notebooks use
+are re-exported here; the distributed entry points and ``sharding``,
+``fsdp_train``, ``model_parallel`` and ``model_parallel_train`` are imported by name, to keep
+``import d2lgpu`` light.
 """
 
 from d2lgpu.benchmarking import (
-    Timing,
     benchmark_autorange,
-    gbps,
     measure_copy_bandwidth,
     measure_host_to_device,
-    tflops,
-    time_fn,
     time_naive,
+)
+from d2lgpu.chips import (
+    native_tensor_core_formats,
+    peak_tflops,
+    training_flops_per_example,
 )
 from d2lgpu.config import data_root, describe_mode, pick, quick_mode, workload
 from d2lgpu.data import (
     FASHION_MNIST_LABELS,
     QUICK_TEST_SIZE,
     QUICK_TRAIN_SIZE,
+    DeviceLoader,
+    fashion_mnist_on_device,
     fashion_mnist_tensors,
     get_fashion_mnist_labels,
     load_data_fashion_mnist,
@@ -46,14 +58,7 @@ from d2lgpu.distributed import (
     process_group,
 )
 from d2lgpu.estimate import ChapterClock, start_chapter
-from d2lgpu.fast import (
-    DeviceLoader,
-    Techniques,
-    fashion_mnist_on_device,
-    peak_tflops,
-    technique_skip_reason,
-    training_flops_per_example,
-)
+from d2lgpu.fast import Techniques, technique_skip_reason
 from d2lgpu.memory import (
     Checkpointed,
     LiveTensorBytes,
@@ -83,7 +88,6 @@ from d2lgpu.precision import (
     cpu_has_native_bf16,
     format_sweep_table,
     mode_unavailable_reason,
-    native_tensor_core_formats,
     precision_policy,
     precision_sweep,
     random_batch_maker,
@@ -123,6 +127,7 @@ from d2lgpu.report import (
     read_nvml,
     setup_summary,
 )
+from d2lgpu.timing import Timing, gbps, tflops, time_fn
 from d2lgpu.training import (
     History,
     evaluate_accuracy,

@@ -1,15 +1,12 @@
-"""Timing GPU work correctly, and turning times into bandwidth and FLOP rates.
+"""Chapter 2's measurements: the wrong timer and PyTorch's own, and the bandwidths they read.
 
-CUDA runs asynchronously: a call such as ``a * b`` on GPU tensors *queues* a
-kernel and returns to Python at once. A stopwatch read right after the call
-measures how long it took to queue the work, not to do it. Every timer here
-therefore waits for the device (``torch.cuda.synchronize``) before it starts
-the clock and again before it stops it, and repeats the measurement so that a
-median and a spread can be reported. :func:`time_naive` leaves out the second
-wait on purpose, so that chapter 2 can show what goes wrong.
-
-On the CPU, PyTorch ops run synchronously, so the plain wall clock
-(``time.perf_counter``) is already correct and both timers agree.
+The course's timer, :func:`d2lgpu.timing.time_fn` (with :class:`~d2lgpu.timing.Timing`),
+waits for the device before it starts the clock and again before it stops it.
+:func:`time_naive` leaves out the second wait on purpose, so that chapter 2 can
+show what goes wrong; :func:`benchmark_autorange` is ``torch.utils.benchmark``'s
+timer, and :func:`compare_timers` sets the three side by side. On the CPU,
+PyTorch ops run synchronously, so the plain wall clock (``time.perf_counter``)
+is already correct and the timers agree.
 
 The helpers further down are the measurements the course quotes: the copy
 bandwidth of a device (the practical ceiling for memory-bound work), the
@@ -21,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 import timeit
 from collections.abc import Callable, Mapping, Sequence
@@ -34,11 +30,25 @@ from typing import Any
 
 import torch
 
-from d2lgpu.devices import num_gpus
+from d2lgpu.checks import (
+    check_callable,
+    check_positive_float,
+    check_positive_int,
+    check_sequence,
+    check_warmup_repeats,
+)
+from d2lgpu.timing import (
+    DeviceLike,
+    Timing,
+    format_seconds,
+    gbps,
+    synchronize,
+    time_fn,
+    timing_device,
+)
 
 __all__ = [
     "ElementwiseRow",
-    "Timing",
     "TransferRow",
     "FUSED_TENSOR_PASSES",
     "MULTIPLY_ADD_HEADERS",
@@ -49,9 +59,6 @@ __all__ = [
     "copy_peak_ceiling",
     "cpu_writes_allocate",
     "copy_buffer_bytes",
-    "format_seconds",
-    "format_table",
-    "gbps",
     "device_cache_bytes",
     "is_compiled",
     "last_level_cache_bytes",
@@ -63,222 +70,9 @@ __all__ = [
     "multiply_add_sweep",
     "multiply_add_table",
     "multiply_add_unfused",
-    "resolve_device",
     "run_multiply_add",
-    "tflops",
-    "time_fn",
     "time_naive",
 ]
-
-DeviceLike = torch.device | str | int | None
-
-
-# --------------------------------------------------------------------------- #
-# Results
-# --------------------------------------------------------------------------- #
-
-
-def format_seconds(seconds: float) -> str:
-    """A duration with a readable unit: ``'3.20 ms'``, ``'41.0 us'``, ``'1.50 s'``."""
-    _check_number("seconds", seconds)
-    if seconds >= 1.0:
-        return f"{seconds:.2f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    if seconds >= 1e-6:
-        return f"{seconds * 1e6:.1f} us"
-    return f"{seconds * 1e9:.0f} ns"
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Repeated measurements of one piece of work, in seconds.
-
-    Report the median (robust to the odd slow run caused by another process)
-    with the interquartile range as the spread; ``min`` is the best case.
-    """
-
-    times: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if isinstance(self.times, (str, bytes)) or not hasattr(self.times, "__iter__"):
-            raise TypeError(f"Timing needs a list of durations in seconds, got "
-                            f"{type(self.times).__name__} {self.times!r:.60}")
-        if any(isinstance(t, bool) or not isinstance(t, Real) for t in self.times):
-            raise ValueError(f"times must be numbers of seconds, got {tuple(self.times)!r:.80}")
-        times = tuple(float(t) for t in self.times)
-        if not times:
-            raise ValueError("a Timing needs at least one measurement; got an empty list")
-        if any(not math.isfinite(t) or t < 0 for t in times):
-            raise ValueError(f"times must be finite and non-negative seconds, got {times}")
-        object.__setattr__(self, "times", times)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.times)
-
-    @property
-    def min(self) -> float:
-        return min(self.times)
-
-    @property
-    def max(self) -> float:
-        return max(self.times)
-
-    @property
-    def iqr(self) -> float:
-        """Interquartile range (75th minus 25th percentile, linear interpolation)."""
-        if len(self.times) < 2:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(self.times, n=4, method="inclusive")
-        return q3 - q1
-
-    def __str__(self) -> str:
-        return (
-            f"median {format_seconds(self.median)} "
-            f"(IQR {format_seconds(self.iqr)}, {len(self.times)} runs)"
-        )
-
-
-def _per_second(amount: float, seconds: float, what: str) -> float:
-    for name, value in (("seconds", seconds), (what, amount)):
-        if isinstance(value, bool) or not isinstance(value, Real):
-            raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r:.60}")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"seconds must be a positive finite duration, got {seconds!r}")
-    if not (math.isfinite(amount) and amount >= 0):
-        raise ValueError(f"{what} must be a non-negative finite count, got {amount!r}")
-    return amount / seconds
-
-
-def gbps(nbytes: float, seconds: float) -> float:
-    """Bandwidth in GB/s (10**9 bytes per second, the unit of GPU spec sheets)."""
-    return _per_second(nbytes, seconds, "nbytes") / 1e9
-
-
-def tflops(flops: float, seconds: float) -> float:
-    """Throughput in TFLOP/s (10**12 floating-point operations per second)."""
-    return _per_second(flops, seconds, "flops") / 1e12
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain-text table, columns right-aligned; floats get 3 significant digits."""
-    _check_sequence("headers", headers, "['size', 'ms']")
-    _check_sequence("rows", rows, "[[1024, 0.5]]")
-    for row in rows:
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != len(
-                headers):
-            raise ValueError(f"every row must be a list of {len(headers)} values, one per "
-                             f"header {list(headers)}, got {row!r:.80}")
-
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-        return str(value)
-
-    text = [[str(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
-    widths = [max(len(line[i]) for line in text) for i in range(len(headers))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in text]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- #
-# Devices and synchronisation
-# --------------------------------------------------------------------------- #
-
-
-def resolve_device(device: DeviceLike) -> torch.device | None:
-    """Turn a device spelling into a ``torch.device`` that exists here, or fail clearly.
-
-    ``None`` stays ``None`` (meaning: whatever the timed function uses). An int
-    means a CUDA GPU, as in ``tensor.to(0)``. A bare ``'cuda'`` is resolved to
-    the *current* CUDA device, which is what PyTorch does with it.
-    """
-    if device is None:
-        return None
-    if isinstance(device, bool):
-        raise TypeError(f"device must be a torch.device, a string or a GPU index, got {device!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(
-            f"{device!r} is not a device name PyTorch understands; "
-            "use 'cpu', 'cuda', 'cuda:0' or torch.device('cuda', 0)"
-        ) from err
-    if dev.type == "cpu":
-        return dev
-    if dev.type == "cuda":
-        count = num_gpus()
-        if count == 0:
-            raise RuntimeError(
-                f"{dev} was asked for, but this process sees no CUDA GPU; "
-                "use d2lgpu.try_gpu() to fall back to the CPU, "
-                "or run `python -m d2lgpu info` to see why CUDA is missing"
-            )
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= count:
-            raise RuntimeError(
-                f"{dev} does not exist: this process sees {count} GPU(s), numbered 0 to {count - 1}"
-            )
-        return torch.device("cuda", index)
-    if dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise RuntimeError("'mps' was asked for, but Apple's MPS backend is not available")
-        return dev
-    raise ValueError(
-        f"cannot time work on a {dev.type!r} device: only 'cpu', 'cuda' and 'mps' are supported"
-    )
-
-
-def _synchronize(device: torch.device | None) -> None:
-    """Wait until all work queued on ``device`` has finished.
-
-    With ``device=None`` the current CUDA device is waited for (when CUDA has been
-    used in this process): that is where the timed function's work goes unless it
-    names another GPU. Waiting for every visible GPU instead would create a CUDA
-    context, hundreds of MiB, on each GPU of a shared machine.
-    """
-    if device is None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def _check_callable(name: str, fn: object, example: str = "lambda: a * b") -> None:
-    if not callable(fn):
-        raise TypeError(f"{name} must be a function to call (e.g. {example}), got "
-                        f"{type(fn).__name__} {fn!r:.60}")
-
-
-def _check_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
-    return value
-
-
-def _check_number(name: str, value: object, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or (
-            value <= 0 if positive else value < 0):
-        kind = "a positive" if positive else "a non-negative"
-        raise ValueError(f"{name} must be {kind} finite number, got {value!r}")
-    return float(value)
-
-
-def _check_sequence(name: str, value: object, example: str) -> Sequence[Any]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a list, e.g. {example}, got {type(value).__name__} "
-                        f"{value!r:.60}")
-    return value
-
 
 def _check_mapping(name: str, value: object, example: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
@@ -287,43 +81,9 @@ def _check_mapping(name: str, value: object, example: str) -> Mapping[str, Any]:
     return value
 
 
-def _check_counts(warmup: int, repeats: int) -> None:
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int of at least 1, got {repeats!r}; try repeats=10")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int of 0 or more, got {warmup!r}; try warmup=2")
-
-
 # --------------------------------------------------------------------------- #
 # Timers
 # --------------------------------------------------------------------------- #
-
-
-def time_fn(
-    fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
-) -> Timing:
-    """Time ``fn()`` correctly: ``warmup`` untimed calls, then ``repeats`` timed ones.
-
-    Warm-up calls absorb one-off costs (CUDA context creation, kernel selection,
-    the caching allocator growing, ``torch.compile``). Each timed call is
-    bracketed by a synchronisation of ``device``, so the time includes the work
-    the call queued on the GPU, not just the Python call that queued it. On the
-    CPU this is the plain wall clock. ``device=None`` waits for the current GPU
-    (when CUDA is in use): pass the device when ``fn`` works on another one.
-    """
-    _check_callable("fn", fn)
-    _check_counts(warmup, repeats)
-    dev = resolve_device(device)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _synchronize(dev)
-        start = time.perf_counter()
-        fn()
-        _synchronize(dev)
-        times.append(time.perf_counter() - start)
-    return Timing(tuple(times))
 
 
 def time_naive(
@@ -336,18 +96,18 @@ def time_naive(
     GPU work that is the time to *queue* the kernels, often a tiny fraction of
     the time to run them. On the CPU it agrees with :func:`time_fn`.
     """
-    _check_callable("fn", fn)
-    _check_counts(warmup, repeats)
-    dev = resolve_device(device)
+    check_callable("fn", fn, example="lambda: a * b")
+    check_warmup_repeats(warmup, repeats)
+    dev = timing_device(device)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        _synchronize(dev)  # start from an idle device so earlier work does not leak in
+        synchronize(dev)  # start from an idle device so earlier work does not leak in
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)  # no synchronisation: the mistake
-    _synchronize(dev)
+    synchronize(dev)
     return Timing(tuple(times))
 
 
@@ -366,9 +126,9 @@ def benchmark_autorange(
     per-call average of one block. Use it for very short operations;
     :func:`time_fn` is simpler to reason about for long ones.
     """
-    _check_callable("fn", fn)
-    _check_number("min_run_time", min_run_time, positive=True)
-    dev = resolve_device(device)
+    check_callable("fn", fn, example="lambda: a * b")
+    check_positive_float("min_run_time", min_run_time)
+    dev = timing_device(device)
     from torch.utils import benchmark
 
     on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
@@ -473,7 +233,7 @@ def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
     :func:`last_level_cache_bytes`, at least 64 MiB, and 256 MiB when the cache size
     is unknown; on a GPU its L2 cache, at least 256 MiB.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("copy_buffer_bytes needs a device, e.g. 'cpu' or 'cuda:0'")
     if dev.type == "cpu":
@@ -539,14 +299,14 @@ def measure_copy_bandwidth(
     defaults to :func:`copy_buffer_bytes`, well beyond the last-level cache, so that
     memory and not cache is measured.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("measure_copy_bandwidth needs a device, e.g. 'cpu' or 'cuda:0'")
     if nbytes is None:
         nbytes, _ = copy_buffer_bytes(dev)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
         raise ValueError(f"nbytes must be an int of at least 4 bytes, got {nbytes!r}")
-    _check_counts(warmup, repeats)
+    check_warmup_repeats(warmup, repeats)
     numel = nbytes // 4
     src = torch.ones(numel, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
@@ -582,8 +342,8 @@ def multiply_add_fused(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
 
 def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int) -> torch.Tensor:
     """Start from zeros and apply ``result = step(result, a, b)`` ``steps`` times."""
-    _check_callable("step", step, "d2lgpu.benchmarking.multiply_add_fused")
-    _check_int("steps", steps)
+    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_fused")
+    check_positive_int("steps", steps)
     result = torch.zeros_like(a)
     for _ in range(steps):
         result = step(result, a, b)
@@ -594,7 +354,7 @@ def multiply_add_bytes(numel: int, element_size: int, steps: int, tensor_passes:
     """Bytes moved by ``steps`` multiply-add steps over tensors of ``numel`` elements."""
     for name, value in (("numel", numel), ("element_size", element_size), ("steps", steps),
                         ("tensor_passes", tensor_passes)):
-        _check_int(name, value)
+        check_positive_int(name, value)
     return tensor_passes * numel * element_size * steps
 
 
@@ -631,13 +391,13 @@ def multiply_add_benchmark(
     ``tensor_passes`` tensor-sized reads and writes per step (6 unfused, 4
     fused) as a share of ``copy_gbps``, the device's measured copy bandwidth.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("multiply_add_benchmark needs a device, e.g. 'cpu' or 'cuda:0'")
-    _check_int("numel", numel)
-    _check_int("steps", steps)
-    _check_int("tensor_passes", tensor_passes)
-    _check_callable("step", step, "d2lgpu.benchmarking.multiply_add_fused")
+    check_positive_int("numel", numel)
+    check_positive_int("steps", steps)
+    check_positive_int("tensor_passes", tensor_passes)
+    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_fused")
     if isinstance(copy_gbps, bool) or not isinstance(copy_gbps, Real) or not (
             math.isfinite(copy_gbps) and copy_gbps > 0):
         raise ValueError(
@@ -706,8 +466,9 @@ def multiply_add_sweep(
     So dynamo's caches are reset before each device's rows, and each device compiles
     afresh (in the untimed warm-up); a step that still cannot run compiled raises.
     """
-    _check_sequence("devices", devices, "['cpu', 'cuda:0']")
-    _check_sequence("sizes", sizes, "[2**10, 2**20]")
+    devices = check_sequence("devices", devices, of="devices, e.g. ['cpu', 'cuda:0']",
+                             allow_empty=True)
+    sizes = check_sequence("sizes", sizes, of="sizes, e.g. [2**10, 2**20]", allow_empty=True)
     _check_mapping("copy_gbps", copy_gbps, "{'cpu': measure_copy_bandwidth('cpu')}")
     _check_mapping("variants", variants, "MULTIPLY_ADD_VARIANTS")
     for name, variant in variants.items():
@@ -717,7 +478,7 @@ def multiply_add_sweep(
     compiled = any(is_compiled(step) for step, _ in variants.values())
     rows = []
     for device in devices:
-        dev = resolve_device(device)
+        dev = timing_device(device)
         if dev is None or str(dev) not in copy_gbps:
             raise ValueError(
                 f"no copy bandwidth for {dev}; measure it with measure_copy_bandwidth({dev!r}) "
@@ -755,7 +516,8 @@ MULTIPLY_ADD_HEADERS = (
 
 
 def _check_rows(rows: object, what: str) -> None:
-    _check_sequence("rows", rows, "the list that multiply_add_sweep returns")
+    check_sequence("rows", rows, of="ElementwiseRow (what multiply_add_sweep returns)",
+                   allow_empty=True)
     for row in rows:
         if not isinstance(row, ElementwiseRow):
             raise TypeError(f"{what} needs the ElementwiseRow list from multiply_add_sweep, "
@@ -812,8 +574,8 @@ def compile_or_reason(
     ``fullgraph=True`` makes a later fallback to eager mode (a graph break, or
     dynamo's recompile limit) an error instead of a silent slowdown.
     """
-    _check_callable("step", step, "d2lgpu.benchmarking.multiply_add_unfused")
-    dev = resolve_device(device)
+    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_unfused")
+    dev = timing_device(device)
     try:
         compiled = torch.compile(step, backend=backend, fullgraph=True)
         a = torch.randn(1024, device=dev)
@@ -855,16 +617,17 @@ def measure_host_to_device(
     memory does ``non_blocking=True`` return before the copy is done (the
     last column: the host is free to queue more work meanwhile).
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is None or dev.type != "cuda":
         raise RuntimeError(
             f"host-to-device transfers are measured on a CUDA GPU, got {dev}; "
             "there is no host-to-device link to measure on the CPU"
         )
-    _check_sequence("sizes", sizes, "[2**12, 2**20]")
+    sizes = check_sequence("sizes", sizes, of="sizes in bytes, e.g. [2**12, 2**20]",
+                           allow_empty=True)
     rows = []
     for nbytes in sizes:
-        _check_int("each size (bytes)", nbytes)
+        check_positive_int("each size (bytes)", nbytes)
         pageable = torch.ones(nbytes, dtype=torch.uint8)
         pinned = pageable.pin_memory()
         pageable_t = time_fn(partial(pageable.to, dev), dev, warmup=warmup, repeats=repeats)
@@ -936,9 +699,9 @@ def compare_timers(
     Alternating puts both timers under the same conditions: a burst of load from
     another program lands on both, not on one of them.
     """
-    _check_callable("fn", fn)
-    _check_counts(warmup, repeats)
-    dev = resolve_device(device)
+    check_callable("fn", fn, example="lambda: a * b")
+    check_warmup_repeats(warmup, repeats)
+    dev = timing_device(device)
     if dev is None:
         raise ValueError("compare_timers needs a device, e.g. 'cpu' or 'cuda:0'")
     for _ in range(warmup):
@@ -955,7 +718,7 @@ def device_cache_bytes(device: DeviceLike) -> int | None:
 
     A CUDA GPU reports its L2 cache; for the CPU this is :func:`last_level_cache_bytes`.
     """
-    dev = resolve_device(device)
+    dev = timing_device(device)
     if dev is not None and dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev).L2_cache_size) or None
     if dev is None or dev.type != "cpu":

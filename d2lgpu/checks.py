@@ -40,6 +40,33 @@ def check_bool(name: str, value: object, *, none_means: str | None = None) -> bo
     raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
 
 
+def check_capability(capability: object) -> tuple[int, int]:
+    """``capability`` if it is a (major, minor) tuple of ints, as
+    ``torch.cuda.get_device_capability()`` returns; else a TypeError naming it."""
+    if not (
+        isinstance(capability, tuple) and len(capability) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
+    ):
+        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
+    return capability  # type: ignore[return-value]
+
+
+def check_callable(name: str, value: object, *, example: str) -> None:
+    """A TypeError naming ``name`` and an ``example`` of what to pass, unless ``value`` can be
+    called."""
+    if not callable(value):
+        raise TypeError(f"{name} must be a function to call (e.g. {example}), got "
+                        f"{type(value).__name__} {value!r:.60}")
+
+
+def check_warmup_repeats(warmup: object, repeats: object) -> None:
+    """A ValueError naming the count, unless ``repeats`` is an int >= 1 and ``warmup`` >= 0."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int of at least 1, got {repeats!r}; try repeats=10")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int of 0 or more, got {warmup!r}; try warmup=2")
+
+
 def check_positive_float(name: str, value: object) -> float:
     """Return ``value`` as a float if it is a finite number > 0, else a ValueError naming ``name``.
 

@@ -1,4 +1,5 @@
-"""Data for the course: Fashion-MNIST (loaders, whole-set tensors) and synthetic regression.
+"""Data for the course: Fashion-MNIST (loaders, whole-set tensors, on the device) and synthetic
+regression.
 
 Fashion-MNIST comes through ``torchvision.datasets.FashionMNIST`` and lives under
 :func:`d2lgpu.data_root` (``D2LGPU_DATA`` or the user cache). ``download=True`` is
@@ -14,6 +15,11 @@ file rewritten in place with its old modification time restored is hashed again)
 Hashing all four takes about a third of a second on a 2-core machine. A file that
 is another of the four under the wrong name is named as such.
 
+A data set as small as Fashion-MNIST (47 MB as uint8) can live on the GPU whole:
+:class:`DeviceLoader` cuts normalised batches from it there, without a DataLoader, a
+worker process or a host copy, and :func:`fashion_mnist_on_device` builds the train
+and test loaders (the fast path's ``device_data`` technique, chapter 4).
+
 Quick mode (``D2LGPU_QUICK=1``) replaces both splits by a small subset with the same
 number of images of every class, chosen without randomness (the first images of each
 class in file order), so that a quick run is fast, balanced and identical everywhere.
@@ -25,6 +31,7 @@ import hashlib
 import math
 import operator
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -37,13 +44,18 @@ from d2lgpu.checks import (
     check_writable_path,
 )
 from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode
+from d2lgpu.devices import require_cuda_device, try_gpu
 
 __all__ = [
     "FASHION_MNIST_FILES",
     "FASHION_MNIST_LABELS",
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "DeviceLoader",
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
     "default_num_workers",
+    "fashion_mnist_on_device",
     "fashion_mnist_tensors",
     "get_fashion_mnist_labels",
     "load_data_fashion_mnist",
@@ -415,3 +427,175 @@ def synthetic_regression(
     X = torch.randn(num_examples, num_features, generator=gen)
     y = X @ true_w + true_b + noise * torch.randn(num_examples, 1, generator=gen)
     return X, y
+
+
+# --------------------------------------------------------------------------- #
+# The whole data set on the device
+# --------------------------------------------------------------------------- #
+
+
+#: Mean and standard deviation of the Fashion-MNIST training pixels scaled to [0, 1]
+#: (all 60,000 images; computed with ``fashion_mnist_tensors`` in float64).
+FASHION_MNIST_MEAN = 0.2860
+FASHION_MNIST_STD = 0.3530
+
+
+class DeviceLoader:
+    """Batches ``(X, y)`` cut from a data set that lives on ``device``, without a DataLoader.
+
+    ``images`` (uint8 ``[N, C, H, W]``) and ``labels`` (int ``[N]``) are copied to
+    ``device`` once, and the images stay uint8 there. Each batch is gathered by index,
+    converted to float32 and normalised to ``(x / 255 - mean) / std`` on the device.
+
+    ``shuffle=True`` draws a new ``torch.randperm`` on the device every epoch from a
+    generator seeded with ``seed``, so the order is reproducible and never touches
+    the host. The last batch is smaller when ``batch_size`` does not divide ``N``;
+    ``drop_last=True`` skips it instead (every batch then has the same shape, which
+    suits CUDA graphs). ``channels_last=True`` hands out batches in channels-last
+    layout (a no-op for one-channel images, whose two layouts coincide).
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        *,
+        device: torch.device | str | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        mean: float | Sequence[float] = FASHION_MNIST_MEAN,
+        std: float | Sequence[float] = FASHION_MNIST_STD,
+        channels_last: bool = False,
+    ) -> None:
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
+            got = (
+                f"{images.dtype} of shape {tuple(images.shape)}"
+                if isinstance(images, torch.Tensor)
+                else type(images).__name__
+            )
+            raise ValueError(
+                f"images must be a uint8 tensor [N, C, H, W], got {got}; "
+                "d2lgpu.fashion_mnist_tensors() returns one (add a channel dim with unsqueeze(1))"
+            )
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 1:
+            raise ValueError("labels must be a 1-d tensor of class numbers, one per image")
+        if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be integers, got {labels.dtype}")
+        if labels.numel() != images.shape[0]:
+            raise ValueError(
+                f"{images.shape[0]} images but {labels.numel()} labels: they must match one to one"
+            )
+        if images.shape[0] == 0:
+            raise ValueError("the data set is empty")
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
+                            ("channels_last", channels_last)):
+            check_bool(name, value)
+        channels = images.shape[1]
+        mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
+        std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
+        for name, given, values in (("mean", mean, mean_t), ("std", std, std_t)):
+            if values.numel() not in (1, channels):
+                raise ValueError(
+                    f"{name} has {values.numel()} values, but the images have {channels} "
+                    f"channel{'s' if channels != 1 else ''}: give one value for all channels "
+                    "or one per channel"
+                )
+            if not bool(values.isfinite().all()):
+                raise ValueError(f"{name} must be finite numbers, got {given!r}")
+        if not bool((std_t > 0).all()):
+            raise ValueError(f"std must be positive, got {std!r}")
+
+        # A named GPU ("cuda" -> "cuda:0") compares equal to "cuda:0" elsewhere.
+        self.device = try_gpu() if device is None else require_cuda_device(device, "DeviceLoader")
+        self.images = images.to(self.device).contiguous()  # stays uint8 on the device
+        self.labels = labels.to(self.device, torch.int64)
+        # (x / 255 - mean) / std as one multiply and one add per element.
+        self._scale = (1.0 / (255.0 * std_t)).reshape(1, -1, 1, 1).to(self.device)
+        self._shift = (-mean_t / std_t).reshape(1, -1, 1, 1).to(self.device)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.channels_last = channels_last
+        self.generator = torch.Generator(device=self.device)
+        self.manual_seed(seed)
+
+    def manual_seed(self, seed: int) -> None:
+        """Restart the shuffling sequence: the next epochs repeat those after the same seed."""
+        self.generator.manual_seed(check_seed(seed))
+
+    @property
+    def num_examples(self) -> int:
+        """Examples per epoch (the dropped partial batch not counted)."""
+        n = self.images.shape[0]
+        return n - n % self.batch_size if self.drop_last else n
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = self.images.shape[0]
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
+        """uint8 images on the device -> float32 ``(x / 255 - mean) / std``."""
+        X = images_uint8.to(torch.float32).mul_(self._scale).add_(self._shift)
+        if self.channels_last:
+            X = X.contiguous(memory_format=torch.channels_last)
+        return X
+
+    def epoch_indices(self) -> torch.Tensor:
+        """The order of one epoch: a fresh permutation when shuffling, else 0..N-1."""
+        n = self.images.shape[0]
+        if self.shuffle:
+            return torch.randperm(n, device=self.device, generator=self.generator)
+        return torch.arange(n, device=self.device)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self.epoch_indices()
+        # split() only slices the index tensor: no kernel launches, no host sync.
+        for idx in order[: self.num_examples].split(self.batch_size):
+            yield self.normalize(self.images[idx]), self.labels[idx]
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceLoader({self.images.shape[0]} examples {tuple(self.images.shape[1:])} "
+            f"on {self.device}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+            f"drop_last={self.drop_last})"
+        )
+
+
+def fashion_mnist_on_device(
+    batch_size: int,
+    device: torch.device | str | None = None,
+    *,
+    root: str | Path | None = None,
+    quick: bool | None = None,
+    seed: int = 0,
+    test_batch_size: int | None = None,
+) -> tuple[DeviceLoader, DeviceLoader]:
+    """Fashion-MNIST train and test sets held on ``device``: shuffled train batches, test in order.
+
+    ``device=None`` means :func:`d2lgpu.try_gpu`. ``quick=None`` follows quick mode
+    (the same balanced subset as :func:`d2lgpu.load_data_fashion_mnist`). The test
+    loader uses ``test_batch_size`` (None: at least 1024; evaluation keeps no
+    activations for backward, so larger batches fit and launch fewer kernels).
+    """
+    check_positive_int("batch_size", batch_size)
+    device = try_gpu() if device is None else require_cuda_device(device, "fashion_mnist_on_device")
+    if test_batch_size is not None:
+        check_positive_int("test_batch_size", test_batch_size)
+    # One-channel images are laid out the same either way; channels_last=True keeps the
+    # loader right for RGB data sets too.
+    channels_last = True
+    train_images, train_labels = fashion_mnist_tensors(train=True, root=root, quick=quick)
+    test_images, test_labels = fashion_mnist_tensors(train=False, root=root, quick=quick)
+    train_loader = DeviceLoader(
+        train_images, train_labels, batch_size, device=device, shuffle=True, seed=seed,
+        channels_last=channels_last,
+    )
+    test_loader = DeviceLoader(
+        test_images, test_labels,
+        max(batch_size, 1024) if test_batch_size is None else test_batch_size, device=device,
+        channels_last=channels_last,
+    )
+    return train_loader, test_loader

@@ -191,19 +191,10 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
     device the two clock readings synchronise, so they time finished steps.
     """
     check_positive_int("num_epochs", num_epochs)
-    if isinstance(device, str):
-        import torch
+    if device is not None:
+        from d2lgpu.devices import as_device  # imported here: this module stays light
 
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device {device!r} is not a device: use e.g. 'cpu' or "
-                             "'cuda:0'") from None
-    if device is not None and not hasattr(device, "type"):
-        raise TypeError(
-            f"device must be the device the run trains on (a torch.device or a string such "
-            f"as 'cuda:0'), got {type(device).__name__} {device!r}"
-        )
+        device = as_device(device)
     if train_iter is None or isinstance(train_iter, (str, bytes)) or not hasattr(
         train_iter, "__iter__"
     ):

@@ -9,7 +9,7 @@ technique by technique, and :class:`Techniques` names each one as a switch of
 
 ``device_data``
     The images live on the device as uint8, four times smaller than float32, and
-    are converted and normalised there, one batch at a time (:class:`DeviceLoader`).
+    are converted and normalised there, one batch at a time (:class:`d2lgpu.data.DeviceLoader`).
     Shuffling is a ``torch.randperm`` on the device from a seeded generator; a batch
     is an index into the resident tensors. No worker processes, no host copies.
 ``no_sync``
@@ -48,209 +48,29 @@ import inspect
 import logging
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from d2lgpu import precision
 from d2lgpu.checks import (
-    check_bool,
     check_finite_float,
     check_positive_float,
-    check_positive_int,
-    check_seed,
     check_sequence,
 )
-from d2lgpu.data import fashion_mnist_tensors
-from d2lgpu.devices import as_device, try_gpu
-from d2lgpu.report import require_cuda_device
+from d2lgpu.data import DeviceLoader
+from d2lgpu.devices import as_device
 
 __all__ = [
     "COMPILE_MODES",
-    "FASHION_MNIST_MEAN",
-    "FASHION_MNIST_STD",
     "TECHNIQUES",
-    "DeviceLoader",
     "Techniques",
     "as_device_loader",
     "compile_model",
-    "fashion_mnist_on_device",
     "make_sgd",
-    "peak_format",
-    "peak_tflops",
     "technique_skip_reason",
-    "training_flops_per_example",
 ]
-
-#: Mean and standard deviation of the Fashion-MNIST training pixels scaled to [0, 1]
-#: (all 60,000 images; computed with ``fashion_mnist_tensors`` in float64).
-FASHION_MNIST_MEAN = 0.2860
-FASHION_MNIST_STD = 0.3530
-
-
-class DeviceLoader:
-    """Batches ``(X, y)`` cut from a data set that lives on ``device``, without a DataLoader.
-
-    ``images`` (uint8 ``[N, C, H, W]``) and ``labels`` (int ``[N]``) are copied to
-    ``device`` once, and the images stay uint8 there. Each batch is gathered by index,
-    converted to float32 and normalised to ``(x / 255 - mean) / std`` on the device.
-
-    ``shuffle=True`` draws a new ``torch.randperm`` on the device every epoch from a
-    generator seeded with ``seed``, so the order is reproducible and never touches
-    the host. The last batch is smaller when ``batch_size`` does not divide ``N``;
-    ``drop_last=True`` skips it instead (every batch then has the same shape, which
-    suits CUDA graphs). ``channels_last=True`` hands out batches in channels-last
-    layout (a no-op for one-channel images, whose two layouts coincide).
-    """
-
-    def __init__(
-        self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        mean: float | Sequence[float] = FASHION_MNIST_MEAN,
-        std: float | Sequence[float] = FASHION_MNIST_STD,
-        channels_last: bool = False,
-    ) -> None:
-        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
-            got = (
-                f"{images.dtype} of shape {tuple(images.shape)}"
-                if isinstance(images, torch.Tensor)
-                else type(images).__name__
-            )
-            raise ValueError(
-                f"images must be a uint8 tensor [N, C, H, W], got {got}; "
-                "d2lgpu.fashion_mnist_tensors() returns one (add a channel dim with unsqueeze(1))"
-            )
-        if not isinstance(labels, torch.Tensor) or labels.dim() != 1:
-            raise ValueError("labels must be a 1-d tensor of class numbers, one per image")
-        if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-            raise ValueError(f"labels must be integers, got {labels.dtype}")
-        if labels.numel() != images.shape[0]:
-            raise ValueError(
-                f"{images.shape[0]} images but {labels.numel()} labels: they must match one to one"
-            )
-        if images.shape[0] == 0:
-            raise ValueError("the data set is empty")
-        self.batch_size = check_positive_int("batch_size", batch_size)
-        for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
-                            ("channels_last", channels_last)):
-            check_bool(name, value)
-        channels = images.shape[1]
-        mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
-        std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
-        for name, given, values in (("mean", mean, mean_t), ("std", std, std_t)):
-            if values.numel() not in (1, channels):
-                raise ValueError(
-                    f"{name} has {values.numel()} values, but the images have {channels} "
-                    f"channel{'s' if channels != 1 else ''}: give one value for all channels "
-                    "or one per channel"
-                )
-            if not bool(values.isfinite().all()):
-                raise ValueError(f"{name} must be finite numbers, got {given!r}")
-        if not bool((std_t > 0).all()):
-            raise ValueError(f"std must be positive, got {std!r}")
-
-        # A named GPU ("cuda" -> "cuda:0") compares equal to "cuda:0" elsewhere.
-        self.device = try_gpu() if device is None else require_cuda_device(device, "DeviceLoader")
-        self.images = images.to(self.device).contiguous()  # stays uint8 on the device
-        self.labels = labels.to(self.device, torch.int64)
-        # (x / 255 - mean) / std as one multiply and one add per element.
-        self._scale = (1.0 / (255.0 * std_t)).reshape(1, -1, 1, 1).to(self.device)
-        self._shift = (-mean_t / std_t).reshape(1, -1, 1, 1).to(self.device)
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.channels_last = channels_last
-        self.generator = torch.Generator(device=self.device)
-        self.manual_seed(seed)
-
-    def manual_seed(self, seed: int) -> None:
-        """Restart the shuffling sequence: the next epochs repeat those after the same seed."""
-        self.generator.manual_seed(check_seed(seed))
-
-    @property
-    def num_examples(self) -> int:
-        """Examples per epoch (the dropped partial batch not counted)."""
-        n = self.images.shape[0]
-        return n - n % self.batch_size if self.drop_last else n
-
-    def __len__(self) -> int:
-        """Batches per epoch."""
-        n = self.images.shape[0]
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-    def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
-        """uint8 images on the device -> float32 ``(x / 255 - mean) / std``."""
-        X = images_uint8.to(torch.float32).mul_(self._scale).add_(self._shift)
-        if self.channels_last:
-            X = X.contiguous(memory_format=torch.channels_last)
-        return X
-
-    def epoch_indices(self) -> torch.Tensor:
-        """The order of one epoch: a fresh permutation when shuffling, else 0..N-1."""
-        n = self.images.shape[0]
-        if self.shuffle:
-            return torch.randperm(n, device=self.device, generator=self.generator)
-        return torch.arange(n, device=self.device)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = self.epoch_indices()
-        # split() only slices the index tensor: no kernel launches, no host sync.
-        for idx in order[: self.num_examples].split(self.batch_size):
-            yield self.normalize(self.images[idx]), self.labels[idx]
-
-    def __repr__(self) -> str:
-        return (
-            f"DeviceLoader({self.images.shape[0]} examples {tuple(self.images.shape[1:])} "
-            f"on {self.device}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
-            f"drop_last={self.drop_last})"
-        )
-
-
-def fashion_mnist_on_device(
-    batch_size: int,
-    device: torch.device | str | None = None,
-    *,
-    root: str | Path | None = None,
-    quick: bool | None = None,
-    seed: int = 0,
-    test_batch_size: int | None = None,
-) -> tuple[DeviceLoader, DeviceLoader]:
-    """Fashion-MNIST train and test sets held on ``device``: shuffled train batches, test in order.
-
-    ``device=None`` means :func:`d2lgpu.try_gpu`. ``quick=None`` follows quick mode
-    (the same balanced subset as :func:`d2lgpu.load_data_fashion_mnist`). The test
-    loader uses ``test_batch_size`` (None: at least 1024; evaluation keeps no
-    activations for backward, so larger batches fit and launch fewer kernels).
-    """
-    device = try_gpu() if device is None else require_cuda_device(device, "fashion_mnist_on_device")
-    if test_batch_size is not None:
-        check_positive_int("test_batch_size", test_batch_size)
-    # One-channel images are laid out the same either way; channels_last=True keeps the
-    # loader right for RGB data sets too.
-    channels_last = True
-    train_images, train_labels = fashion_mnist_tensors(train=True, root=root, quick=quick)
-    test_images, test_labels = fashion_mnist_tensors(train=False, root=root, quick=quick)
-    train_loader = DeviceLoader(
-        train_images, train_labels, batch_size, device=device, shuffle=True, seed=seed,
-        channels_last=channels_last,
-    )
-    test_loader = DeviceLoader(
-        test_images, test_labels,
-        max(batch_size, 1024) if test_batch_size is None else test_batch_size, device=device,
-        channels_last=channels_last,
-    )
-    return train_loader, test_loader
-
-
 
 # --------------------------------------------------------------------------- #
 # The switches
@@ -312,7 +132,7 @@ class Techniques:
         """The fast path on ``device``: every technique up to the optimizer that pays off
         there (see :func:`technique_skip_reason`), plus ``compile``/``cuda_graphs`` when
         asked for (they cost compile time up front)."""
-        device = torch.device(device)
+        device = as_device(device)
         basic = TECHNIQUES[: TECHNIQUES.index("fused_optimizer") + 1]
         switches = {name: technique_skip_reason(name, device) is None for name in basic}
         return cls(**switches, compile=compile, cuda_graphs=cuda_graphs)
@@ -349,7 +169,7 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
     """
     if technique not in TECHNIQUES:
         raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
-    device = torch.device(device)
+    device = as_device(device)
     on_cuda = device.type == "cuda"
     if technique == "autocast":
         if precision.precision_policy(device, "auto").dtype is not None:
@@ -493,108 +313,3 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
     if techniques.cuda_graphs:
         return torch.compile(net, backend="cudagraphs")
     return net
-
-
-def training_flops_per_example(
-    net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
-) -> float:
-    """FLOPs of one training step (forward and backward) per example, counted by
-    ``torch.utils.flop_counter.FlopCounterMode`` on a small batch on the CPU.
-
-    Counts matrix multiplications and convolutions (2 FLOPs per multiply-add), which
-    is what Tensor Core peaks are quoted for; elementwise work is left out. The
-    model's weights and batch-norm statistics are left unchanged (it runs on a copy).
-    """
-    import copy
-
-    from torch.utils.flop_counter import FlopCounterMode
-
-    if not isinstance(net, nn.Module):
-        raise TypeError(f"net must be a torch.nn.Module (the model to count), "
-                        f"got {type(net).__name__} {net!r}")
-    check_positive_int("batch_size", batch_size)
-    probe = copy.deepcopy(net).to("cpu", torch.float32).train()
-    X = torch.zeros(batch_size, *example_shape)
-    with FlopCounterMode(display=False) as counter:
-        out = probe(X)
-        out.float().sum().backward()
-    return counter.get_total_flops() / batch_size
-
-
-#: Dense (no sparsity) Tensor Core peak in TFLOP/s of the fast reduced-precision format
-#: (bf16, or fp16 on GPUs without native bf16: T4, V100) from NVIDIA's data sheets,
-#: keyed by (model, form factor) as :func:`_model_and_form_factor` reads them from
-#: ``torch.cuda.get_device_name()``; form factor None: the name carries none (the H100
-#: SXM reports itself as "NVIDIA H100 80GB HBM3", the H200 SXM as "NVIDIA H200").
-#: Each value is (peak, SMs of the full GPU); the SM count is given for the GPUs that
-#: MIG can split, to scale the peak of a slice (None: not splittable).
-PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
-    ("h100", None): (989.0, 132),  # SXM5: 1,979 TFLOPS with sparsity
-    ("h100", "sxm5"): (989.0, 132),
-    ("h100", "pcie"): (756.0, 114),
-    ("h100", "nvl"): (835.0, 132),
-    ("h200", None): (989.0, 132),  # SXM
-    ("h200", "nvl"): (835.0, 132),
-    ("a100", None): (312.0, 108),  # SXM4 and PCIe alike
-    ("a100", "sxm"): (312.0, 108),
-    ("a100", "sxm4"): (312.0, 108),
-    ("a100", "pcie"): (312.0, 108),
-    ("a10", None): (125.0, None),
-    ("l40s", None): (362.0, None),
-    ("l40", None): (181.0, None),
-    ("l4", None): (121.0, None),
-    ("t4", None): (65.0, None),  # fp16
-    ("v100", "sxm2"): (125.0, None),  # fp16
-    ("v100", "pcie"): (112.0, None),
-    ("v100s", "pcie"): (130.0, None),
-}
-
-_FORM_FACTORS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
-
-
-def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
-    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the whole model word after the brand,
-    and the first form-factor word. Whole words, so "RTX A1000" is not an A100."""
-    words = name.lower().replace("-", " ").replace("_", " ").split()
-    while words and words[0] in ("nvidia", "tesla"):
-        words = words[1:]
-    if not words:
-        return None
-    form_factor = next((w for w in words[1:] if w in _FORM_FACTORS), None)
-    return words[0], form_factor
-
-
-def peak_format(device: torch.device | str) -> str | None:
-    """The format of :func:`peak_tflops`'s data-sheet peak on ``device``: "bf16" from
-    compute capability 8.0 (Ampere on), "fp16" on 7.x (T4, V100: no native bf16), None
-    where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
-    device = as_device(device)
-    if device.type != "cuda":
-        return None
-    major, _ = torch.cuda.get_device_capability(device)
-    return "bf16" if major >= 8 else "fp16" if major == 7 else None
-
-
-def peak_tflops(device: torch.device | str) -> float | None:
-    """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None.
-
-    None means unknown: the CPU, or a GPU that is not in the table (say "unknown peak").
-    A MIG slice reports its parent GPU's name but only its own multiprocessors; its
-    peak is the parent's scaled by its share of the SMs (a 3g.20gb slice of an A100
-    has 42 of 108). A GPU with more SMs than the table's is not the one the data
-    sheet describes, so its peak is unknown too.
-    """
-    device = as_device(device)
-    if device.type != "cuda":
-        return None
-    device = require_cuda_device(device, "peak_tflops")
-    key = _model_and_form_factor(torch.cuda.get_device_name(device))
-    if key not in PEAK_TFLOPS:
-        return None
-    peak, full_sms = PEAK_TFLOPS[key]
-    if full_sms is None:
-        return peak
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if sms > full_sms:
-        return None
-    return peak * sms / full_sms

@@ -30,7 +30,7 @@ from d2lgpu.checks import (
     check_tensor,
     check_training_loss,
 )
-from d2lgpu.report import require_cuda_device
+from d2lgpu.devices import require_cuda_device
 
 __all__ = [
     "allreduce",

@@ -31,16 +31,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from d2lgpu.benchmarking import time_fn
 from d2lgpu.checks import (
     check_bool,
+    check_capability,
     check_positive_float,
     check_positive_int,
     check_seed,
     check_sequence,
     check_str_list,
 )
+from d2lgpu.chips import native_tensor_core_formats
 from d2lgpu.devices import as_device
+from d2lgpu.timing import time_fn
 
 __all__ = [
     "CPU_BF16_FLAGS",
@@ -56,7 +58,6 @@ __all__ = [
     "cpu_has_native_bf16",
     "format_sweep_table",
     "mode_unavailable_reason",
-    "native_tensor_core_formats",
     "precision_policy",
     "precision_sweep",
     "random_batch_maker",
@@ -65,32 +66,11 @@ __all__ = [
 ]
 
 
-def _check_capability(capability: object) -> tuple[int, int]:
-    """``capability`` if it is a (major, minor) tuple of ints, else a TypeError naming it."""
-    if not (
-        isinstance(capability, tuple) and len(capability) == 2
-        and all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
-    ):
-        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
-    return capability  # type: ignore[return-value]
-
-
 def _check_cpuinfo(cpuinfo: object) -> None:
     """A TypeError naming ``cpuinfo`` unless it is a path (an int would open a descriptor)."""
     if isinstance(cpuinfo, bool) or not isinstance(cpuinfo, (str, os.PathLike)):
         raise TypeError(f"cpuinfo must be a path such as '/proc/cpuinfo', "
                         f"got {type(cpuinfo).__name__} {cpuinfo!r}")
-
-
-def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
-    """Reduced-precision formats that GPUs of this compute capability run on Tensor Cores."""
-    major, minor = _check_capability(capability)
-    formats = []
-    if (major, minor) >= (7, 0):
-        formats.append("fp16")
-    if (major, minor) >= (8, 0):
-        formats += ["bf16", "tf32"]
-    return formats
 
 
 #: The one precision vocabulary of the course. Every entry point that trains takes
@@ -253,7 +233,7 @@ def precision_policy(
     device = as_device(device)
     precision = check_precision(precision)
     if capability is not None:
-        _check_capability(capability)
+        check_capability(capability)
     check_bool("cpu_native_bf16", cpu_native_bf16, none_means="ask this CPU")
     if precision in ("fp32", "tf32"):
         return PrecisionPolicy(device.type, None, False, tf32=precision == "tf32")
@@ -364,7 +344,7 @@ def mode_unavailable_reason(
         raise ValueError(f"unknown precision mode {mode!r}; choose from {PRECISION_MODES}")
     device = as_device(device)
     if capability is not None:
-        _check_capability(capability)
+        check_capability(capability)
     if mode == "fp32":
         return None
     if device.type == "cpu":
@@ -389,7 +369,7 @@ def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | Non
     because bf16 is emulated: the sweep then measures how much slower it is.
     """
     if capability is not None:
-        _check_capability(capability)
+        check_capability(capability)
     if as_device(device).type == "cpu":
         return "bf16"
     dtype = precision_policy(device, "auto", capability=capability).dtype
@@ -771,26 +751,6 @@ def random_batch_maker(
 # ---------------------------------------------------------------------------
 # Reading a sweep: checks that hold on every machine, the headline, the time it takes
 # ---------------------------------------------------------------------------
-
-
-def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
-    """Tensor Core formats narrower than 16 bits on GPUs of this compute capability.
-
-    ``torch.autocast`` uses none of them; they matter for inference and for
-    libraries such as Transformer Engine. INT8 from 7.2 (Xavier) and 7.5 (Turing),
-    FP8 from 8.9 (Ada: L4, RTX 40xx) and 9.0 (Hopper: H100), FP6 and FP4 from
-    10.0 (Blackwell: B200, GB200; 12.0 is GeForce Blackwell, RTX 50xx), following
-    NVIDIA's architecture white papers and the PTX ISA's ``mma`` types.
-    """
-    _check_capability(capability)
-    formats = []
-    if capability >= (8, 9):
-        formats.append("fp8")
-    if capability >= (10, 0):
-        formats += ["fp6", "fp4"]
-    if capability >= (7, 2):
-        formats.append("int8")
-    return formats
 
 
 def sweep_checks(

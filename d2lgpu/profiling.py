@@ -45,24 +45,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from d2lgpu.benchmarking import (
-    copy_buffer_bytes,
-    format_table,
-    gbps,
-    measure_copy_bandwidth,
-    tflops,
-    time_fn,
-)
+from d2lgpu.benchmarking import copy_buffer_bytes, measure_copy_bandwidth
 from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_sequence
+from d2lgpu.chips import peak_format
 from d2lgpu.config import quick_mode, workload
+from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import as_device
-from d2lgpu.fast import (
-    TECHNIQUES,
-    DeviceLoader,
-    Techniques,
-    peak_format,
-    technique_skip_reason,
-)
+from d2lgpu.fast import TECHNIQUES, Techniques, technique_skip_reason
+from d2lgpu.timing import format_table, gbps, tflops, time_fn
 from d2lgpu.training import History, train
 
 __all__ = [

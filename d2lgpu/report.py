@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from d2lgpu.checks import check_bool, check_positive_int
+from d2lgpu.chips import GPU_DATASHEETS, native_tensor_core_formats
 from d2lgpu.config import describe_mode
-from d2lgpu.devices import as_device, num_gpus
-from d2lgpu.precision import native_tensor_core_formats
+from d2lgpu.devices import as_device, num_gpus, require_cuda_device
 
 __all__ = [
     "CudaDiagnosis",
@@ -44,7 +44,6 @@ __all__ = [
     "diagnose_cuda",
     "diagnose_this_machine",
     "environment_report",
-    "GPU_DATASHEETS",
     "device_numbers",
     "format_report",
     "gpu_in_numbers",
@@ -54,7 +53,6 @@ __all__ = [
     "print_report",
     "print_setup",
     "read_nvml",
-    "require_cuda_device",
     "setup_summary",
 ]
 
@@ -809,42 +807,6 @@ def print_report(report: EnvironmentReport | None = None) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Checking a CUDA device before using it
-# --------------------------------------------------------------------------------------
-
-
-def require_cuda_device(device: torch.device | str, what: str) -> torch.device:
-    """``device`` with its GPU index filled in, once it is clear that CUDA can use it here.
-
-    Every function of the package that takes a device calls this before touching CUDA,
-    so that ``'cuda'`` on a machine without a usable GPU fails with the reason and its
-    fix (:func:`diagnose_this_machine`), not torch's bare "Found no NVIDIA driver".
-    ``what`` names the caller in the message. A device that is not CUDA is returned
-    unchanged; a bare ``'cuda'`` becomes the current GPU, as torch reads it.
-    """
-    if not isinstance(what, str) or not what:
-        raise TypeError(f"what must name the caller for the message (a non-empty str), "
-                        f"got {type(what).__name__} {what!r}")
-    device = as_device(device)
-    if device.type != "cuda":
-        return device
-    count = num_gpus()
-    if count == 0:
-        raise RuntimeError(
-            f"{what} was given {device}, but this process cannot use CUDA.\n"
-            f"{diagnose_this_machine()}\n"
-            "To run on the CPU instead, pass d2lgpu.try_gpu() (it is the CPU when there is no GPU)."
-        )
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= count:
-        raise RuntimeError(
-            f"{what} was given {device}, but {device} does not exist: this process sees {count} "
-            f"GPU(s), numbered 0 to {count - 1}. Run `python -m d2lgpu info` to see them."
-        )
-    return torch.device("cuda", index)
-
-
-# --------------------------------------------------------------------------------------
 # GPU memory, as the caching allocator and the driver see it
 # --------------------------------------------------------------------------------------
 
@@ -1047,40 +1009,6 @@ def wrapped(text: str, width: int = 100) -> str:
 # --------------------------------------------------------------------------------------
 # Your GPU in numbers, beside two chips from NVIDIA's documents
 # --------------------------------------------------------------------------------------
-
-# Each figure names its source. H100 (SXM5 board): "NVIDIA H100 Tensor Core GPU
-# Architecture" whitepaper (table comparing A100 and H100, and the H100 SM section).
-# T4: "NVIDIA T4 Tensor Core GPU" datasheet and the "NVIDIA Turing GPU Architecture"
-# whitepaper. Per-SM limits of a compute capability (warp size, resident threads,
-# registers, shared memory): the CUDA C++ Programming Guide's table "Technical
-# Specifications per Compute Capability". A figure left out was not in those documents.
-GPU_DATASHEETS: dict[str, dict[str, object]] = {
-    "H100 SXM5": {
-        "compute capability": "9.0",  # whitepaper: H100 is compute capability 9.0
-        "SMs": 132,  # whitepaper, A100/H100 table: 132 SMs on the SXM5 board
-        "warp size (threads)": 32,  # programming guide: 32 for every compute capability
-        "max threads per SM": 2048,  # programming guide, cc 9.0: 64 warps x 32
-        "registers per SM (32-bit)": 65536,  # whitepaper: 256 KB register file per SM
-        "shared memory per SM, max": "228 KiB",  # whitepaper: up to 228 KB of the 256 KB
-        "L1 + shared memory per SM": "256 KiB",  # whitepaper: 256 KB combined per SM
-        "L2 cache": "50 MB",  # whitepaper, A100/H100 table
-        "memory": "80 GB HBM3",  # whitepaper, A100/H100 table
-        "memory bandwidth": "3352 GB/s",  # whitepaper, A100/H100 table
-        "Tensor Cores": "528 (4 per SM)",  # whitepaper: 4th-generation, 528 on SXM5
-    },
-    "T4": {
-        "compute capability": "7.5",  # Turing whitepaper: Turing GPUs are cc 7.5
-        "SMs": 40,  # datasheet: 2,560 CUDA cores; Turing whitepaper: 64 per SM
-        "warp size (threads)": 32,  # programming guide
-        "max threads per SM": 1024,  # programming guide, cc 7.5: 32 warps x 32
-        "registers per SM (32-bit)": 65536,  # programming guide, cc 7.5: 64 K registers
-        "shared memory per SM, max": "64 KiB",  # programming guide, cc 7.5
-        "L1 + shared memory per SM": "96 KiB",  # Turing whitepaper: 96 KB per SM
-        "memory": "16 GB GDDR6",  # datasheet
-        "memory bandwidth": "320 GB/s",  # datasheet: "320+ GB/s"
-        "Tensor Cores": "320 (8 per SM)",  # datasheet: 320 Turing Tensor Cores
-    },
-}
 
 #: The rows of :func:`gpu_in_numbers`, in the order of the lesson.
 GPU_NUMBERS_ROWS = (

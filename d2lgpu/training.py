@@ -45,9 +45,10 @@ from d2lgpu.checks import (
     check_training_loss,
     find_non_finite_batch,
 )
-from d2lgpu.devices import as_device, num_gpus, try_all_gpus, try_gpu
+from d2lgpu.data import DeviceLoader
+from d2lgpu.devices import as_device, resolve_devices, try_gpu
 from d2lgpu.estimate import training_estimate
-from d2lgpu.fast import DeviceLoader, Techniques, as_device_loader, compile_model, make_sgd
+from d2lgpu.fast import Techniques, as_device_loader, compile_model, make_sgd
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, precision_policy
 
@@ -55,7 +56,6 @@ __all__ = [
     "History",
     "evaluate_accuracy",
     "init_weights",
-    "resolve_devices",
     "set_seed",
     "train",
     "train_epoch",
@@ -134,62 +134,6 @@ class History:
     def to_dict(self) -> dict:
         """A plain dict (lists and a string), e.g. for ``json.dump``."""
         return asdict(self)
-
-
-def resolve_devices(
-    devices: torch.device | str | Sequence[torch.device | str] | None,
-) -> list[torch.device]:
-    """Turn ``devices`` into a non-empty list of distinct devices that :func:`train` can use.
-
-    ``None`` means all GPUs, or the CPU without GPUs. Several CPU devices, or CPU mixed
-    with GPUs, are an error: ``nn.DataParallel`` splits batches across CUDA devices only.
-    """
-    if devices is None:
-        return try_all_gpus()
-    if isinstance(devices, (str, torch.device, int)):
-        devices = [devices]
-    if not isinstance(devices, (list, tuple)):
-        raise TypeError(
-            f"devices must be None (all GPUs, or the CPU), one device such as 'cuda:0', or a "
-            f"list of them, got {type(devices).__name__} {devices!r}"
-        )
-    for d in devices:
-        # torch reads an int as a GPU index; here it is more often a count or a typo.
-        if isinstance(d, int):
-            raise TypeError(
-                f"devices={d!r} is an int: name the device instead, e.g. 'cuda:{d}' or "
-                f"d2lgpu.gpu({d}) for a GPU, 'cpu' for the CPU"
-            )
-    resolved = [as_device(d) for d in devices]
-    if not resolved:
-        raise ValueError("devices is empty: pass None for all GPUs (or the CPU), or a device list")
-    for d in resolved:
-        if d.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"train cannot use {d.type!r} devices: pass 'cpu', 'cuda', 'cuda:1', a list "
-                "of CUDA devices, or None for all GPUs (the CPU without GPUs)"
-            )
-    visible = num_gpus()
-    for d in resolved:
-        if d.type == "cuda" and (d.index or 0) >= visible:
-            raise ValueError(
-                f"{d} is not available: this process sees {visible} GPU(s). "
-                "Pass devices=None (d2lgpu.try_all_gpus()) to use whatever is there."
-            )
-    if resolved[0].type == "cuda" and resolved[0].index is None:
-        resolved[0] = torch.device("cuda", torch.cuda.current_device())
-    if len(resolved) > 1:
-        if any(d.type != "cuda" for d in resolved):
-            raise ValueError(
-                f"cannot train on {[str(d) for d in resolved]}: data parallelism here needs CUDA "
-                "devices only. Use one CPU device (devices=[d2lgpu.cpu()]), or see chapter 3 "
-                "for splitting a batch by hand with d2lgpu.split_batch."
-            )
-        if any(d.index is None for d in resolved):
-            raise ValueError("name each GPU with its index when passing several, e.g. 'cuda:1'")
-        if len({d.index for d in resolved}) != len(resolved):
-            raise ValueError(f"devices repeats a GPU: {[str(d) for d in resolved]}")
-    return resolved
 
 
 def _model_device(net: nn.Module) -> torch.device:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import d2lgpu
+from d2lgpu.devices import require_cuda_device, resolve_devices
 
 
 def _torch_gpu_count() -> int:
@@ -93,3 +94,87 @@ def test_as_device_reads_what_torch_reads_and_names_the_spellings_otherwise():
         d2lgpu.devices.as_device("cuda0")
     with pytest.raises(TypeError, match="not a device"):
         d2lgpu.devices.as_device(True)
+
+
+def test_resolve_devices():
+    assert resolve_devices(None) == d2lgpu.try_all_gpus()
+    assert resolve_devices("cpu") == [torch.device("cpu")]
+    assert resolve_devices([torch.device("cpu")]) == [torch.device("cpu")]
+    with pytest.raises(ValueError, match="one CPU device"):
+        resolve_devices(["cpu", "cpu"])
+    with pytest.raises(ValueError, match="empty"):
+        resolve_devices([])
+    missing = f"cuda:{d2lgpu.num_gpus()}"  # one past the last visible GPU
+    with pytest.raises(RuntimeError, match=f"train was given {missing}, but "):
+        resolve_devices(missing)
+
+
+@pytest.mark.parametrize(
+    "devices, error, match",
+    [("meta", ValueError, "'meta' devices"), (["cpu", "meta"], ValueError, "'meta' devices"),
+     (0, TypeError, r"devices=0 is an int.*'cuda:0'"), ([0, 1], TypeError, "an int"),
+     ("nonsense", ValueError, "not a device")],
+)
+def test_resolve_devices_names_the_fix_for_devices_train_cannot_use(devices, error, match):
+    with pytest.raises(error, match=match):
+        resolve_devices(devices)
+
+
+@pytest.mark.multigpu
+def test_resolve_devices_rejects_a_repeated_gpu():
+    with pytest.raises(ValueError, match="repeats"):
+        resolve_devices(["cuda:0", "cuda:0"])
+
+
+def test_require_cuda_device_without_cuda_names_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert require_cuda_device("cpu", "x") == torch.device("cpu")
+    for device in ("cuda", "cuda:0", 0):
+        with pytest.raises(RuntimeError, match="x was given cuda") as info:
+            require_cuda_device(device, "x")
+        assert "python -m d2lgpu info" in str(info.value) and "try_gpu" in str(info.value)
+
+
+def test_require_cuda_device_fills_in_the_current_gpu_and_refuses_a_missing_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert require_cuda_device("cuda", "x") == torch.device("cuda", 1)
+    assert require_cuda_device(0, "x") == torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="cuda:2 does not exist: this process sees 2 GPU"):
+        require_cuda_device("cuda:2", "x")
+    assert resolve_devices(["cuda", "cuda:0"]) == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    with pytest.raises(ValueError, match="repeats"):
+        resolve_devices(["cuda", "cuda:1"])
+
+
+@pytest.mark.parametrize("what", [None, "", 3])
+def test_require_cuda_device_names_a_bad_caller_label(what):
+    with pytest.raises(TypeError, match="what"):
+        require_cuda_device("cpu", what)
+
+
+def test_require_cuda_device_names_the_spellings_of_a_bad_device():
+    with pytest.raises(TypeError, match="use 'cpu', 'cuda'"):
+        require_cuda_device(1.5, "x")
+
+
+# Every function that takes a device reads it through this module, so a misspelt one gets
+# the same error, naming the spellings, wherever it is passed.
+@pytest.mark.parametrize("call", [
+    lambda device: require_cuda_device(device, "x"),
+    lambda device: resolve_devices(device),
+    lambda device: d2lgpu.peak_tflops(device),
+    lambda device: d2lgpu.time_fn(lambda: None, device),
+    lambda device: d2lgpu.Techniques.fast(device),
+    lambda device: d2lgpu.technique_skip_reason("autocast", device),
+    lambda device: d2lgpu.precision_policy(device),
+    lambda device: d2lgpu.estimate.training_estimate([1], 1, device),
+    lambda device: d2lgpu.DeviceLoader(torch.zeros(2, 1, 2, 2, dtype=torch.uint8),
+                                       torch.zeros(2, dtype=torch.long), 1, device=device),
+], ids=["require_cuda_device", "resolve_devices", "peak_tflops", "time_fn", "Techniques.fast",
+        "technique_skip_reason", "precision_policy", "training_estimate", "DeviceLoader"])
+def test_a_misspelt_device_gets_one_error_everywhere(call):
+    with pytest.raises(ValueError, match=r"'cuda0' is not a device PyTorch understands; use 'cpu'"):
+        call("cuda0")

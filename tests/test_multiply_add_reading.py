@@ -12,13 +12,13 @@ from d2lgpu import benchmarking as bm  # noqa: E402
 from d2lgpu.benchmarking import (  # noqa: E402
     ElementwiseRow,
     TimerComparison,
-    Timing,
     compare_timers,
     device_cache_bytes,
     last_level_cache_bytes,
     multiply_add_findings,
     plot_multiply_add,
 )
+from d2lgpu.timing import Timing  # noqa: E402
 
 
 def _comparison(device: str, naive: float, synced: float) -> TimerComparison:

@@ -16,21 +16,6 @@ from d2lgpu import precision as P
 
 
 @pytest.mark.parametrize(
-    ("capability", "formats"),
-    [
-        ((6, 1), []),
-        ((7, 0), ["fp16"]),
-        ((7, 5), ["fp16"]),
-        ((8, 0), ["fp16", "bf16", "tf32"]),
-        ((8, 9), ["fp16", "bf16", "tf32"]),
-        ((9, 0), ["fp16", "bf16", "tf32"]),
-    ],
-)
-def test_native_tensor_core_formats(capability, formats):
-    assert P.native_tensor_core_formats(capability) == formats
-
-
-@pytest.mark.parametrize(
     ("capability", "dtype", "use_scaler"),
     [
         ((6, 1), None, False),  # no Tensor Cores: autocast would only slow it down
@@ -881,9 +866,6 @@ def _ok_row():
     (lambda: P.sweep_checks([_ok_row()], ["fp32"], None, "cpu"), "batch_sizes"),
     (lambda: P.sweep_checks([_ok_row()], ["fp32"], [8], "cpu", loss_tolerance=float("nan")),
      "loss_tolerance"),
-    (lambda: P.native_tensor_core_formats(None), "capability"),
-    (lambda: P.native_tensor_core_formats("8.0"), "capability"),
-    (lambda: P.narrow_tensor_core_formats(None), "capability"),
     (lambda: P.mode_unavailable_reason("bf16", "cuda", capability=8), "capability"),
     (lambda: P.amp_sweep_mode("cuda", capability="no"), "capability"),
     (lambda: P.mode_unavailable_reason("bf16", None), "device"),

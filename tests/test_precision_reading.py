@@ -9,8 +9,6 @@ from d2lgpu.precision import (
     SweepRow,
     estimate_sweep_seconds,
     explain_comparison,
-    narrow_tensor_core_formats,
-    native_tensor_core_formats,
     sweep_checks,
 )
 
@@ -24,23 +22,6 @@ def _row(mode, batch, seconds=0.01, peak=None, loss=2.3, status="ok"):
     ok = status == "ok"
     return SweepRow(mode, batch, seconds if ok else None, peak if ok else None,
                     loss if ok else None, 3 if ok else 0, status)
-
-
-@pytest.mark.parametrize(
-    ("capability", "narrow"),
-    [((6, 0), []), ((6, 1), []), ((7, 0), []), ((7, 5), ["int8"]), ((8, 0), ["int8"]),
-     ((8, 6), ["int8"]), ((8, 9), ["fp8", "int8"]), ((9, 0), ["fp8", "int8"]),
-     ((10, 0), ["fp8", "fp6", "fp4", "int8"]), ((12, 0), ["fp8", "fp6", "fp4", "int8"])],
-)
-def test_narrow_formats_per_generation(capability, narrow):
-    assert narrow_tensor_core_formats(capability) == narrow
-
-
-def test_h100_and_l4_differ_from_a100_by_fp8_only():
-    a100, l4, h100 = (8, 0), (8, 9), (9, 0)
-    assert native_tensor_core_formats(a100) == native_tensor_core_formats(h100)
-    assert "fp8" not in narrow_tensor_core_formats(a100)
-    assert "fp8" in narrow_tensor_core_formats(l4) and "fp8" in narrow_tensor_core_formats(h100)
 
 
 def test_sweep_checks_pass_for_a_sound_cpu_sweep_and_name_what_breaks():

@@ -15,7 +15,8 @@ from torch.utils import data
 
 import d2lgpu
 from d2lgpu import profiling as P
-from d2lgpu.fast import DeviceLoader, Techniques
+from d2lgpu.data import DeviceLoader
+from d2lgpu.fast import Techniques
 
 CPU = torch.device("cpu")
 

@@ -47,7 +47,11 @@ def _uint8_pair():
 
 # A valid call of every public callable; each parameter in it is set to None in turn.
 VALID = {
+    data.DeviceLoader: lambda: dict(images=torch.zeros(4, 1, 2, 2, dtype=torch.uint8),
+                                    labels=torch.zeros(4, dtype=torch.long), batch_size=2,
+                                    device="cpu"),
     data.default_num_workers: lambda: dict(quick=True),
+    data.fashion_mnist_on_device: lambda: dict(batch_size=50, device="cpu", quick=True),
     data.fashion_mnist_tensors: lambda: dict(train=False, quick=True),
     data.get_fashion_mnist_labels: lambda: dict(labels=[1, 2]),
     data.load_data_fashion_mnist: lambda: dict(batch_size=50, quick=True),

@@ -17,7 +17,6 @@ from d2lgpu.training import (
     _AutocastForward,
     evaluate_accuracy,
     init_weights,
-    resolve_devices,
     set_seed,
     train,
     warmup_scheduler,
@@ -76,30 +75,6 @@ def test_init_weights_resets_everything_and_is_seeded():
     set_seed(0)
     init_weights(net)
     assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
-
-
-def test_resolve_devices():
-    assert resolve_devices(None) == d2lgpu.try_all_gpus()
-    assert resolve_devices("cpu") == [torch.device("cpu")]
-    assert resolve_devices([torch.device("cpu")]) == [torch.device("cpu")]
-    with pytest.raises(ValueError, match="one CPU device"):
-        resolve_devices(["cpu", "cpu"])
-    with pytest.raises(ValueError, match="empty"):
-        resolve_devices([])
-    missing = f"cuda:{d2lgpu.num_gpus()}"  # one past the last visible GPU
-    with pytest.raises(ValueError, match="devices=None"):
-        resolve_devices(missing)
-
-
-@pytest.mark.parametrize(
-    "devices, error, match",
-    [("meta", ValueError, "'meta' devices"), (["cpu", "meta"], ValueError, "'meta' devices"),
-     (0, TypeError, r"devices=0 is an int.*'cuda:0'"), ([0, 1], TypeError, "an int"),
-     ("nonsense", ValueError, "not a device")],
-)
-def test_resolve_devices_names_the_fix_for_devices_train_cannot_use(devices, error, match):
-    with pytest.raises(error, match=match):
-        resolve_devices(devices)
 
 
 class ConstantClassifier(nn.Module):
@@ -301,12 +276,6 @@ def test_train_on_one_gpu_with_amp(quick_loaders):
     assert next(net.parameters()).device == torch.device("cuda", 0)
     assert history.device == "cuda:0"
     assert history.test_acc[-1] > 0.5
-
-
-@pytest.mark.multigpu
-def test_resolve_devices_rejects_a_repeated_gpu():
-    with pytest.raises(ValueError, match="repeats"):
-        resolve_devices(["cuda:0", "cuda:0"])
 
 
 @pytest.mark.multigpu

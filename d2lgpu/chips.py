@@ -1,0 +1,226 @@
+"""What a chip can do: the formats its Tensor Cores run, its data-sheet figures, and FLOP counts.
+
+Facts about GPUs that do not need one to be read: they come from NVIDIA's data sheets
+and architecture whitepapers (each figure names its source), keyed by compute
+capability or by the name ``torch.cuda.get_device_name()`` reports.
+
+* :func:`native_tensor_core_formats` and :func:`narrow_tensor_core_formats`: the
+  formats Tensor Cores run, by compute capability (chapters 1 and 6).
+* :data:`GPU_DATASHEETS`: two GPUs in numbers, beside which chapter 1 puts yours.
+* :func:`training_flops_per_example`, :data:`PEAK_TFLOPS`, :func:`peak_tflops` and
+  :func:`peak_format`: the work of a training step, and the peak it is measured
+  against, for the model FLOP utilisation (MFU) of chapters 4 and 7.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from d2lgpu.checks import check_capability, check_positive_int
+from d2lgpu.devices import as_device, require_cuda_device
+
+__all__ = [
+    "GPU_DATASHEETS",
+    "PEAK_TFLOPS",
+    "narrow_tensor_core_formats",
+    "native_tensor_core_formats",
+    "peak_format",
+    "peak_tflops",
+    "training_flops_per_example",
+]
+
+
+# --------------------------------------------------------------------------------------
+# The formats Tensor Cores run
+# --------------------------------------------------------------------------------------
+
+
+def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
+    """Reduced-precision formats that GPUs of this compute capability run on Tensor Cores."""
+    major, minor = check_capability(capability)
+    formats = []
+    if (major, minor) >= (7, 0):
+        formats.append("fp16")
+    if (major, minor) >= (8, 0):
+        formats += ["bf16", "tf32"]
+    return formats
+
+
+def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
+    """Tensor Core formats narrower than 16 bits on GPUs of this compute capability.
+
+    ``torch.autocast`` uses none of them; they matter for inference and for
+    libraries such as Transformer Engine. INT8 from 7.2 (Xavier) and 7.5 (Turing),
+    FP8 from 8.9 (Ada: L4, RTX 40xx) and 9.0 (Hopper: H100), FP6 and FP4 from
+    10.0 (Blackwell: B200, GB200; 12.0 is GeForce Blackwell, RTX 50xx), following
+    NVIDIA's architecture white papers and the PTX ISA's ``mma`` types.
+    """
+    check_capability(capability)
+    formats = []
+    if capability >= (8, 9):
+        formats.append("fp8")
+    if capability >= (10, 0):
+        formats += ["fp6", "fp4"]
+    if capability >= (7, 2):
+        formats.append("int8")
+    return formats
+
+
+# --------------------------------------------------------------------------------------
+# Two GPUs in numbers, from NVIDIA's documents
+# --------------------------------------------------------------------------------------
+
+# Each figure names its source. H100 (SXM5 board): "NVIDIA H100 Tensor Core GPU
+# Architecture" whitepaper (table comparing A100 and H100, and the H100 SM section).
+# T4: "NVIDIA T4 Tensor Core GPU" datasheet and the "NVIDIA Turing GPU Architecture"
+# whitepaper. Per-SM limits of a compute capability (warp size, resident threads,
+# registers, shared memory): the CUDA C++ Programming Guide's table "Technical
+# Specifications per Compute Capability". A figure left out was not in those documents.
+GPU_DATASHEETS: dict[str, dict[str, object]] = {
+    "H100 SXM5": {
+        "compute capability": "9.0",  # whitepaper: H100 is compute capability 9.0
+        "SMs": 132,  # whitepaper, A100/H100 table: 132 SMs on the SXM5 board
+        "warp size (threads)": 32,  # programming guide: 32 for every compute capability
+        "max threads per SM": 2048,  # programming guide, cc 9.0: 64 warps x 32
+        "registers per SM (32-bit)": 65536,  # whitepaper: 256 KB register file per SM
+        "shared memory per SM, max": "228 KiB",  # whitepaper: up to 228 KB of the 256 KB
+        "L1 + shared memory per SM": "256 KiB",  # whitepaper: 256 KB combined per SM
+        "L2 cache": "50 MB",  # whitepaper, A100/H100 table
+        "memory": "80 GB HBM3",  # whitepaper, A100/H100 table
+        "memory bandwidth": "3352 GB/s",  # whitepaper, A100/H100 table
+        "Tensor Cores": "528 (4 per SM)",  # whitepaper: 4th-generation, 528 on SXM5
+    },
+    "T4": {
+        "compute capability": "7.5",  # Turing whitepaper: Turing GPUs are cc 7.5
+        "SMs": 40,  # datasheet: 2,560 CUDA cores; Turing whitepaper: 64 per SM
+        "warp size (threads)": 32,  # programming guide
+        "max threads per SM": 1024,  # programming guide, cc 7.5: 32 warps x 32
+        "registers per SM (32-bit)": 65536,  # programming guide, cc 7.5: 64 K registers
+        "shared memory per SM, max": "64 KiB",  # programming guide, cc 7.5
+        "L1 + shared memory per SM": "96 KiB",  # Turing whitepaper: 96 KB per SM
+        "memory": "16 GB GDDR6",  # datasheet
+        "memory bandwidth": "320 GB/s",  # datasheet: "320+ GB/s"
+        "Tensor Cores": "320 (8 per SM)",  # datasheet: 320 Turing Tensor Cores
+    },
+}
+
+
+# --------------------------------------------------------------------------------------
+# The work of a training step, and the peak it is measured against
+# --------------------------------------------------------------------------------------
+
+
+def training_flops_per_example(
+    net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
+) -> float:
+    """FLOPs of one training step (forward and backward) per example, counted by
+    ``torch.utils.flop_counter.FlopCounterMode`` on a small batch on the CPU.
+
+    Counts matrix multiplications and convolutions (2 FLOPs per multiply-add), which
+    is what Tensor Core peaks are quoted for; elementwise work is left out. The
+    model's weights and batch-norm statistics are left unchanged (it runs on a copy).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module (the model to count), "
+                        f"got {type(net).__name__} {net!r}")
+    check_positive_int("batch_size", batch_size)
+    probe = copy.deepcopy(net).to("cpu", torch.float32).train()
+    X = torch.zeros(batch_size, *example_shape)
+    with FlopCounterMode(display=False) as counter:
+        out = probe(X)
+        out.float().sum().backward()
+    return counter.get_total_flops() / batch_size
+
+
+#: Dense (no sparsity) Tensor Core peak in TFLOP/s of the fast reduced-precision format
+#: (bf16, or fp16 on GPUs without native bf16: T4, V100) from NVIDIA's data sheets,
+#: keyed by (model, form factor) as :func:`_model_and_form_factor` reads them from
+#: ``torch.cuda.get_device_name()``; form factor None: the name carries none (the H100
+#: SXM reports itself as "NVIDIA H100 80GB HBM3", the H200 SXM as "NVIDIA H200").
+#: Each value is (peak, SMs of the full GPU); the SM count is given for the GPUs that
+#: MIG can split, to scale the peak of a slice (None: not splittable).
+PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
+    # "NVIDIA H100 Tensor Core GPU" datasheet: BF16 Tensor Core 1,979 TFLOPS (SXM), 1,671
+    # (NVL), 1,513 (PCIe), each "with sparsity", i.e. twice the dense rate; 132 SMs on
+    # SXM5 and NVL, 114 on PCIe ("NVIDIA H100 Tensor Core GPU Architecture" whitepaper).
+    ("h100", None): (989.0, 132),  # the SXM5 board's name carries no form factor
+    ("h100", "sxm5"): (989.0, 132),
+    ("h100", "pcie"): (756.0, 114),
+    ("h100", "nvl"): (835.0, 132),
+    # "NVIDIA H200 Tensor Core GPU" datasheet: BF16 1,979 TFLOPS (SXM), 1,671 (NVL),
+    # with sparsity; the same GH100 configuration as the H100 SXM5, 132 SMs.
+    ("h200", None): (989.0, 132),  # SXM
+    ("h200", "nvl"): (835.0, 132),
+    # "NVIDIA A100 Tensor Core GPU" datasheet: BF16 312 TFLOPS dense (624 with sparsity),
+    # SXM4 and PCIe alike; 108 SMs ("NVIDIA A100 Tensor Core GPU Architecture" whitepaper).
+    ("a100", None): (312.0, 108),
+    ("a100", "sxm"): (312.0, 108),
+    ("a100", "sxm4"): (312.0, 108),
+    ("a100", "pcie"): (312.0, 108),
+    ("a10", None): (125.0, None),  # "NVIDIA A10 Tensor Core GPU" datasheet: BF16 125 (250 sparse)
+    ("l40s", None): (362.0, None),  # "NVIDIA L40S" datasheet: BF16 362.05 (733 sparse)
+    ("l40", None): (181.0, None),  # "NVIDIA L40" datasheet: BF16 181.05 (362.1 sparse)
+    ("l4", None): (121.0, None),  # "NVIDIA L4 Tensor Core GPU" datasheet: BF16 242 sparse
+    ("t4", None): (65.0, None),  # "NVIDIA T4" datasheet: mixed precision (FP16/FP32) 65
+    # "NVIDIA V100 Tensor Core GPU" datasheet, Tensor Performance (fp16): 125 (SXM2),
+    # 112 (PCIe), 130 (V100S PCIe). Volta has no sparsity, so these are dense.
+    ("v100", "sxm2"): (125.0, None),
+    ("v100", "pcie"): (112.0, None),
+    ("v100s", "pcie"): (130.0, None),
+}
+
+_FORM_FACTORS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
+
+
+def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
+    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the whole model word after the brand,
+    and the first form-factor word. Whole words, so "RTX A1000" is not an A100."""
+    words = name.lower().replace("-", " ").replace("_", " ").split()
+    while words and words[0] in ("nvidia", "tesla"):
+        words = words[1:]
+    if not words:
+        return None
+    form_factor = next((w for w in words[1:] if w in _FORM_FACTORS), None)
+    return words[0], form_factor
+
+
+def peak_format(device: torch.device | str) -> str | None:
+    """The format of :func:`peak_tflops`'s data-sheet peak on ``device``: "bf16" from
+    compute capability 8.0 (Ampere on), "fp16" on 7.x (T4, V100: no native bf16), None
+    where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
+    device = as_device(device)
+    if device.type != "cuda":
+        return None
+    major, _ = torch.cuda.get_device_capability(device)
+    return "bf16" if major >= 8 else "fp16" if major == 7 else None
+
+
+def peak_tflops(device: torch.device | str) -> float | None:
+    """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None.
+
+    None means unknown: the CPU, or a GPU that is not in the table (say "unknown peak").
+    A MIG slice reports its parent GPU's name but only its own multiprocessors; its
+    peak is the parent's scaled by its share of the SMs (a 3g.20gb slice of an A100
+    has 42 of 108). A GPU with more SMs than the table's is not the one the data
+    sheet describes, so its peak is unknown too.
+    """
+    device = as_device(device)
+    if device.type != "cuda":
+        return None
+    device = require_cuda_device(device, "peak_tflops")
+    key = _model_and_form_factor(torch.cuda.get_device_name(device))
+    if key not in PEAK_TFLOPS:
+        return None
+    peak, full_sms = PEAK_TFLOPS[key]
+    if full_sms is None:
+        return peak
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms > full_sms:
+        return None
+    return peak * sms / full_sms
