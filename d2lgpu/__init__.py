@@ -124,6 +124,7 @@ from d2lgpu.report import (
 )
 from d2lgpu.training import (
     History,
+    SGDRecipe,
     evaluate_accuracy,
     init_weights,
     set_seed,
@@ -150,6 +151,7 @@ __all__ = [
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
     "Residual",
+    "SGDRecipe",
     "Roofline",
     "RooflinePoint",
     "SavedActivations",

@@ -167,7 +167,7 @@ class PrecisionPolicy:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
     def matmul_precision(self) -> AbstractContextManager:
-        """TF32 on or off for fp32 matmuls and convolutions (:func:`tf32_matmuls`), as ``tf32`` says.
+        """TF32 on or off in fp32 matmuls and convolutions, as ``tf32`` says (:func:`tf32_matmuls`).
 
         Only CUDA has TF32; on other devices the flags are left alone (torch 2.9 warns
         when its old TF32 flags are touched).
