@@ -814,6 +814,7 @@ def train_fast(
     (None: the techniques') overrides the techniques' precision.
     ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
     """
+    recipe = as_recipe(lr, num_epochs)  # checked before the data are copied
     check_positive_int("batch_size", batch_size)
     # One device only; resolve_devices names the GPU ("cuda" -> "cuda:0") and gives a
     # clear error for one that is not there.
@@ -837,6 +838,6 @@ def train_fast(
         channels_last=techniques.channels_last,
     )
     return train(
-        net, train_loader, test_loader, num_epochs, lr, device, seed=seed, precision=precision,
+        net, train_loader, test_loader, num_epochs, recipe, device, seed=seed, precision=precision,
         techniques=techniques, progress=progress, plot=False, init=init,
     )
