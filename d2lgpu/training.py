@@ -507,7 +507,7 @@ def check_finite_loss(
         other = ("or train in bf16 or fp32 (precision='bf16' or precision='fp32'): fp16 "
                  "overflows above 65504")
     else:
-        other = "or ramp it up over the first epoch with warmup_epochs=1"
+        other = "or ramp it up over the first epoch with lr=d2lgpu.SGDRecipe(lr, warmup_epochs=1)"
     check_training_loss(loss, when=f"epoch {epoch}", lr=lr, first_loss=first_loss, advice=other)
 
 
