@@ -919,7 +919,7 @@ ABLATION_LABELS: dict[str | None, str] = {
     None: "d2l-style baseline",
     "device_data": "+ data on the device",
     "no_sync": "+ no per-step sync",
-    "precision": "+ mixed precision ('auto')",
+    "precision": "+ mixed precision",
     "channels_last": "+ channels-last",
     "fused_optimizer": "+ fused optimizer",
     "compile": "+ torch.compile",

@@ -370,7 +370,7 @@ def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     with_bf16 = P.ablation_plan(CPU)
     assert with_bf16[3].technique == "precision" and with_bf16[3].skip_reason is None
-    assert with_bf16[3].label == "+ mixed precision ('auto')"
+    assert with_bf16[3].label == "+ mixed precision"
     assert with_bf16[-1].techniques.precision == "auto"
     # The last row is the fast path (with torch.compile where this CPU can compile).
     assert with_bf16[-1].techniques.replace(compile=False) == Techniques.fast(CPU)
