@@ -199,9 +199,9 @@ def test_a_recipe_trains_as_its_plain_torch_optimizer():
     # same run by hand (seed, init, the same batches) ends with the same weights.
     train_iter, test_iter = tiny_loaders()
     recipe = SGDRecipe(0.05, momentum=0.9, weight_decay=1e-3)
-    net = small_cnn()
+    net = linear_net()
     train(net, train_iter, test_iter, 1, recipe, "cpu", seed=0, progress=False, plot=False)
-    by_hand = small_cnn()
+    by_hand = linear_net()
     set_seed(0)
     init_weights(by_hand)
     optimizer = torch.optim.SGD(by_hand.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -224,7 +224,7 @@ def test_a_recipe_trains_as_its_plain_torch_optimizer():
 def test_older_spellings_of_train_name_the_new_one(old, new):
     train_iter, test_iter = tiny_loaders()
     with pytest.raises(TypeError, match=new):
-        train(small_cnn(), train_iter, test_iter, 1, 0.1, "cpu", progress=False, **old)
+        train(linear_net(), train_iter, test_iter, 1, 0.1, "cpu", progress=False, **old)
 
 
 @pytest.mark.parametrize("old, new", [
@@ -243,7 +243,7 @@ def test_train_refuses_other_precision_words_naming_the_word_to_write(word, fix)
     train_iter, test_iter = tiny_loaders()
     with pytest.raises(ValueError, match=rf"precision={word!r} is not one of .*"
                                          rf"write precision={fix!r}"):
-        train(small_cnn(), train_iter, test_iter, 1, 0.1, "cpu", precision=word, progress=False)
+        train(linear_net(), train_iter, test_iter, 1, 0.1, "cpu", precision=word, progress=False)
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -329,9 +329,9 @@ def test_bf16_on_cpu_trains_in_bf16_without_cuda_warnings():
 ])
 def test_precision_or_the_techniques_word_sets_the_autocast_dtype(precision, techniques, dtype):
     train_iter, test_iter = tiny_loaders()
-    net = small_cnn()
+    net = linear_net()  # autocast lowers its matmul to bf16 on the CPU too
     seen = set()
-    net[0].register_forward_hook(lambda module, args, out: seen.add(out.dtype))
+    net[1].register_forward_hook(lambda module, args, out: seen.add(out.dtype))
     train(net, train_iter, test_iter, 1, 0.1, "cpu", precision=precision,
           techniques=techniques, progress=False, plot=False)
     assert seen == {dtype}
@@ -349,7 +349,7 @@ def test_train_runs_under_the_policys_matmul_precision(monkeypatch):
     monkeypatch.setattr(d2lgpu.precision.PrecisionPolicy, "matmul_precision", spy)
     train_iter, test_iter = tiny_loaders()
     before = torch.get_float32_matmul_precision()
-    train(small_cnn(), train_iter, test_iter, 1, 0.1, "cpu", precision="tf32", progress=False,
+    train(linear_net(), train_iter, test_iter, 1, 0.1, "cpu", precision="tf32", progress=False,
           plot=False)
     assert entered == ["tf32"]
     assert torch.get_float32_matmul_precision() == before
