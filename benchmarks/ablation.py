@@ -3,8 +3,8 @@
 Starting from a d2l-style loop (DataLoader, ``.item()`` after every step, fp32), each
 row switches on one more technique of ``d2lgpu.Techniques`` and trains a fresh model
 from the same seed with ``d2lgpu.train``: data on the device, no per-step sync,
-autocast in the device's fast format, channels-last, a fused optimizer,
-``torch.compile``, CUDA graphs. A technique that does not apply on the device is a
+mixed precision in the device's fast format (``precision="auto"``), channels-last, a
+fused optimizer, ``torch.compile``, CUDA graphs. A technique that does not apply on the device is a
 row that says why (``d2lgpu.technique_skip_reason``) and stays off below it.
 
 Printed per row: the median images per second of the epochs after the first (the first

@@ -1,8 +1,8 @@
 """One training step in each memory layout and precision: which is fastest on this device?
 
-The fast path (:func:`d2lgpu.train_fast`) picks channels_last and, on GPUs, autocast
-in the Tensor Core format. This script measures the four combinations of
-{NCHW, channels_last} x {fp32, autocast} for one SGD step (forward, backward, fused
+The fast path (:func:`d2lgpu.train_fast`) picks channels_last and, on GPUs, precision "auto"
+(autocast in the Tensor Core format). This script measures the four combinations of
+{NCHW, channels_last} x {"fp32", "auto"} for one SGD step (forward, backward, fused
 update) of a model on random 28x28 one-channel images, so the choice rests on numbers.
 
     python benchmarks/step_choices.py                       # ResNet-18, batch 256, GPU if any
@@ -25,7 +25,7 @@ MODELS = {"resnet18": d2lgpu.resnet18, "small_cnn": d2lgpu.small_cnn}
 
 
 def make_step(model: str, batch_size: int, device: torch.device, channels_last: bool,
-              amp: str | bool):
+              precision: str):
     """A closure that runs one training step of a fresh model with the given settings."""
     torch.manual_seed(0)
     net = MODELS[model]().to(device)
@@ -33,7 +33,7 @@ def make_step(model: str, batch_size: int, device: torch.device, channels_last: 
         net = net.to(memory_format=torch.channels_last)
     X = torch.randn(batch_size, 1, 28, 28, device=device)
     y = torch.randint(0, 10, (batch_size,), device=device)
-    policy = d2lgpu.precision_policy(device, amp)
+    policy = d2lgpu.precision_policy(device, precision)
     scaler = policy.make_scaler()
     optimizer = make_sgd(net.parameters(), 0.01, device)
     loss_fn = nn.CrossEntropyLoss()
@@ -64,10 +64,11 @@ def main() -> None:
         torch.backends.cudnn.benchmark = True
     rows = []
     for channels_last in (False, True):
-        for amp in (False, "auto"):
-            step, precision = make_step(args.model, args.batch_size, device, channels_last, amp)
+        for precision in ("fp32", "auto"):
+            step, policy_name = make_step(args.model, args.batch_size, device,
+                                          channels_last, precision)
             timing = time_fn(step, device, warmup=2, repeats=args.repeats)
-            rows.append(["channels_last" if channels_last else "NCHW", precision,
+            rows.append(["channels_last" if channels_last else "NCHW", policy_name,
                          f"{timing.median * 1e3:.1f}", f"{timing.min * 1e3:.1f}",
                          f"{args.batch_size / timing.median:.0f}"])
     print(format_table(["layout", "precision", "median ms/step", "min ms/step", "img/s"], rows))

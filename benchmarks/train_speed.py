@@ -6,7 +6,7 @@
 2. ``d2lgpu.train``: the course's plain loop with its defaults (fp32, DataLoader,
    metrics summed on the device and read once per epoch).
 3. ``train_fast``: the fast path (data on the device as uint8, device-side shuffling,
-   channels_last + autocast on GPUs, fused SGD, no per-step sync; optionally compiled).
+   channels_last on GPUs, precision 'auto', fused SGD, no per-step sync; optionally compiled).
 
 All three train the same model from the same initialisation (``seed``) with the same
 batch size, learning rate and epochs (the d2l recipe: batch 256, lr 0.1, 10 epochs of
@@ -177,7 +177,7 @@ def main() -> None:
     fast_name = "train_fast" + (" (compiled)" if args.compile else "")
     histories[fast_name] = train_fast(
         make_model(), fast_train, fast_test, epochs, args.lr, device, seed=args.seed,
-        compile=args.compile, progress=False,
+        techniques=d2lgpu.Techniques.fast(device, compile=args.compile), progress=False,
     )
 
     baseline = sum(num_examples / eps for eps in histories["d2l-style"].examples_per_second)

@@ -130,6 +130,7 @@ from d2lgpu.report import (
 from d2lgpu.timing import Timing, gbps, tflops, time_fn
 from d2lgpu.training import (
     History,
+    SGDRecipe,
     evaluate_accuracy,
     init_weights,
     set_seed,
@@ -156,6 +157,7 @@ __all__ = [
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
     "Residual",
+    "SGDRecipe",
     "Roofline",
     "RooflinePoint",
     "SavedActivations",

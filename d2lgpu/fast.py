@@ -16,10 +16,11 @@ technique by technique, and :class:`Techniques` names each one as a switch of
     Loss and correct counts are summed in device tensors and read once per epoch,
     so the host queues work far ahead of the GPU (d2l's loop reads them with
     ``.item()`` after every step, which waits for the GPU each time).
-``autocast``
-    The forward pass runs under autocast in the format the device runs fast
-    (:func:`d2lgpu.precision_policy` with ``"auto"``: bf16 from Ampere on, fp16 with
-    loss scaling before; on a CPU bf16 where it is native, else fp32).
+``precision``
+    Not a switch but a word of :data:`d2lgpu.precision.PRECISIONS` (default ``"fp32"``). The fast
+    path's ``"auto"`` runs the forward pass under autocast in the format the device
+    runs fast (:func:`d2lgpu.precision_policy`: bf16 from Ampere on, fp16 with loss
+    scaling before; on a CPU bf16 where it is native, else fp32).
 ``channels_last``
     Model and batches in NHWC, the layout of cuDNN's Tensor Core convolutions.
 ``fused_optimizer``
@@ -78,9 +79,12 @@ __all__ = [
 
 #: The techniques of the fast path, in the order chapter 7's ablation adds them.
 TECHNIQUES = (
-    "device_data", "no_sync", "autocast", "channels_last", "fused_optimizer", "compile",
+    "device_data", "no_sync", "precision", "channels_last", "fused_optimizer", "compile",
     "cuda_graphs",
 )
+
+#: The techniques that are on/off switches (``precision`` is a word of PRECISIONS).
+SWITCHES = tuple(name for name in TECHNIQUES if name != "precision")
 
 #: ``Techniques.compile_mode`` values; CUDA graphs are a switch of their own.
 COMPILE_MODES = ("default", "max-autotune")
@@ -90,24 +94,35 @@ COMPILE_MODES = ("default", "max-autotune")
 class Techniques:
     """Which speed techniques :func:`d2lgpu.train` uses: one switch per technique.
 
-    ``Techniques()`` is the plain loop of :func:`d2lgpu.train` (``no_sync`` only);
-    :meth:`d2l_style` switches that off too, :meth:`fast` is the fast path. The
-    module docstring says what each switch does. ``compile_mode`` is the
+    ``Techniques()`` is the plain loop of :func:`d2lgpu.train` (``no_sync`` only, in
+    strict fp32); :meth:`d2l_style` switches that off too, :meth:`fast` is the fast
+    path. The module docstring says what each switch does. ``precision`` is a word of
+    :data:`d2lgpu.precision.PRECISIONS`, on when it is not ``"fp32"``. ``compile_mode`` is the
     ``torch.compile`` mode when ``compile`` is on: ``"default"``, or
     ``"max-autotune"`` (tries several kernels per operation: far longer compiles).
     """
 
     device_data: bool = False
     no_sync: bool = True
-    autocast: bool = False
+    precision: str = "fp32"
     channels_last: bool = False
     fused_optimizer: bool = False
     compile: bool = False
     cuda_graphs: bool = False
     compile_mode: str = "default"
 
+    def __new__(cls, *args: object, **kwargs: object) -> Techniques:
+        # Older chapter texts switched autocast on; there is one precision word now.
+        if "autocast" in kwargs:
+            raise TypeError(
+                "Techniques has no autocast switch: write precision='auto' (the device's "
+                "fast format) or another word of d2lgpu.precision.PRECISIONS; 'fp32' is off"
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
-        for name in TECHNIQUES:
+        precision.check_precision(self.precision, "Techniques.precision")
+        for name in SWITCHES:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"Techniques.{name} is a switch: True or False, got {value!r}")
@@ -130,26 +145,31 @@ class Techniques:
         cls, device: torch.device | str, *, compile: bool = False, cuda_graphs: bool = False
     ) -> Techniques:
         """The fast path on ``device``: every technique up to the optimizer that pays off
-        there (see :func:`technique_skip_reason`), plus ``compile``/``cuda_graphs`` when
-        asked for (they cost compile time up front)."""
+        there (see :func:`technique_skip_reason`; precision ``"auto"`` where the device
+        has a faster format than fp32), plus ``compile``/``cuda_graphs`` when asked for
+        (they cost compile time up front)."""
         device = as_device(device)
         basic = TECHNIQUES[: TECHNIQUES.index("fused_optimizer") + 1]
-        switches = {name: technique_skip_reason(name, device) is None for name in basic}
-        return cls(**switches, compile=compile, cuda_graphs=cuda_graphs)
+        pays = {name: technique_skip_reason(name, device) is None for name in basic}
+        pays["precision"] = "auto" if pays["precision"] else "fp32"
+        return cls(**pays, compile=compile, cuda_graphs=cuda_graphs)
 
     def replace(self, **changes: bool | str) -> Techniques:
-        """A copy with some switches changed, e.g. ``techniques.replace(compile=True)``."""
+        """A copy with some fields changed, e.g. ``techniques.replace(compile=True)``."""
         return dataclasses.replace(self, **changes)
 
     @property
     def enabled(self) -> tuple[str, ...]:
-        """The names of the switches that are on, in :data:`TECHNIQUES` order."""
-        return tuple(name for name in TECHNIQUES if getattr(self, name))
+        """The names of the techniques that are on (precision: not "fp32"), in
+        :data:`TECHNIQUES` order."""
+        return tuple(name for name in TECHNIQUES if getattr(self, name) not in (False, "fp32"))
 
     def __str__(self) -> str:
         names = list(self.enabled)
         if self.compile and self.compile_mode != "default":
             names[names.index("compile")] = f"compile ({self.compile_mode})"
+        if "precision" in names:
+            names[names.index("precision")] = f"precision {self.precision}"
         return " + ".join(names) if names else "none (d2l-style)"
 
 
@@ -163,15 +183,15 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
     characters), or None when it uses it.
 
     Either the technique cannot run there (CUDA graphs on a CPU; ``torch.compile``
-    without its compiler toolchain), or it buys nothing there: autocast where the
-    device's fast format is fp32, and channels-last and the fused optimizer on a CPU
+    without its compiler toolchain), or it buys nothing there: precision "auto" where
+    the device's fast format is fp32, and channels-last and the fused optimizer on a CPU
     (both are CUDA-side wins: cuDNN's Tensor Core layout, fewer kernel launches).
     """
     if technique not in TECHNIQUES:
         raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
     device = as_device(device)
     on_cuda = device.type == "cuda"
-    if technique == "autocast":
+    if technique == "precision":
         if precision.precision_policy(device, "auto").dtype is not None:
             return None
         if device.type == "cpu":
@@ -277,7 +297,7 @@ def as_device_loader(
         f"{name} must be {accepted}, got {type(data).__name__}. The fast path keeps the "
         "data set on the device instead of reading a DataLoader: use "
         "d2lgpu.fashion_mnist_on_device(batch_size, device) (or d2lgpu.train_fast with "
-        "tensor pairs), or switch device_data off (no fast=True) to read a DataLoader."
+        "tensor pairs), or switch device_data off (plain d2lgpu.Techniques()) to read a DataLoader."
     )
 
 

@@ -196,7 +196,7 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU has bf16 arithmetic instructions (AVX512-BF16, AMX-BF16, Arm BF16).
 
-    The rule for ``amp="auto"`` on a CPU: bf16 where the CPU *offers* bf16
+    The rule for ``precision="auto"`` on a CPU: bf16 where the CPU *offers* bf16
     instructions, read from the flags the kernel reports in ``/proc/cpuinfo``, and
     fp32 elsewhere. Without them bf16 autocast converts every operand and runs
     slower than fp32; with them oneDNN's bf16 matmuls and convolutions beat fp32.

@@ -909,7 +909,7 @@ ABLATION_LABELS: dict[str | None, str] = {
     None: "d2l-style baseline",
     "device_data": "+ data on the device",
     "no_sync": "+ no per-step sync",
-    "autocast": "+ autocast",
+    "precision": "+ mixed precision",
     "channels_last": "+ channels-last",
     "fused_optimizer": "+ fused optimizer",
     "compile": "+ torch.compile",
@@ -951,7 +951,8 @@ def ablation_plan(
     for name in TECHNIQUES:
         reason = skip.get(name) or technique_skip_reason(name, device)
         if reason is None:
-            current = current.replace(**{name: True})
+            # The precision row lets the device pick its fast format; the others are switches.
+            current = current.replace(**{name: "auto" if name == "precision" else True})
         plan.append(AblationStep(name, current, reason))
     return plan
 

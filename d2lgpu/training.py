@@ -9,12 +9,15 @@
   the first (d2l re-initialises only the conv and linear weights).
 * Loss and correct counts accumulate on the device and are read once per epoch,
   instead of forcing a host-device synchronisation on every batch.
-* ``warmup_epochs`` ramps the learning rate up linearly, which large batches with a
+* ``lr`` may be an :class:`SGDRecipe` instead of a number: momentum, weight decay,
+  and a warm-up that ramps the learning rate up linearly, which large batches with a
   linearly scaled learning rate need (Goyal et al., 2017).
+* ``precision`` takes the course's one vocabulary (:data:`d2lgpu.precision.PRECISIONS`) and
+  trains under :func:`d2lgpu.precision_policy`'s autocast, loss scaling and TF32 setting.
 * ``techniques`` switches on the fast path's techniques one by one
-  (:class:`d2lgpu.Techniques`: data on the device, autocast, channels-last, a fused
-  optimizer, ``torch.compile``, CUDA graphs); ``fast=True`` switches on all that pay
-  off on the device. :func:`train_fast` is that, with the data given as tensors.
+  (:class:`d2lgpu.Techniques`: data on the device, a precision, channels-last, a fused
+  optimizer, ``torch.compile``, CUDA graphs); ``Techniques.fast(device)`` is all that
+  pay off on the device. :func:`train_fast` is that, with the data given as tensors.
 
 The body of one epoch is :func:`train_epoch`, so that other training paths can reuse
 it or replace it without copying the set-up in :func:`train`. The building blocks of
@@ -23,11 +26,14 @@ the techniques live in :mod:`d2lgpu.fast`, which does not import this module.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -50,10 +56,11 @@ from d2lgpu.devices import as_device, resolve_devices, try_gpu
 from d2lgpu.estimate import training_estimate
 from d2lgpu.fast import Techniques, as_device_loader, compile_model, make_sgd
 from d2lgpu.plotting import LivePlot, in_notebook
-from d2lgpu.precision import PrecisionPolicy, precision_policy
+from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
 
 __all__ = [
     "History",
+    "SGDRecipe",
     "evaluate_accuracy",
     "init_weights",
     "set_seed",
@@ -64,6 +71,8 @@ __all__ = [
 
 #: What :func:`d2lgpu.train` does without being told: loss and accuracy read once per epoch.
 PLAIN = Techniques()
+
+F = TypeVar("F", bound=Callable)
 
 
 def set_seed(seed: int) -> None:
@@ -323,41 +332,99 @@ def warmup_scheduler(
     return LinearWarmup(optimizer, max(1, math.ceil(warmup_epochs * steps_per_epoch)))
 
 
+@dataclass(frozen=True)
+class SGDRecipe:
+    """How :func:`train` optimises: SGD with ``lr``, ``momentum`` and ``weight_decay``,
+    the learning rate ramped up linearly over the first ``warmup_epochs`` epochs.
+
+    Pass it where :func:`train` takes ``lr``, e.g.
+    ``d2lgpu.train(net, train_iter, test_iter, 10, d2lgpu.SGDRecipe(0.4, warmup_epochs=1))``;
+    a plain number is ``SGDRecipe(lr)``. Large batches with a linearly scaled learning
+    rate need the warm-up (Goyal et al., 2017).
+    """
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    warmup_epochs: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_positive_float("lr", self.lr)
+        check_finite_float("momentum", self.momentum, minimum=0, below=1)
+        check_finite_float("weight_decay", self.weight_decay, minimum=0)
+        check_finite_float("warmup_epochs", self.warmup_epochs, minimum=0)
+
+    def make_optimizer(
+        self, params: Iterable[nn.Parameter], device: torch.device, *, fused: bool = False
+    ) -> torch.optim.SGD:
+        """``torch.optim.SGD`` over ``params``; ``fused``: the fastest step on ``device``
+        (:func:`d2lgpu.fast.make_sgd`), as the ``fused_optimizer`` technique asks."""
+        if fused:
+            return make_sgd(params, self.lr, device, momentum=self.momentum,
+                            weight_decay=self.weight_decay)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                               weight_decay=self.weight_decay)
+
+
+def as_recipe(lr: float | SGDRecipe, num_epochs: int) -> SGDRecipe:
+    """``lr`` as an :class:`SGDRecipe` (a number is plain SGD), checked against ``num_epochs``."""
+    check_positive_int("num_epochs", num_epochs)
+    recipe = lr if isinstance(lr, SGDRecipe) else SGDRecipe(lr)
+    if recipe.warmup_epochs > num_epochs:
+        raise ValueError(
+            f"warmup_epochs must be between 0 and num_epochs ({num_epochs}), "
+            f"got {recipe.warmup_epochs!r}"
+        )
+    return recipe
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What every training step of a run uses, built once by :func:`train`.
+
+    ``model`` is what trains (the module itself, its compiled wrapper, or
+    ``nn.DataParallel`` around it); ``eval_model`` is what evaluation runs (the eager
+    module behind a compiled one). ``scheduler`` is the warm-up, or None.
+    """
+
+    model: nn.Module
+    eval_model: nn.Module
+    loss_fn: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LinearWarmup | None
+    policy: PrecisionPolicy
+    scaler: torch.amp.GradScaler
+    device: torch.device
+    techniques: Techniques = PLAIN
+
+
 def run_epochs(
-    model: nn.Module,
+    parts: StepParts,
     train_iter: Iterable,
     test_iter: Iterable,
     num_epochs: int,
-    loss_fn: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    policy: PrecisionPolicy,
-    scaler: torch.amp.GradScaler,
-    scheduler: LinearWarmup | None,
     history: History,
+    *,
     bar=None,
     live: LivePlot | None = None,
-    *,
-    techniques: Techniques = PLAIN,
-    eval_model: nn.Module | None = None,
 ) -> None:
     """The epoch loop of :func:`train`: train one epoch, evaluate, append to ``history``,
-    update the progress bar and live plot. ``eval_model`` (default: ``model``) is what
-    evaluation runs, e.g. the eager module behind a compiled one."""
-    eval_model = model if eval_model is None else eval_model
-    estimate = training_estimate(train_iter, num_epochs, device)  # one line, for long runs
+    update the progress ``bar`` and ``live`` plot (either may be None)."""
+    estimate = training_estimate(train_iter, num_epochs, parts.device)  # one line, long runs
     for epoch in range(num_epochs):
         start = time.perf_counter()
         loss, train_acc, count = train_epoch(
-            model, train_iter, loss_fn, optimizer, device, policy, scaler, scheduler,
+            parts.model, train_iter, parts.loss_fn, parts.optimizer, parts.device,
+            parts.policy, parts.scaler, parts.scheduler,
             on_batch=estimate.step if bar is None else lambda: (bar.update(1), estimate.step()),
-            techniques=techniques,
+            techniques=parts.techniques,
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
-        check_finite_loss(loss, epoch + 1, optimizer.defaults["lr"], policy,
+        check_finite_loss(loss, epoch + 1, parts.optimizer.defaults["lr"], parts.policy,
                           first_loss=history.train_loss[0] if history.train_loss else None)
         with torch.profiler.record_function("evaluate"):
-            test_acc = evaluate_accuracy(eval_model, test_iter, device, policy=policy)
+            test_acc = evaluate_accuracy(parts.eval_model, test_iter, parts.device,
+                                         policy=parts.policy)
         history.train_loss.append(loss)
         history.train_acc.append(train_acc)
         history.test_acc.append(test_acc)
@@ -381,9 +448,10 @@ def check_finite_loss(
     function that trains; this adds the advice that fits the precision.
     """
     if policy.dtype == torch.float16:
-        other = "or train in bf16 or fp32 (amp='bf16' or amp=False): fp16 overflows above 65504"
+        other = ("or train in bf16 or fp32 (precision='bf16' or precision='fp32'): fp16 "
+                 "overflows above 65504")
     else:
-        other = "or ramp it up over the first epoch with warmup_epochs=1"
+        other = "or ramp it up over the first epoch with lr=d2lgpu.SGDRecipe(lr, warmup_epochs=1)"
     check_training_loss(loss, when=f"epoch {epoch}", lr=lr, first_loss=first_loss, advice=other)
 
 
@@ -402,7 +470,7 @@ def _check_policy(policy: object, *, none_ok: bool) -> None:
     if (policy is None and none_ok) or isinstance(policy, PrecisionPolicy):
         return
     raise TypeError(
-        f"policy must be a d2lgpu.PrecisionPolicy (from d2lgpu.precision_policy(device, amp))"
+        f"policy must be a d2lgpu.PrecisionPolicy (from d2lgpu.precision_policy(device, precision))"
         f"{' or None' if none_ok else ''}, got {type(policy).__name__}"
     )
 
@@ -418,119 +486,63 @@ def _blame_the_data(error: FloatingPointError, train_iter: Iterable) -> None:
         raise ValueError(found) from error
 
 
-def check_hyperparameters(
-    num_epochs: int, lr: float, weight_decay: float, momentum: float, warmup_epochs: float
-) -> None:
-    """Reject training hyperparameters that cannot be meant, with the accepted range.
-
-    An absurd but finite ``lr`` (say 1e6) is left to the divergence check of
-    :func:`check_finite_loss`: what is too large depends on the model.
-    """
-    check_positive_int("num_epochs", num_epochs)
-    check_positive_float("lr", lr)
-    check_finite_float("weight_decay", weight_decay, minimum=0)
-    check_finite_float("momentum", momentum, minimum=0, below=1)
-    check_finite_float("warmup_epochs", warmup_epochs, minimum=0)
-    if warmup_epochs > num_epochs:
-        raise ValueError(f"warmup_epochs must be between 0 and num_epochs, got {warmup_epochs!r}")
-
-
 def _one_device_techniques(techniques: Techniques) -> list[str]:
     """The switched-on techniques that train on one device only (not with DataParallel)."""
-    return [name for name in techniques.enabled if name not in ("no_sync", "autocast")]
+    return [name for name in techniques.enabled if name not in ("no_sync", "precision")]
 
 
-def train(
-    net: nn.Module,
-    train_iter: Iterable,
-    test_iter: Iterable,
-    num_epochs: int,
-    lr: float,
-    devices: torch.device | str | Sequence[torch.device | str] | None = None,
-    *,
-    seed: int | None = None,
-    amp: bool | str | torch.dtype | None = None,
-    techniques: Techniques | None = None,
-    fast: bool = False,
-    progress: bool = True,
-    plot: bool | None = None,
-    weight_decay: float = 0.0,
-    momentum: float = 0.0,
-    warmup_epochs: float = 0.0,
-    init: bool = True,
-) -> History:
-    """Train a classifier with SGD and cross-entropy; evaluate on ``test_iter`` every epoch.
-
-    ``devices``: None for all GPUs (the CPU without GPUs), one device, or a list; more
-    than one CUDA device wraps the model in ``nn.DataParallel``, which splits every
-    batch across them. ``seed`` seeds everything first (initialisation, shuffling),
-    so the same seed gives the same history on the CPU. ``init=False`` keeps the
-    model's current weights (fine-tuning; otherwise every parameter is reset).
-    ``warmup_epochs`` ramps the learning rate linearly from ``lr / steps`` to ``lr``
-    over that many epochs. ``progress`` shows a tqdm bar; ``plot`` a live plot (None:
-    only inside a notebook). The model is trained in place and stays on ``devices[0]``.
-
-    ``techniques`` (a :class:`d2lgpu.Techniques`; default ``Techniques()``, loss and
-    accuracy read once per epoch) switches on the fast path's techniques one by one.
-    With ``device_data`` the data must be :class:`d2lgpu.DeviceLoader` s on the
-    device (e.g. from :func:`d2lgpu.fashion_mnist_on_device`); without it, a
-    DeviceLoader is refused, so the switch always says where the data was. Every
-    technique but ``no_sync`` and ``autocast`` needs one device; ``devices=None``
-    then means :func:`d2lgpu.try_gpu`. ``fast=True`` is
-    ``techniques=Techniques.fast(device)`` (no live plot: plot the returned History).
-    ``amp`` picks the precision through :func:`d2lgpu.precision_policy`; None means
-    ``"auto"`` (the device's fast format) with the ``autocast`` switch, fp32 without.
-    When ``compile`` or ``cuda_graphs`` is on, evaluation runs the eager module (a
-    second, inference graph would cost another compilation for one pass per epoch),
-    and the first epoch's time includes compiling.
-
-    Before training, the data loaders, switches and (with ``init=False``) the weights
-    are checked. A loss that turns NaN or inf stops the run: the error blames the
-    data when a training batch holds NaN or inf, and the learning rate otherwise.
-    """
-    check_module("net", net)
-    check_loader("train_iter", train_iter)
-    check_loader("test_iter", test_iter)
-    check_hyperparameters(num_epochs, lr, weight_decay, momentum, warmup_epochs)
-    for name, value in (("fast", fast), ("progress", progress), ("init", init)):
-        check_bool(name, value)
-    check_bool("plot", plot, none_means="plot only inside a notebook")
-    if fast:
-        if techniques is not None:
-            raise ValueError("pass fast=True or techniques=..., not both")
-        if plot:
-            raise ValueError(
-                "plot=True is not available with fast=True: plot the returned History "
-                "with d2lgpu.plot_history"
-            )
-        plot = False
-    if techniques is not None and not isinstance(techniques, Techniques):
+def _with_precision(techniques: Techniques | None, precision: str | None) -> Techniques:
+    """``techniques`` (None: the plain loop) with ``precision`` in place of its own."""
+    if techniques is None:
+        techniques = PLAIN
+    elif not isinstance(techniques, Techniques):
         raise TypeError(
             f"techniques must be a d2lgpu.Techniques, got {type(techniques).__name__}"
         )
-    one_device = fast or bool(techniques is not None and _one_device_techniques(techniques))
-    devices = [try_gpu()] if devices is None and one_device else resolve_devices(devices)
-    device = devices[0]
-    if fast:
-        techniques = Techniques.fast(device)
-    techniques = PLAIN if techniques is None else techniques
-    if len(devices) > 1 and _one_device_techniques(techniques):
+    if precision is None:
+        return techniques
+    return techniques.replace(precision=check_precision(precision))
+
+
+def _train_devices(
+    devices: torch.device | str | Sequence[torch.device | str] | None, techniques: Techniques
+) -> list[torch.device]:
+    """The devices :func:`train` runs on: one GPU (or the CPU) when a technique needs one."""
+    one_device = _one_device_techniques(techniques)
+    if devices is None and one_device:
+        return [try_gpu()]
+    devices = resolve_devices(devices)
+    if len(devices) > 1 and one_device:
         raise ValueError(
-            f"{', '.join(_one_device_techniques(techniques))} train on one device, got "
+            f"{', '.join(one_device)} train on one device, got "
             f"{[str(d) for d in devices]}: pass one, e.g. devices=d2lgpu.try_gpu()"
         )
-    if techniques.device_data:
-        train_iter = as_device_loader(train_iter, "train_iter", device)
-        test_iter = as_device_loader(test_iter, "test_iter", device)
-    else:
-        for name, data in (("train_iter", train_iter), ("test_iter", test_iter)):
-            if isinstance(data, DeviceLoader):
-                raise ValueError(
-                    f"{name} is a DeviceLoader, whose data already lives on {data.device}, "
-                    "but the device_data switch is off: pass fast=True or "
-                    "techniques=d2lgpu.Techniques(device_data=True, ...)"
-                )
+    return devices
 
+
+def _check_data(
+    train_iter: Iterable, test_iter: Iterable, techniques: Techniques, device: torch.device
+) -> tuple[Iterable, Iterable]:
+    """The loaders, checked against the ``device_data`` switch: DeviceLoaders on
+    ``device`` with it, anything but a DeviceLoader without it."""
+    if techniques.device_data:
+        return (as_device_loader(train_iter, "train_iter", device),
+                as_device_loader(test_iter, "test_iter", device))
+    for name, data in (("train_iter", train_iter), ("test_iter", test_iter)):
+        if isinstance(data, DeviceLoader):
+            raise ValueError(
+                f"{name} is a DeviceLoader, whose data already lives on {data.device}, "
+                "but the device_data switch is off: pass "
+                "techniques=d2lgpu.Techniques.fast(device) (or Techniques(device_data=True))"
+            )
+    return train_iter, test_iter
+
+
+def _prepare_model(
+    net: nn.Module, train_iter: Iterable, device: torch.device, techniques: Techniques, *,
+    seed: int | None, init: bool,
+) -> None:
+    """Seed, re-initialise (or check the kept weights) and move ``net`` to ``device``."""
     if seed is not None:
         set_seed(seed)
         if isinstance(train_iter, DeviceLoader):
@@ -547,64 +559,161 @@ def train(
         net.to(device, memory_format=torch.channels_last)
     else:
         net.to(device)
-    if amp is None:
-        amp = "auto" if techniques.autocast else False
-    if isinstance(amp, torch.dtype):
-        amp = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(amp, amp)
-    if isinstance(amp, str) and amp.lower() in ("auto", "fp16", "bf16", "half", "off", "float16", "bfloat16"):
-        amp = {"half": "fp16", "float16": "fp16", "bfloat16": "bf16", "off": "fp32"}.get(amp.lower(), amp.lower())
-    policy = precision_policy(device, {True: "auto", False: "fp32"}.get(amp, amp) if isinstance(amp, bool) else amp)
+
+
+def _step_parts(
+    net: nn.Module, devices: list[torch.device], recipe: SGDRecipe, techniques: Techniques,
+    steps_per_epoch: int | None,
+) -> StepParts:
+    """The model wrapper, optimizer, warm-up and precision policy of a run of :func:`train`."""
+    device = devices[0]
+    policy = precision_policy(device, techniques.precision)
     model = compile_model(net, techniques, device)
     if len(devices) > 1:
         # DataParallel's replica threads re-enter autocast with the default dtype
         # (fp16 on CUDA), not ours: entering the policy inside forward keeps bf16 bf16.
         inner = _AutocastForward(net, policy) if policy.dtype is not None else net
         model = nn.DataParallel(inner, device_ids=devices)
+    optimizer = recipe.make_optimizer(net.parameters(), device,
+                                      fused=techniques.fused_optimizer)
+    compiled = techniques.compile or techniques.cuda_graphs
+    return StepParts(
+        model=model, eval_model=net if compiled else model, loss_fn=nn.CrossEntropyLoss(),
+        optimizer=optimizer,
+        scheduler=warmup_scheduler(optimizer, recipe.warmup_epochs, steps_per_epoch),
+        policy=policy, scaler=policy.make_scaler(), device=device, techniques=techniques,
+    )
 
-    scaler = policy.make_scaler()
-    loss_fn = nn.CrossEntropyLoss()
-    if techniques.fused_optimizer:
-        optimizer = make_sgd(
-            net.parameters(), lr, device, momentum=momentum, weight_decay=weight_decay
-        )
-    else:
-        optimizer = torch.optim.SGD(
-            net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-        )
+
+@contextlib.contextmanager
+def _cudnn_benchmark(enabled: bool) -> Iterator[None]:
+    """cuDNN's autotuner on while the body runs (when ``enabled``); restored after."""
+    before = torch.backends.cudnn.benchmark
+    if enabled:
+        torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def _progress_bar(show: bool, total: int | None, desc: str):
+    """A tqdm bar of ``total`` batches, or None when ``show`` is False."""
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch")
+
+
+def _live_plot(plot: bool | None, num_epochs: int) -> LivePlot | None:
+    """The live plot of loss and accuracies per epoch (``plot=None``: in a notebook only)."""
+    if not (plot or (plot is None and in_notebook())):
+        return None
+    return LivePlot(
+        xlabel="epoch", legend=["train loss", "train acc", "test acc"],
+        xlim=(1, num_epochs) if num_epochs > 1 else None,
+    )
+
+
+def _refuse_old_keywords(**new: str) -> Callable[[F], F]:
+    """Refuse the keywords of older chapter texts with a TypeError that says what to
+    write instead (nothing is translated: there is one spelling)."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            for old in new.keys() & kwargs.keys():
+                raise TypeError(f"{fn.__name__}() has no {old}= argument: {new[old]}")
+            return fn(*args, **kwargs)
+
+        return checked  # type: ignore[return-value]
+
+    return decorate
+
+
+_PRECISION_FIX = ("write precision= with one of 'auto', 'fp32', 'tf32', 'fp16', 'bf16' "
+                  "(amp=True was precision='auto', amp=False precision='fp32')")
+
+
+@_refuse_old_keywords(
+    amp=_PRECISION_FIX,
+    fast="write techniques=d2lgpu.Techniques.fast(device), or call d2lgpu.train_fast",
+    momentum="pass lr=d2lgpu.SGDRecipe(lr, momentum=...)",
+    weight_decay="pass lr=d2lgpu.SGDRecipe(lr, weight_decay=...)",
+    warmup_epochs="pass lr=d2lgpu.SGDRecipe(lr, warmup_epochs=...)",
+)
+def train(
+    net: nn.Module,
+    train_iter: Iterable,
+    test_iter: Iterable,
+    num_epochs: int,
+    lr: float | SGDRecipe,
+    devices: torch.device | str | Sequence[torch.device | str] | None = None,
+    *,
+    seed: int | None = None,
+    precision: str | None = None,
+    techniques: Techniques | None = None,
+    progress: bool = True,
+    plot: bool | None = None,
+    init: bool = True,
+) -> History:
+    """Train a classifier with SGD and cross-entropy; evaluate on ``test_iter`` every epoch.
+
+    ``lr``: the learning rate, or an :class:`SGDRecipe` (momentum, weight decay, a
+    warm-up). ``devices``: None for all GPUs (the CPU without GPUs), one device, or a
+    list; more than one CUDA device wraps the model in ``nn.DataParallel``, which
+    splits every batch across them. ``seed`` seeds everything first (initialisation,
+    shuffling), so the same seed gives the same history on the CPU. ``init=False``
+    keeps the model's weights (fine-tuning; otherwise every parameter is reset).
+    ``progress`` shows a tqdm bar; ``plot`` a live plot (None: only inside a
+    notebook). The model is trained in place and stays on ``devices[0]``.
+
+    ``precision``: a word of :data:`d2lgpu.precision.PRECISIONS` ("auto", "fp32", "tf32", "fp16",
+    "bf16", see :func:`d2lgpu.precision_policy`); None means ``techniques.precision``
+    ("fp32" for the plain loop). ``techniques`` (a :class:`d2lgpu.Techniques`; default
+    ``Techniques()``) switches on the fast path's techniques one by one;
+    ``Techniques.fast(device)`` is the whole fast path. With ``device_data`` the data
+    must be :class:`d2lgpu.DeviceLoader` s on the device; without it a DeviceLoader
+    is refused, so the switch always says where the data was. Every technique but
+    ``no_sync`` and ``precision`` needs one device; ``devices=None`` then means
+    :func:`d2lgpu.try_gpu`. With ``compile`` or ``cuda_graphs`` evaluation runs the
+    eager module, and the first epoch's time includes compiling.
+
+    Before training, the data loaders, switches and (with ``init=False``) the weights
+    are checked. A loss that turns NaN or inf stops the run: the error blames the
+    data when a training batch holds NaN or inf, and the learning rate otherwise.
+    """
+    check_module("net", net)
+    check_loader("train_iter", train_iter)
+    check_loader("test_iter", test_iter)
+    recipe = as_recipe(lr, num_epochs)
+    check_bool("progress", progress)
+    check_bool("init", init)
+    check_bool("plot", plot, none_means="plot only inside a notebook")
+    techniques = _with_precision(techniques, precision)
+    devices = _train_devices(devices, techniques)
+    device = devices[0]
+    train_iter, test_iter = _check_data(train_iter, test_iter, techniques, device)
+    _prepare_model(net, train_iter, device, techniques, seed=seed, init=init)
     steps_per_epoch = len(train_iter) if hasattr(train_iter, "__len__") else None
-    scheduler = warmup_scheduler(optimizer, warmup_epochs, steps_per_epoch)
+    parts = _step_parts(net, devices, recipe, techniques, steps_per_epoch)
 
     history = History(device=", ".join(str(d) for d in devices))
-    live = None
-    if plot or (plot is None and in_notebook()):
-        live = LivePlot(
-            xlabel="epoch", legend=["train loss", "train acc", "test acc"],
-            xlim=(1, num_epochs) if num_epochs > 1 else None,
-        )
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        total = steps_per_epoch * num_epochs if steps_per_epoch is not None else None
-        extras = "" if techniques == PLAIN else f" ({techniques}; {policy.name})"
-        bar = tqdm(total=total, desc=f"training on {history.device}{extras}", unit="batch")
+    extras = "" if techniques == PLAIN else f" ({techniques}; {parts.policy.name})"
+    bar = _progress_bar(progress, None if steps_per_epoch is None else
+                        steps_per_epoch * num_epochs, f"training on {history.device}{extras}")
+    live = _live_plot(plot, num_epochs)
     # With channels-last, cuDNN's autotuner picks the fastest convolution (the NHWC
     # Tensor Core kernels) once per input shape; a fixed batch size pays that off at once.
-    benchmark_before = torch.backends.cudnn.benchmark
-    if techniques.channels_last and device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    compiled = techniques.compile or techniques.cuda_graphs
+    autotune = techniques.channels_last and device.type == "cuda"
     try:
-        run_epochs(
-            model, train_iter, test_iter, num_epochs, loss_fn, optimizer, device, policy,
-            scaler, scheduler, history, bar, live, techniques=techniques,
-            eval_model=net if compiled else model,
-        )
+        with parts.policy.matmul_precision(), _cudnn_benchmark(autotune):
+            run_epochs(parts, train_iter, test_iter, num_epochs, history, bar=bar, live=live)
     except FloatingPointError as error:
         _blame_the_data(error, train_iter)
         raise
     finally:
-        torch.backends.cudnn.benchmark = benchmark_before
         if bar is not None:
             bar.close()
         if live is not None:
@@ -612,82 +721,58 @@ def train(
     return history
 
 
-#: ``train_fast(compile=...)`` spellings: torch.compile modes as switches of Techniques.
-_COMPILE_SPELLINGS = {
-    "default": dict(compile=True),
-    "reduce-overhead": dict(compile=True, cuda_graphs=True),
-    "max-autotune-no-cudagraphs": dict(compile=True, compile_mode="max-autotune"),
-}
-
-
-def _compile_switches(compile: bool | str, device: torch.device) -> dict:
-    if compile is False:
-        return {}
-    if compile is True:
-        return dict(compile=True)
-    if compile == "max-autotune":  # torch's max-autotune includes CUDA graphs on a GPU
-        return dict(compile=True, compile_mode="max-autotune", cuda_graphs=device.type == "cuda")
-    if isinstance(compile, str) and compile in _COMPILE_SPELLINGS:
-        return dict(_COMPILE_SPELLINGS[compile])
-    raise ValueError(
-        "compile must be False, True or a torch.compile mode (default, reduce-overhead, "
-        f"max-autotune, max-autotune-no-cudagraphs), got {compile!r}"
-    )
-
-
+@_refuse_old_keywords(
+    amp=_PRECISION_FIX,
+    compile="pass techniques=d2lgpu.Techniques.fast(device, compile=True)",
+    channels_last="pass techniques=d2lgpu.Techniques.fast(device).replace(channels_last=...)",
+    momentum="pass lr=d2lgpu.SGDRecipe(lr, momentum=...)",
+    weight_decay="pass lr=d2lgpu.SGDRecipe(lr, weight_decay=...)",
+    warmup_epochs="pass lr=d2lgpu.SGDRecipe(lr, warmup_epochs=...)",
+)
 def train_fast(
     net: nn.Module,
     train_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
     test_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],
     num_epochs: int,
-    lr: float,
+    lr: float | SGDRecipe,
     device: torch.device | str | None = None,
     *,
     batch_size: int = 256,
     seed: int | None = 0,
-    amp: bool | str | torch.dtype = "auto",
-    compile: bool | str = False,
-    channels_last: bool | None = None,
+    precision: str | None = None,
+    techniques: Techniques | None = None,
     progress: bool = True,
-    weight_decay: float = 0.0,
-    momentum: float = 0.0,
-    warmup_epochs: float = 0.0,
     init: bool = True,
 ) -> History:
-    """:func:`train` on one device with the fast path's techniques
-    (:meth:`d2lgpu.Techniques.fast`). Returns the same :class:`History`.
+    """:func:`train` on one device with the fast path's techniques; the same :class:`History`.
 
     ``train_data``/``test_data``: :class:`d2lgpu.DeviceLoader` s (e.g. from
     :func:`d2lgpu.fashion_mnist_on_device`), or pairs ``(uint8 images, labels)`` that
     are put on the device here and batched with ``batch_size`` (train shuffled).
     ``seed`` seeds initialisation and restarts the training loader's shuffling, so a
     seed gives the same run on the CPU (GPU kernels may differ in the last bits).
-    ``amp="auto"``: the device's fast format (:func:`d2lgpu.precision_policy`).
-    ``compile``: False, True, or a ``torch.compile`` mode ("reduce-overhead" is
-    compile with the ``cuda_graphs`` switch); the first epoch then includes
-    compilation time. ``channels_last`` stores activations as NHWC; ``None`` means
-    what :meth:`Techniques.fast` picks (on CUDA only: on the CPU it did not help
-    ResNet-18 in bf16 and slowed the small CNN down, ``benchmarks/RESULTS.md``).
+    ``techniques``: None means :meth:`d2lgpu.Techniques.fast` on ``device`` (precision
+    "auto": the device's fast format; channels-last and a fused optimizer on CUDA);
+    ``Techniques.fast(device, compile=True)`` adds ``torch.compile``, whose first
+    epoch then includes compilation. It must keep ``device_data`` on. ``precision``
+    (None: the techniques') overrides the techniques' precision.
     ``epoch_seconds`` include evaluation, ``examples_per_second`` count training only.
     """
+    recipe = as_recipe(lr, num_epochs)  # checked before the data are copied
     check_positive_int("batch_size", batch_size)
-    check_bool("progress", progress)
-    check_bool("init", init)
-    check_bool("channels_last", channels_last, none_means="what Techniques.fast picks")
-    if not isinstance(compile, (bool, str)):
-        raise ValueError(
-            f"compile must be False, True or a torch.compile mode such as 'max-autotune', "
-            f"got {compile!r}"
-        )
     # One device only; resolve_devices names the GPU ("cuda" -> "cuda:0") and gives a
     # clear error for one that is not there.
     devices = [try_gpu()] if device is None else resolve_devices(device)
     if len(devices) != 1:
         raise ValueError(f"train_fast trains on one device, got {[str(d) for d in devices]}")
     device = devices[0]
-    techniques = Techniques.fast(device).replace(**_compile_switches(compile, device))
-    if channels_last is not None:
-        techniques = techniques.replace(channels_last=channels_last)
+    techniques = Techniques.fast(device) if techniques is None else techniques
+    if not isinstance(techniques, Techniques) or not techniques.device_data:
+        raise ValueError(
+            f"train_fast keeps the data on the device: techniques must be a d2lgpu.Techniques "
+            f"with device_data=True, e.g. Techniques.fast(device, compile=True), got "
+            f"{techniques!r}. For DataLoaders use d2lgpu.train."
+        )
     train_loader = as_device_loader(
         train_data, "train_data", device, batch_size=batch_size, shuffle=True, seed=seed or 0,
         channels_last=techniques.channels_last,
@@ -697,7 +782,6 @@ def train_fast(
         channels_last=techniques.channels_last,
     )
     return train(
-        net, train_loader, test_loader, num_epochs, lr, device, seed=seed, amp=amp,
-        techniques=techniques, progress=progress, plot=False, weight_decay=weight_decay,
-        momentum=momentum, warmup_epochs=warmup_epochs, init=init,
+        net, train_loader, test_loader, num_epochs, recipe, device, seed=seed, precision=precision,
+        techniques=techniques, progress=progress, plot=False, init=init,
     )

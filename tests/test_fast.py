@@ -226,11 +226,11 @@ def test_auto_precision_on_cpu_is_bf16_only_where_native(monkeypatch):
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     assert precision_policy(CPU, "auto").dtype is None
     assert precision_policy(CPU, "bf16").dtype == torch.bfloat16  # forcing still works
-    assert d2lgpu.Techniques.fast(CPU).autocast is False
+    assert d2lgpu.Techniques.fast(CPU).precision == "fp32"
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert precision_policy(CPU, "auto").dtype == torch.bfloat16
     assert precision_policy(CPU, "fp32").dtype is None
-    assert d2lgpu.Techniques.fast(CPU).autocast is True
+    assert d2lgpu.Techniques.fast(CPU).precision == "auto"
 
 
 def test_make_sgd_is_fused_here_and_matches_plain_sgd():
@@ -298,7 +298,8 @@ def test_train_fast_rejects_a_dataloader_and_names_the_fix():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"num_epochs": 0}, "num_epochs"), ({"lr": 0.0}, "lr"), ({"compile": 1}, "compile"),
+    [({"num_epochs": 0}, "num_epochs"), ({"lr": 0.0}, "lr"),
+     ({"precision": "half"}, "write precision='fp16'"),
      ({"batch_size": 0}, "batch_size"), ({"device": "meta"}, "'meta' devices"),
      ({"device": ["cpu", "cpu"]}, "CUDA devices only")],
 )
@@ -322,7 +323,8 @@ def test_compiled_fast_path_matches_eager():
     def run(compile: bool):
         net = nn.Sequential(nn.Flatten(), nn.Linear(64, 2))
         return train_fast(net, (images, labels), (images, labels), 2, 0.1, CPU, batch_size=64,
-                          amp=False, compile=compile, progress=False)
+                          precision="fp32", techniques=Techniques.fast(CPU, compile=compile),
+                          progress=False)
 
     compiled, eager = run(True), run(False)
     assert compiled.train_loss == pytest.approx(eager.train_loss, rel=1e-4)
@@ -390,9 +392,9 @@ def test_gpu_train_fast_learns_in_channels_last_and_reduced_precision():
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_train_with_fast_true_is_train_fast():
-    # The dispatch in d2lgpu.train must hand everything over: on the CPU a seed gives
-    # bit-identical runs, so both routes must produce the same history.
+def test_train_with_the_fast_techniques_is_train_fast():
+    # train_fast is train with Techniques.fast: on the CPU a seed gives bit-identical
+    # runs, so both routes must produce the same history.
     def loaders():
         images, labels = indexed_data(96, size=8)
         labels = labels % 10
@@ -402,16 +404,15 @@ def test_train_with_fast_true_is_train_fast():
     def net():
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
-    via_train = d2lgpu.train(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False, fast=True)
-    # fast=True means train_fast's defaults, "auto" precision included.
+    via_train = d2lgpu.train(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False,
+                             techniques=d2lgpu.Techniques.fast(CPU))
+    # Techniques.fast is train_fast's default, its precision word included.
     direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False)
     assert via_train.train_loss == direct.train_loss
     assert via_train.test_acc == direct.test_acc
-    with pytest.raises(ValueError, match="plot_history"):
-        d2lgpu.train(net(), *loaders(), 1, 0.1, CPU, plot=True, progress=False, fast=True)
     with pytest.raises(TypeError, match="fashion_mnist_on_device"):
         d2lgpu.train(net(), *d2lgpu.load_data_fashion_mnist(32, quick=True), 1, 0.1, CPU,
-                     progress=False, fast=True)
+                     progress=False, techniques=d2lgpu.Techniques.fast(CPU))
 
 
 # --------------------------------------------------------------------------- #
@@ -453,7 +454,23 @@ def test_techniques_are_switches_with_named_presets():
     assert str(fast) == "device_data + no_sync + compile (max-autotune)"
     assert fast.replace(compile=False).enabled == ("device_data", "no_sync")
     with pytest.raises(TypeError, match="switch"):
-        Techniques(autocast="yes")
+        Techniques(channels_last="yes")
+    with pytest.raises(ValueError, match=r"Techniques.precision='half' is not one of .*"
+                                         r"write Techniques.precision='fp16'"):
+        Techniques(precision="half")
+    assert Techniques(precision="bf16").enabled == ("no_sync", "precision")
+    assert str(Techniques(device_data=True, precision="auto")) == (
+        "device_data + no_sync + precision auto")
+    assert Techniques().replace(precision="tf32").precision == "tf32"
+
+
+@pytest.mark.parametrize("old", [dict(autocast=True), dict(autocast=False)])
+def test_the_old_autocast_switch_names_the_precision_word(old):
+    # Older chapter texts wrote Techniques(autocast=True); there is one precision word now.
+    with pytest.raises(TypeError, match=r"no autocast switch: write precision='auto'"):
+        Techniques(**old)
+    with pytest.raises(TypeError, match=r"no autocast switch"):
+        Techniques().replace(**old)
     with pytest.raises(ValueError, match="cuda_graphs=True"):
         Techniques(compile=True, compile_mode="reduce-overhead")
 
@@ -509,7 +526,7 @@ def test_no_sync_switch_removes_the_item_calls_of_every_step():
     assert counts[True]["aten::item"] == 2 + 1
 
 
-def test_autocast_switch_runs_the_forward_pass_in_the_auto_format(monkeypatch):
+def test_auto_precision_runs_the_forward_pass_in_the_auto_format(monkeypatch):
     import d2lgpu.precision as precision
 
     resident, _ = tiny_data()
@@ -517,14 +534,15 @@ def test_autocast_switch_runs_the_forward_pass_in_the_auto_format(monkeypatch):
     net = conv_net()
     net[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
-    run(Techniques(device_data=True, autocast=True), resident, net=net)
+    auto = Techniques(device_data=True, precision="auto")
+    run(auto, resident, net=net)
     assert set(seen) == {torch.bfloat16}
     seen.clear()
-    run(Techniques(device_data=True, autocast=True), resident, net=net, amp=False)
-    assert set(seen) == {torch.float32}  # an explicit amp wins over the switch
+    run(auto, resident, net=net, precision="fp32")
+    assert set(seen) == {torch.float32}  # train's precision= wins over the techniques' word
     seen.clear()
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
-    run(Techniques(device_data=True, autocast=True), resident, net=net)
+    run(auto, resident, net=net)
     assert set(seen) == {torch.float32}  # 'auto' is fp32 where bf16 is emulated
 
 
@@ -566,12 +584,10 @@ def test_compile_switches_wrap_the_model():
 
 def test_train_argument_checks_for_techniques():
     resident, _ = tiny_data()
-    with pytest.raises(ValueError, match="not both"):
-        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, fast=True, techniques=Techniques())
     with pytest.raises(TypeError, match="Techniques"):
         d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, techniques={"compile": True})
-    with pytest.raises(ValueError, match="compile must be"):
-        train_fast(conv_net(), *resident, 1, 0.1, CPU, compile="fastest", progress=False)
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        Techniques.fast(CPU, compile=True).replace(compile_mode="fastest")
 
 
 @pytest.mark.gpu
@@ -642,9 +658,10 @@ def test_benchmark_headers_and_skip_compile_rows(monkeypatch):
     assert not any(step.techniques.compile or step.techniques.cuda_graphs for step in plan)
 
 
-def test_train_names_a_string_fast_argument():
+def test_train_names_the_fast_techniques_for_an_old_fast_argument():
     resident, _ = tiny_data()
-    with pytest.raises(TypeError, match="fast must be True or False"):
+    with pytest.raises(TypeError, match=r"has no fast= argument: write "
+                                        r"techniques=d2lgpu.Techniques.fast\(device\)"):
         d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, fast="no", progress=False)
 
 

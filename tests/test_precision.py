@@ -594,8 +594,8 @@ def _blobs(n: int, seed: int) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(features, labels)
 
 
-@pytest.mark.parametrize("amp", ["bf16", "auto", "fp16"])
-def test_mixed_precision_training_on_cpu_converges(amp):
+@pytest.mark.parametrize("precision", ["bf16", "auto", "fp16"])
+def test_mixed_precision_training_on_cpu_converges(precision):
     from d2lgpu.training import train
 
     loader = torch.utils.data.DataLoader
@@ -603,7 +603,7 @@ def test_mixed_precision_training_on_cpu_converges(amp):
     test_iter = loader(_blobs(256, 1), batch_size=128)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
     history = train(net, train_iter, test_iter, num_epochs=4, lr=0.2, devices="cpu", seed=0,
-                    amp=amp, progress=False, plot=False)
+                    precision=precision, progress=False, plot=False)
     assert history.train_loss[-1] < 0.5 * history.train_loss[0]
     assert history.test_acc[-1] > 0.95  # chance is 1/3
     assert all(p.dtype == torch.float32 for p in net.parameters())  # master weights stay fp32

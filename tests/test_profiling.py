@@ -306,11 +306,11 @@ def _pin_auto_format(monkeypatch, dtype):
 
     real = precision.precision_policy
 
-    def pinned(device, amp="auto", capability=None):
-        if amp == "auto":
+    def pinned(device, precision_word="auto", capability=None):
+        if precision_word == "auto":
             return precision.PrecisionPolicy(torch.device(device).type,
                                              None if dtype == torch.float32 else dtype, False)
-        return real(device, amp, capability)
+        return real(device, precision_word, capability)
 
     monkeypatch.setattr(precision, "precision_policy", pinned)
 
@@ -358,7 +358,7 @@ def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
     assert [step.label for step in plan] == list(P.ABLATION_LABELS.values())
     assert plan[0].techniques == Techniques.d2l_style()
     skipped = {step.technique: step.skip_reason for step in plan if step.skip_reason}
-    assert set(skipped) == {"autocast", "channels_last", "fused_optimizer", "compile",
+    assert set(skipped) == {"precision", "channels_last", "fused_optimizer", "compile",
                             "cuda_graphs"}
     assert skipped["compile"] == "not today"
     assert all(len(reason) <= 64 for reason in skipped.values())
@@ -370,8 +370,11 @@ def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     with_bf16 = P.ablation_plan(CPU)
-    assert with_bf16[3].technique == "autocast" and with_bf16[3].skip_reason is None
-    assert with_bf16[-1].techniques.autocast
+    assert with_bf16[3].technique == "precision" and with_bf16[3].skip_reason is None
+    assert with_bf16[3].label == "+ mixed precision"
+    assert with_bf16[-1].techniques.precision == "auto"
+    # The last row is the fast path (with torch.compile where this CPU can compile).
+    assert with_bf16[-1].techniques.replace(compile=False) == Techniques.fast(CPU)
     with pytest.raises(ValueError, match="unknown techniques"):
         P.ablation_plan(CPU, skip={"warp_speed": "no"})
 

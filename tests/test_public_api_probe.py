@@ -88,8 +88,8 @@ VALID = {
     training.set_seed: lambda: dict(seed=0),
     training.train: lambda: dict(
         net=_linear(), train_iter=_loader(), test_iter=_loader(), num_epochs=1, lr=0.1,
-        devices=CPU, progress=False, plot=False, fast=False, init=True, weight_decay=0.0,
-        momentum=0.0, warmup_epochs=0.0),
+        devices=CPU, progress=False, plot=False, init=True),
+    training.SGDRecipe: lambda: dict(lr=0.1, momentum=0.0, weight_decay=0.0, warmup_epochs=0.0),
     training.train_epoch: lambda: dict(
         net=_linear(), train_iter=_loader(), loss_fn=nn.CrossEntropyLoss(),
         optimizer=torch.optim.SGD(_linear().parameters(), lr=0.1), device=CPU,

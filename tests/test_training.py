@@ -11,9 +11,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import d2lgpu
+from d2lgpu.fast import Techniques
 from d2lgpu.models import small_cnn
 from d2lgpu.training import (
     History,
+    SGDRecipe,
     _AutocastForward,
     evaluate_accuracy,
     init_weights,
@@ -133,8 +135,7 @@ def test_warmup_goes_on_quietly_when_a_grad_scaler_skips_the_optimizer_step():
     "kwargs, match",
     [(dict(num_epochs=0, lr=0.1), "num_epochs"), (dict(num_epochs=1.5, lr=0.1), "num_epochs"),
      (dict(num_epochs=1, lr=0.0), "lr"), (dict(num_epochs=1, lr=-0.1), "lr"),
-     (dict(num_epochs=1, lr=0.1, momentum=1.0), "momentum"),
-     (dict(num_epochs=2, lr=0.1, warmup_epochs=3), "warmup_epochs"),
+     (dict(num_epochs=2, lr=SGDRecipe(0.1, warmup_epochs=3)), "warmup_epochs"),
      (dict(num_epochs=1, lr=0.1, devices=["cpu", "cpu"]), "one CPU device")],
 )
 def test_train_rejects_bad_input(kwargs, match):
@@ -144,27 +145,85 @@ def test_train_rejects_bad_input(kwargs, match):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "recipe, match",
     [(dict(lr=math.inf), "lr must be a positive finite number, got inf"),
      (dict(lr=math.nan), "lr must be a positive finite number, got nan"),
      (dict(lr=0.1, weight_decay=math.nan), "weight_decay must be a finite number >= 0"),
      (dict(lr=0.1, weight_decay=math.inf), "weight_decay"),
      (dict(lr=0.1, momentum=math.nan), "momentum"),
+     (dict(lr=0.1, momentum=1.0), "momentum"),
      (dict(lr=0.1, warmup_epochs=math.nan), "warmup_epochs")],
 )
+def test_a_recipe_refuses_hyperparameters_that_cannot_be_meant(recipe, match):
+    with pytest.raises(ValueError, match=match):
+        SGDRecipe(**recipe)
+
+
 @pytest.mark.parametrize("fast", [False, True])
-def test_non_finite_hyperparameters_are_rejected(kwargs, match, fast):
-    # train and train_fast share the check; both refuse before any work.
+def test_train_and_train_fast_refuse_a_bad_lr_before_any_work(fast):
     train_iter, test_iter = tiny_loaders()
     if fast:
         train_iter = test_iter = (torch.zeros(4, 1, 28, 28, dtype=torch.uint8), torch.zeros(4))
-    with pytest.raises(ValueError, match=match):
-        train(small_cnn(), train_iter, test_iter, num_epochs=1, devices="cpu", progress=False,
-              plot=False, fast=fast, **kwargs)
+    run = d2lgpu.train_fast if fast else train
+    with pytest.raises(ValueError, match="lr must be a positive finite number, got inf"):
+        run(small_cnn(), train_iter, test_iter, 1, math.inf, "cpu", progress=False)
+
+
+def test_a_recipe_trains_as_its_plain_torch_optimizer():
+    # SGDRecipe(lr, momentum, weight_decay) is torch.optim.SGD with those settings: the
+    # same run by hand (seed, init, the same batches) ends with the same weights.
+    train_iter, test_iter = tiny_loaders()
+    recipe = SGDRecipe(0.05, momentum=0.9, weight_decay=1e-3)
+    net = linear_net()
+    train(net, train_iter, test_iter, 1, recipe, "cpu", seed=0, progress=False, plot=False)
+    by_hand = linear_net()
+    set_seed(0)
+    init_weights(by_hand)
+    optimizer = torch.optim.SGD(by_hand.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    for X, y in train_iter:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(by_hand(X), y).backward()
+        optimizer.step()
+    for ours, theirs in zip(net.parameters(), by_hand.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(amp=True), r"train\(\) has no amp= argument: write precision="),
+    (dict(amp="bf16"), r"precision="),
+    (dict(fast=True), r"train\(\) has no fast= argument: write "
+                      r"techniques=d2lgpu.Techniques.fast\(device\)"),
+    (dict(warmup_epochs=1), r"no warmup_epochs= argument: pass lr=d2lgpu.SGDRecipe"),
+    (dict(momentum=0.9), r"no momentum= argument: pass lr=d2lgpu.SGDRecipe"),
+])
+def test_older_spellings_of_train_name_the_new_one(old, new):
+    train_iter, test_iter = tiny_loaders()
+    with pytest.raises(TypeError, match=new):
+        train(linear_net(), train_iter, test_iter, 1, 0.1, "cpu", progress=False, **old)
+
+
+@pytest.mark.parametrize("old, new", [
+    (dict(amp="auto"), r"train_fast\(\) has no amp= argument: write precision="),
+    (dict(compile=True), r"techniques=d2lgpu.Techniques.fast\(device, compile=True\)"),
+    (dict(channels_last=False), r"Techniques.fast\(device\).replace\(channels_last="),
+])
+def test_older_spellings_of_train_fast_name_the_new_one(old, new):
+    pair = (torch.zeros(4, 1, 28, 28, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(TypeError, match=new):
+        d2lgpu.train_fast(linear_net(), pair, pair, 1, 0.1, "cpu", progress=False, **old)
+
+
+@pytest.mark.parametrize("word, fix", [("half", "fp16"), ("bfloat16", "bf16"), ("off", "fp32")])
+def test_train_refuses_other_precision_words_naming_the_word_to_write(word, fix):
+    train_iter, test_iter = tiny_loaders()
+    with pytest.raises(ValueError, match=rf"precision={word!r} is not one of .*"
+                                         rf"write precision={fix!r}"):
+        train(linear_net(), train_iter, test_iter, 1, 0.1, "cpu", precision=word, progress=False)
 
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_diverging_training_stops_with_the_epoch_and_the_fix(fast):
+    techniques = Techniques(device_data=True) if fast else None
     # lr=1e6 blows the small CNN's weights up: its loss is NaN by the end of epoch 1.
     gen = torch.Generator().manual_seed(0)
     X = torch.randint(0, 256, (40, 1, 28, 28), generator=gen, dtype=torch.uint8)
@@ -177,7 +236,7 @@ def test_diverging_training_stops_with_the_epoch_and_the_fix(fast):
         train_iter, test_iter = DataLoader(data, batch_size=10), DataLoader(data, batch_size=20)
     with pytest.raises(FloatingPointError, match=r"loss became nan in epoch 1") as info:
         train(small_cnn(), train_iter, test_iter, num_epochs=3, lr=1e6, devices="cpu", seed=0,
-              progress=False, plot=False, fast=fast, amp=False)
+              progress=False, plot=False, techniques=techniques, precision="fp32")
     assert "smaller lr (this run: 1e+06)" in str(info.value)
 
 
@@ -223,14 +282,52 @@ def test_init_false_continues_from_the_current_weights():
     assert resumed.train_loss[0] < first.train_loss[0]
 
 
-def test_amp_on_cpu_trains_in_bf16_without_cuda_warnings():
+def test_bf16_on_cpu_trains_in_bf16_without_cuda_warnings():
     train_iter, test_iter = tiny_loaders()
+    net = small_cnn()
+    seen = set()
+    net[0].register_forward_hook(lambda module, args, out: seen.add(out.dtype))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = train(small_cnn(), train_iter, test_iter, 1, lr=0.1, devices="cpu",
-                        seed=0, amp=True, progress=False, plot=False)
+        history = train(net, train_iter, test_iter, 1, lr=0.1, devices="cpu",
+                        seed=0, precision="bf16", progress=False, plot=False)
     assert math.isfinite(history.train_loss[0])
+    assert seen == {torch.bfloat16}
     assert not [w for w in caught if "cuda" in str(w.message).lower()]
+
+
+@pytest.mark.parametrize("precision, techniques, dtype", [
+    (None, None, torch.float32),  # the plain loop: fp32
+    ("bf16", None, torch.bfloat16),
+    (None, Techniques(precision="bf16"), torch.bfloat16),  # the techniques' word
+    ("fp32", Techniques(precision="bf16"), torch.float32),  # precision= wins
+])
+def test_precision_or_the_techniques_word_sets_the_autocast_dtype(precision, techniques, dtype):
+    train_iter, test_iter = tiny_loaders()
+    net = linear_net()  # autocast lowers its matmul to bf16 on the CPU too
+    seen = set()
+    net[1].register_forward_hook(lambda module, args, out: seen.add(out.dtype))
+    train(net, train_iter, test_iter, 1, 0.1, "cpu", precision=precision,
+          techniques=techniques, progress=False, plot=False)
+    assert seen == {dtype}
+
+
+def test_train_runs_under_the_policys_matmul_precision(monkeypatch):
+    # TF32 exists on CUDA only; on the CPU the policy's context is entered and changes nothing.
+    entered = []
+    real = d2lgpu.precision.PrecisionPolicy.matmul_precision
+
+    def spy(self):
+        entered.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(d2lgpu.precision.PrecisionPolicy, "matmul_precision", spy)
+    train_iter, test_iter = tiny_loaders()
+    before = torch.get_float32_matmul_precision()
+    train(linear_net(), train_iter, test_iter, 1, 0.1, "cpu", precision="tf32", progress=False,
+          plot=False)
+    assert entered == ["tf32"]
+    assert torch.get_float32_matmul_precision() == before
 
 
 def test_plot_none_outside_a_notebook_draws_nothing_and_plot_true_cleans_up():
@@ -268,11 +365,11 @@ def test_history_summary_and_dict():
 
 
 @pytest.mark.gpu
-def test_train_on_one_gpu_with_amp(quick_loaders):
+def test_train_on_one_gpu_with_auto_precision(quick_loaders):
     train_iter, test_iter = quick_loaders
     net = small_cnn()
     history = train(net, train_iter, test_iter, 3, lr=0.1, devices=[d2lgpu.gpu(0)], seed=0,
-                    amp=True, progress=False, plot=False)
+                    precision="auto", progress=False, plot=False)
     assert next(net.parameters()).device == torch.device("cuda", 0)
     assert history.device == "cuda:0"
     assert history.test_acc[-1] > 0.5
@@ -297,7 +394,7 @@ def test_data_parallel_replicas_run_in_the_policy_dtype(quick_loaders):
     seen = set()
     net[0].register_forward_hook(lambda module, args, out: seen.add(out.dtype))
     train(net, train_iter, test_iter, 1, lr=0.1, devices=[d2lgpu.gpu(0), d2lgpu.gpu(1)],
-          amp="bf16", progress=False, plot=False)
+          precision="bf16", progress=False, plot=False)
     assert seen == {torch.bfloat16}
 
 
@@ -317,8 +414,8 @@ def linear_net():
      (dict(train_iter=[]), ValueError, r"train_iter is empty"),
      (dict(lr=None), ValueError, r"lr must be a positive finite number, got None"),
      (dict(lr="0.1"), ValueError, r"lr must be a positive finite number, got '0.1'"),
-     (dict(momentum=None), ValueError, r"momentum must be a finite number >= 0"),
-     (dict(fast="no"), TypeError, r"fast must be True or False, got str 'no'"),
+     (dict(precision=True), ValueError, r"precision=True is not one of .*precision='auto'"),
+     (dict(techniques="fast"), TypeError, r"techniques must be a d2lgpu.Techniques"),
      (dict(progress="false"), TypeError, r"progress must be True or False"),
      (dict(init=1), TypeError, r"init must be True or False"),
      (dict(net=None), TypeError, r"net must be a torch.nn.Module")],
@@ -373,9 +470,13 @@ def test_init_weights_and_evaluate_name_a_missing_model():
 
 def test_train_fast_checks_its_switches():
     pair = (torch.zeros(4, 1, 28, 28, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
-    for name in ("progress", "init", "channels_last"):
+    for name in ("progress", "init"):
         with pytest.raises(TypeError, match=rf"{name} must be True or False"):
             d2lgpu.train_fast(linear_net(), pair, pair, 1, 0.1, "cpu", **{name: "no"})
+    for techniques in (Techniques(), "fast"):  # the data stay on the device here
+        with pytest.raises(ValueError, match=r"techniques must be a d2lgpu.Techniques with "
+                                             r"device_data=True"):
+            d2lgpu.train_fast(linear_net(), pair, pair, 1, 0.1, "cpu", techniques=techniques)
 
 
 @pytest.mark.parametrize("kwargs, name", [
