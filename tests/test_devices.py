@@ -168,7 +168,7 @@ def test_require_cuda_device_names_the_spellings_of_a_bad_device():
     lambda device: d2lgpu.peak_tflops(device),
     lambda device: d2lgpu.time_fn(lambda: None, device),
     lambda device: d2lgpu.Techniques.fast(device),
-    lambda device: d2lgpu.technique_skip_reason("autocast", device),
+    lambda device: d2lgpu.technique_skip_reason("precision", device),
     lambda device: d2lgpu.precision_policy(device),
     lambda device: d2lgpu.estimate.training_estimate([1], 1, device),
     lambda device: d2lgpu.DeviceLoader(torch.zeros(2, 1, 2, 2, dtype=torch.uint8),
