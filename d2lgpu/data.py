@@ -245,11 +245,25 @@ def _check_writable(raw: Path, missing: list[str]) -> None:
         )
 
 
-def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None):
-    """The torchvision dataset from checked files, with a clear error when they are
-    missing and cannot be downloaded, or damaged."""
-    import torchvision
+def _read_idx(path: Path) -> torch.Tensor:
+    """An unsigned-byte IDX file (the raw MNIST format) as a uint8 tensor of its shape."""
+    buffer = bytearray(path.stat().st_size)
+    with open(path, "rb") as f:
+        f.readinto(buffer)
+    ndim = buffer[3]
+    header = 4 + 4 * ndim
+    shape = [int.from_bytes(buffer[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    if buffer[:3] != b"\x00\x00\x08" or len(buffer) != header + math.prod(shape):
+        raise RuntimeError(f"{path} is not an unsigned-byte IDX file of the size its header says")
+    return torch.frombuffer(buffer, dtype=torch.uint8, offset=header).view(shape)
 
+
+def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None, *,
+                           tensors: bool = False):
+    """The torchvision dataset from checked files, with a clear error when they are
+    missing and cannot be downloaded, or damaged. ``tensors=True``: the split's
+    (images [N, 28, 28], labels [N]) instead, read from the checked raw files without
+    importing torchvision, which costs a child process seconds."""
     if root is not None and (isinstance(root, bool) or not isinstance(root, (str, os.PathLike))):
         raise TypeError(
             f"root must be a directory path (str or pathlib.Path) or None for "
@@ -267,6 +281,8 @@ def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None)
     dataset = None
     if missing:
         _check_writable(raw, missing)
+        import torchvision
+
         try:
             dataset = torchvision.datasets.FashionMNIST(
                 root=str(root), train=train, transform=transform, download=True
@@ -281,14 +297,19 @@ def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None)
                 f"{DATA_ENV} to a directory that holds FashionMNIST/raw/."
             ) from err
     prefix = "train" if train else "t10k"
-    for name in (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"):
+    names = (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte")
+    for name in names:
         if (raw / name).exists():  # absent only where torchvision's legacy files were used
             verify_fashion_mnist_file(raw / name)
+    if tensors and all((raw / name).exists() for name in names):
+        return _read_idx(raw / names[0]), _read_idx(raw / names[1]).long()
     if dataset is None:
+        import torchvision
+
         dataset = torchvision.datasets.FashionMNIST(
             root=str(root), train=train, transform=transform, download=False
         )
-    return dataset
+    return (dataset.data, dataset.targets) if tensors else dataset
 
 
 def _usable_cores() -> int:
@@ -391,9 +412,9 @@ def fashion_mnist_tensors(
     """
     check_bool("train", train)
     check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
-    dataset = _fashion_mnist_dataset(train, root)
-    images = dataset.data.unsqueeze(1).to(torch.uint8)
-    labels = dataset.targets.to(torch.int64)
+    images, labels = _fashion_mnist_dataset(train, root, tensors=True)
+    images = images.unsqueeze(1).to(torch.uint8)
+    labels = labels.to(torch.int64)
     if quick_mode() if quick is None else quick:
         idx = _balanced_indices(labels, QUICK_TRAIN_SIZE if train else QUICK_TEST_SIZE)
         images, labels = images[idx], labels[idx]

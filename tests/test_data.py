@@ -1,6 +1,7 @@
 """Tests of d2lgpu.data: Fashion-MNIST loaders and tensors, quick subset, synthetic regression."""
 
 import os
+import sys
 import urllib.error
 from pathlib import Path
 
@@ -85,6 +86,31 @@ def test_tensors_match_the_loader_subset_and_are_deterministic():
     X, y = next(iter(test_iter))
     assert torch.equal(y, labels)
     assert torch.allclose(X, images.float() / 255)
+
+
+@needs_data
+def test_tensors_are_torchvisions_read_without_importing_it(monkeypatch):
+    # Child processes (DDP and FSDP ranks) load the data this way: importing torchvision
+    # would cost each of them seconds. None in sys.modules makes `import torchvision` fail.
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    splits = {train: fashion_mnist_tensors(train=train, quick=False) for train in (True, False)}
+    monkeypatch.undo()
+    for train, (images, labels) in splits.items():
+        reference = torchvision.datasets.FashionMNIST(
+            str(d2lgpu.data_root()), train=train, download=False
+        )
+        assert images.shape == (len(reference), 1, 28, 28) and images.dtype == torch.uint8
+        assert torch.equal(images[:, 0], reference.data)
+        assert torch.equal(labels, reference.targets) and labels.dtype == torch.int64
+
+
+def test_a_file_that_is_not_idx_is_refused(tmp_path):
+    path = tmp_path / "t10k-labels-idx1-ubyte"
+    path.write_bytes(b"\x00\x00\x08\x01" + (5).to_bytes(4, "big") + bytes(4))  # 4 of 5 labels
+    with pytest.raises(RuntimeError, match="not an unsigned-byte IDX file"):
+        data_module._read_idx(path)
+    path.write_bytes(b"\x00\x00\x08\x01" + (4).to_bytes(4, "big") + bytes([1, 2, 3, 4]))
+    assert data_module._read_idx(path).tolist() == [1, 2, 3, 4]
 
 
 @needs_data

@@ -232,19 +232,19 @@ def test_hogwild_refuses_mismatched_data():
 # --- torchrun --------------------------------------------------------------------------
 
 
-def test_torchrun_on_two_nodes_restarts_and_resumes_from_the_snapshot(tmp_path):
-    # One job covers both: two pretend machines (c10d rendezvous on the loopback), and
-    # a restart after the last rank crashes once (--fail-after-epoch 1, --max-restarts 1)
-    # that resumes from rank 0's snapshot. Every process start costs seconds, so the two
-    # behaviours share the processes.
+def test_torchrun_on_two_nodes_trains_one_job_that_only_global_rank_0_reports(tmp_path):
+    # Two pretend machines (c10d rendezvous on the loopback), one process each: both
+    # processes have LOCAL_RANK 0, and only the global rank 0 may log and write the
+    # snapshot. A crash, a restart and the resume from the snapshot under torchrun are
+    # run and checked by chapter 5's notebook (section "torchrun: the same training from
+    # the command line"), which the same pytest command runs under nbval.
     snapshot = tmp_path / "snapshot.pt"
     port = find_free_port()
     nodes = run_together(
         [
             two_node_torchrun(node, port)
-            + ["--max-restarts=1", "-m", "d2lgpu.ddp_train", "--quick", "--epochs=2",
-               "--batch-size=64", f"--snapshot={snapshot}", "--fail-after-epoch=1",
-               "--timeout=60"]
+            + ["-m", "d2lgpu.ddp_train", "--quick", "--epochs=2", "--batch-size=64",
+               f"--snapshot={snapshot}", "--timeout=60"]
             for node in (0, 1)
         ],
         env=CHILD_ENV,
@@ -253,10 +253,8 @@ def test_torchrun_on_two_nodes_restarts_and_resumes_from_the_snapshot(tmp_path):
     outputs = [node.output for node in nodes]
     combined = "".join(outputs)
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(outputs)[-4000:]
-    assert "simulated failure of rank 1 after epoch 1" in combined  # the first attempt crashed
-    assert f"resuming from {snapshot} after epoch 1" in combined  # the restart resumed
-    # One job of two ranks (one per "node"), started twice; only global rank 0 logs.
-    assert combined.count("2 ranks, backend gloo") == 2, combined[-3000:]
+    # One job of two ranks (one per "node"); only global rank 0 logs.
+    assert combined.count("2 ranks, backend gloo") == 1, combined[-3000:]
     assert combined.count("epoch 2/2") == 1 and combined.count("done: 2 epochs") == 1
     saved = read_snapshot(snapshot)
     assert saved["epochs_done"] == 2 and len(saved["history"]["train_loss"]) == 2
