@@ -271,6 +271,22 @@ def end_process(status: int = 0) -> NoReturn:
         os._exit(status)
 
 
+def exit_status_of(main: Callable[[], object]) -> int:
+    """Run an entry point's ``main()``: 0 when it returns, 1 when it raises.
+
+    The traceback is printed first. Pass the status to :func:`end_process`, so that a
+    rank that failed leaves at once: a process group left behind after an error can
+    wait at teardown for peers stuck waiting for this rank, and torchrun would notice
+    the failure only after the collective timeout.
+    """
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 # ---------------------------------------------------------------------------
 # Process groups
 # ---------------------------------------------------------------------------

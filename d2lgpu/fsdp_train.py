@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import traceback
 from collections.abc import Sequence
 
 import torch
@@ -183,15 +182,6 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
 
 
 if __name__ == "__main__":
-    from d2lgpu.distributed import end_process
+    from d2lgpu.distributed import end_process, exit_status_of
 
-    try:
-        main()
-    except Exception:
-        # Print the error and end the process at once, without interpreter teardown:
-        # a process group left after an error can wait there for peers that are stuck
-        # waiting for this rank, and torchrun would notice the failure only after
-        # the collective timeout.
-        traceback.print_exc()
-        end_process(1)
-    end_process(0)  # never through interpreter teardown: see end_process
+    end_process(exit_status_of(main))  # never through interpreter teardown: see end_process

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -204,14 +203,6 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
 
 
 if __name__ == "__main__":
-    from d2lgpu.distributed import end_process
+    from d2lgpu.distributed import end_process, exit_status_of
 
-    try:
-        main()
-    except Exception:
-        # Print the error and end the process at once, without interpreter teardown:
-        # a process group left after an error can wait there for peers that are stuck
-        # waiting for this rank (see d2lgpu.fsdp_train).
-        traceback.print_exc()
-        end_process(1)
-    end_process(0)  # never through interpreter teardown: see end_process
+    end_process(exit_status_of(main))  # never through interpreter teardown: see end_process

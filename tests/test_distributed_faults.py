@@ -408,3 +408,16 @@ def test_hogwild_that_diverges_raises_instead_of_returning_exploded_weights(monk
         hogwild_train(torch.nn.Linear(2, 1), X, y, lr=1e6)
     model = hogwild_train(torch.nn.Linear(2, 1), X, y, lr=0.1, epochs=10, batch_size=8)  # sane
     assert torch.allclose(model.weight.detach(), torch.tensor([[2.0, -3.0]]), atol=0.1)
+
+
+def test_exit_status_of_is_0_after_a_return_and_1_after_a_raise_with_the_traceback(capsys):
+    from d2lgpu.distributed import exit_status_of
+
+    assert exit_status_of(lambda: None) == 0
+
+    def broken():
+        raise ValueError("the checkpoint directory is not writable")
+
+    assert exit_status_of(broken) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "the checkpoint directory is not writable" in err
