@@ -57,6 +57,7 @@ from d2lgpu.checks import (
     check_positive_float,
     check_positive_int,
     check_seed,
+    check_training_loss,
     positive_int_flag,
     positive_number_flag,
 )
@@ -1411,15 +1412,13 @@ def hogwild_train(
         (model, features, targets, nprocs, epochs, batch_size, lr, seed),
         timeout_s=timeout_s,
     )
-    # The same rule as d2lgpu.training's: a loss that is not finite (or here, one that
-    # grew tenfold) is a diverged run, never a result.
+    # The course's one divergence rule (d2lgpu.checks): a loss that is not finite, or ten
+    # times the one training started from, is a diverged run, never a result. The ranks'
+    # steps race, so the loss over all the data, before and after, is what can be read.
     with torch.no_grad():
         after = nn.functional.mse_loss(model(features), targets).item()
-    if not math.isfinite(after) or after > 10 * before:
-        raise FloatingPointError(
-            f"hogwild training diverged: the loss went from {before:.4g} to {after:.4g}. Try a "
-            f"smaller lr (this run: {lr:g}) or a smaller batch_size"
-        )
+    check_training_loss(after, when=f"hogwild training ({epochs} epoch(s))", lr=lr,
+                        first_loss=before, advice="or a smaller batch_size")
     return model
 
 

@@ -44,6 +44,7 @@ from d2lgpu.checks import (
     check_positive_int,
     check_seed,
     check_sequence,
+    check_training_loss,
 )
 from d2lgpu.distributed import DistContext, mark_progress
 from d2lgpu.models import MLPBlock
@@ -927,11 +928,10 @@ def train_2d(
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / ctx.world_size)
-            if not math.isfinite(losses[-1]):
-                raise FloatingPointError(
-                    f"the training loss became {losses[-1]} in step {step + 1}: training "
-                    f"diverged (lr={run.lr} may be too large: try {run.lr / 10:g})"
-                )
+            # The course's one divergence rule: not finite, or ten times the first loss.
+            check_training_loss(losses[-1], when=f"step {step + 1}", lr=run.lr,
+                                first_loss=losses[0] if len(losses) > 1 else None,
+                                advice=f"try {run.lr / 10:g}")
             done = step + 1
             if saving is not None and (done % saving.save_every == 0 or done == run.steps):
                 extra = {"losses": losses, "mesh": [dp, tp], "config": config}

@@ -1034,18 +1034,11 @@ def _resume(
     return extra["step"], list(extra.get("losses", []))
 
 
-#: A loss this many times the first step's means training diverged. Stricter than the
-#: default of :func:`d2lgpu.checks.check_training_loss` (10,000, for any loss a learner
-#: gives :func:`d2lgpu.train`): these runs train a fresh model with cross-entropy, which
-#: starts near log(classes) and only goes down while training works.
-DIVERGED_FACTOR = 10.0
-
-
 def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
     """Stop on a loss that is not finite, or far above the first step's: training diverged.
 
-    The course's one loss check (:func:`d2lgpu.checks.check_training_loss`), at
-    :data:`DIVERGED_FACTOR`, on every loss from index ``first_new`` on.
+    The course's one divergence rule (:func:`d2lgpu.checks.check_training_loss`: not
+    finite, or ten times the first step's loss) on every loss from index ``first_new`` on.
     """
     for step in range(first_new, len(losses)):
         if step == 0 and not math.isfinite(losses[0]):
@@ -1059,7 +1052,6 @@ def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
             lr=plan.lr,
             first_loss=losses[0] if step > 0 else None,
             advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint",
-            factor=DIVERGED_FACTOR,
         )
 
 

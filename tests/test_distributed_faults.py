@@ -406,6 +406,9 @@ def test_hogwild_that_diverges_raises_instead_of_returning_exploded_weights(monk
     y = X @ torch.tensor([[2.0], [-3.0]])
     with pytest.raises(FloatingPointError, match=r"diverged.*smaller lr \(this run: 1e\+06\)"):
         hogwild_train(torch.nn.Linear(2, 1), X, y, lr=1e6)
+    # Finite but tenfold the start is divergence too (the course's one rule).
+    with pytest.raises(FloatingPointError, match=r"more than 10 times .*diverged at lr 1\.2"):
+        hogwild_train(torch.nn.Linear(2, 1), X, y, lr=1.2, epochs=2, batch_size=64)
     model = hogwild_train(torch.nn.Linear(2, 1), X, y, lr=0.1, epochs=10, batch_size=8)  # sane
     assert torch.allclose(model.weight.detach(), torch.tensor([[2.0, -3.0]]), atol=0.1)
 
