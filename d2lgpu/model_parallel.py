@@ -21,7 +21,6 @@ so several of them share one :func:`d2lgpu.distributed.launch` through
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -57,6 +56,7 @@ from d2lgpu.sharding import (
     latest_checkpoint,
     load_checkpoint,
     prepare_checkpoint_root,
+    read_checkpoint_extra,
     save_checkpoint,
 )
 
@@ -846,10 +846,7 @@ def _resume_2d(
     path = latest_checkpoint(job.checkpoint_root)
     if path is None:
         return 0, [], {}
-    try:
-        extra = json.loads((path / "extra.json").read_text())
-    except (OSError, ValueError):
-        extra = {}  # no settings to check against: check_resumable says so
+    extra = read_checkpoint_extra(path)  # damage named first, before the settings
     check_resumable(extra, config, path, MUST_MATCH_2D)
     if extra["step"] >= job.two_d.steps:
         raise CheckpointError(
