@@ -204,13 +204,13 @@ def train_epoch(
     on_batch=None,
     *,
     techniques: Techniques = PLAIN,
-    first_step_loss: list[torch.Tensor] | None = None,
+    first_step_loss: list[torch.Tensor | float] | None = None,
 ) -> tuple[float, float, int]:
     """One pass over ``train_iter``; returns (mean loss, accuracy, number of examples).
 
-    When ``first_step_loss`` is an empty list, the first step's loss is appended to it
-    as a device tensor, not read: the start that the divergence rule
-    (:func:`d2lgpu.checks.check_training_loss`) measures later losses against.
+    When ``first_step_loss`` is an empty list, the first step's loss is appended to it:
+    the start that the divergence rule (:func:`d2lgpu.checks.check_training_loss`)
+    measures later losses against. With ``no_sync`` it is a device tensor, not read here.
 
     With ``techniques.no_sync`` (the default) the sums stay on ``device`` during the
     epoch and are read once at the end, so the GPU is never stalled waiting for the
@@ -260,8 +260,6 @@ def train_epoch(
             with policy.autocast():
                 y_hat = net(X)
                 loss = loss_fn(y_hat, y)
-            if first_step_loss is not None and not first_step_loss:
-                first_step_loss.append(loss.detach().float())
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -270,10 +268,15 @@ def train_epoch(
             if techniques.no_sync:
                 loss_sum += loss.detach().float() * y.numel()
                 correct += (y_hat.detach().argmax(dim=1) == y).sum()
+                if first_step_loss is not None and not first_step_loss:
+                    first_step_loss.append(loss.detach().float())  # read once, later
             else:
                 # Each .item() makes the host wait until the device has finished the step.
-                loss_read += loss.item() * y.numel()
+                step_loss = loss.item()
+                loss_read += step_loss * y.numel()
                 correct_read += (y_hat.argmax(dim=1) == y).sum().item()
+                if first_step_loss is not None and not first_step_loss:
+                    first_step_loss.append(step_loss)
             count += y.numel()
         if on_batch is not None:
             on_batch()
@@ -418,7 +421,7 @@ def run_epochs(
     """The epoch loop of :func:`train`: train one epoch, evaluate, append to ``history``,
     update the progress ``bar`` and ``live`` plot (either may be None)."""
     estimate = training_estimate(train_iter, num_epochs, parts.device)  # one line, long runs
-    first_step_loss: list[torch.Tensor] = []
+    first_step_loss: list[torch.Tensor | float] = []
     for epoch in range(num_epochs):
         start = time.perf_counter()
         loss, train_acc, count = train_epoch(
@@ -428,8 +431,9 @@ def run_epochs(
             techniques=parts.techniques, first_step_loss=first_step_loss,
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
-        # The run's start, read once: the device finished the epoch, so this waits on nothing.
-        first = first_step_loss[0].item() if first_step_loss else None
+        # The run's start: a float already, or (no_sync) read once in the whole run, after
+        # the epoch's own reads, so it waits on nothing.
+        first = float(first_step_loss[0]) if first_step_loss else None
         check_finite_loss(loss, _epoch_steps(epoch, train_iter),
                           parts.optimizer.defaults["lr"], parts.policy, first_loss=first)
         with torch.profiler.record_function("evaluate"):
