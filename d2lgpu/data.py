@@ -189,6 +189,23 @@ def verify_fashion_mnist_file(path: str | Path) -> None:
         "Delete it and run again to download it afresh, or copy the official file there "
         "(https://github.com/zalandoresearch/fashion-mnist, unpacked)."
     )
+    # What stands at the path must be a regular file before its size means anything: a
+    # directory's size is its block (4096), which would read as a truncated download.
+    if path.is_dir():
+        raise RuntimeError(
+            f"{path} is a directory, not the raw file {path.name} ({size} bytes): remove the "
+            f"directory and put the file there, or run again to download it"
+        )
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} does not exist{' (a broken symbolic link)' if path.is_symlink() else ''}: "
+            f"run again to download it, or copy the official file there"
+        )
+    if not path.is_file():
+        raise RuntimeError(
+            f"{path} is not a regular file (a device, socket or pipe): put the raw file "
+            f"{path.name} ({size} bytes) there, or run again to download it"
+        )
     stat = path.stat()
     if stat.st_size == 0:
         raise RuntimeError(f"{path} is empty (0 of {size} bytes). {fix}")

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import math
 import os
 import sys
 import time
@@ -63,6 +62,7 @@ from d2lgpu.checks import (
     check_positive_float,
     check_positive_int,
     check_seed,
+    check_training_loss,
     positive_int_flag,
     positive_number_flag,
     seed_flag,
@@ -511,8 +511,9 @@ def _train_epoch(
     policy: PrecisionPolicy,
     scaler: torch.amp.GradScaler,
     device: torch.device,
-) -> tuple[float, float, int]:
-    """One pass over this rank's batches; returns its (summed loss, correct, examples).
+) -> tuple[float, float, int, float]:
+    """One pass over this rank's batches; returns its (summed loss, correct, examples,
+    first batch's loss). The last is the start that the divergence rule measures against.
 
     ``policy`` says whether forward runs under autocast; ``scaler`` scales the loss
     for fp16 and does nothing otherwise (:meth:`PrecisionPolicy.make_scaler`).
@@ -521,6 +522,7 @@ def _train_epoch(
     net.train()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device)
+    first_loss = None
     seen = 0
     for X, y in loader:
         X, y = X.to(device), y.to(device)
@@ -528,6 +530,8 @@ def _train_epoch(
         with policy.autocast():
             logits = net(X)
             loss = loss_fn(logits.float(), y)
+        if first_loss is None:
+            first_loss = loss.detach().clone()  # read with the sums, at the epoch's end
         # With DDP, gradients arrive here already averaged over ranks; every rank then
         # sees the same overflow (or none), so the scaler skips the same steps everywhere.
         scaler.scale(loss).backward()
@@ -536,27 +540,34 @@ def _train_epoch(
         loss_sum += loss.detach() * len(y)
         correct += (logits.argmax(dim=1) == y).sum()
         seen += len(y)
-    return loss_sum.item(), correct.item(), seen
+    if first_loss is None:
+        raise ValueError("this rank's training loader yielded no batches: the training set "
+                         "is empty (pass at least one example per rank)")
+    return loss_sum.item(), correct.item(), seen, first_loss.item()
 
 
 def _record_epoch(
-    history: dict[str, list[float]], stats: list, seconds: float, epoch: int, cfg: DDPConfig
+    history: dict[str, list[float]], stats: list, seconds: float, epoch: int, cfg: DDPConfig,
+    steps_per_epoch: int, start_loss: float | None,
 ) -> None:
-    """Append one epoch's whole-job totals to ``history``; refuse a loss that is not finite.
+    """Append one epoch's whole-job totals to ``history``; refuse a diverged loss.
 
     Checked once per epoch (no extra GPU sync per step), on the totals every rank
-    shares, so all ranks stop together; the snapshot keeps the last good epoch.
+    shares, so all ranks stop together; the snapshot keeps the last good epoch. The rule
+    is the course's one (:func:`d2lgpu.checks.check_training_loss`), against
+    ``start_loss``, the job's first step's loss.
     """
-    loss_sum, correct, seen, test_correct, test_seen = stats
-    if not math.isfinite(loss_sum):
-        raise FloatingPointError(
-            f"the training loss of epoch {epoch + 1} is {loss_sum / seen} (not "
-            f"finite): training diverged (lr={cfg.lr} may be too large) or the data hold "
-            "nan or inf. Stopped before writing this epoch to the snapshot"
-        )
+    loss_sum, correct, seen, _, test_correct, test_seen = stats
+    check_training_loss(
+        loss_sum / seen,
+        when=(f"epoch {epoch + 1} (steps {epoch * steps_per_epoch + 1}-"
+              f"{(epoch + 1) * steps_per_epoch})"),
+        lr=cfg.lr, first_loss=start_loss,
+        advice="stopped before writing this epoch to the snapshot",
+    )
     history["train_loss"].append(loss_sum / seen)
     history["train_acc"].append(correct / seen)
-    history["test_acc"].append(test_correct / max(test_seen, 1))
+    history["test_acc"].append(test_correct / test_seen)
     history["epoch_seconds"].append(seconds)
     history["examples_per_second"].append(seen / seconds)
 
@@ -607,11 +618,13 @@ def train_ddp(
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     history: dict[str, list[float]] = {k: [] for k in _HISTORY_KEYS}
     start_epoch = 0
+    start_loss = None  # the job's first step's loss: the divergence rule measures from it
     if snapshot is not None:
         assert snapshot_path is not None
         start_epoch, history = _resume(
             snapshot, model, optimizer, cfg, snapshot_path, is_main and cfg.log
         )
+        start_loss = snapshot.get("start_loss")
 
     # DDP registers hooks that all-reduce gradient buckets while backward is still running.
     net: nn.Module = model
@@ -633,7 +646,10 @@ def train_ddp(
                      *_count_correct(net, test_loader, device, policy)]
             if ctx is not None:
                 stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
-            _record_epoch(history, stats, time.perf_counter() - started, epoch, cfg)
+            if start_loss is None:
+                start_loss = stats[3] / world_size  # the mean of the ranks' first batches
+            _record_epoch(history, stats, time.perf_counter() - started, epoch, cfg,
+                          len(train_loader), start_loss)
             if is_main and cfg.log:
                 print(_epoch_line(history, epoch, cfg, ctx), flush=True)
             if is_main and snapshot_path is not None:
@@ -643,6 +659,7 @@ def train_ddp(
                     "scaler": scaler.state_dict(),  # empty unless fp16 scales the loss
                     "epochs_done": epoch + 1,
                     "history": history,
+                    "start_loss": start_loss,
                     "config": _recorded_config(cfg),
                 })
             if ctx is not None:
@@ -672,6 +689,9 @@ def _check_data(data: object) -> None:
             f"test labels), or None for Fashion-MNIST; got {type(data).__name__}"
         )
     for name, images, labels in (("train", data[0], data[1]), ("test", data[2], data[3])):
+        if len(images) == 0:
+            raise ValueError(f"the {name} set is empty (0 {name} images): pass at least one "
+                             f"example per rank")
         if len(images) != len(labels):
             raise ValueError(f"{len(images)} {name} images but {len(labels)} {name} labels")
         if images.is_floating_point() and not torch.isfinite(images).all():

@@ -41,9 +41,10 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Real
 from pathlib import Path
 from typing import Any, NoReturn
@@ -57,6 +58,7 @@ from d2lgpu.checks import (
     check_positive_float,
     check_positive_int,
     check_seed,
+    check_training_loss,
     positive_int_flag,
     positive_number_flag,
 )
@@ -230,7 +232,20 @@ def _explain_timeout(
         except Exception:
             progress = {}  # the store went away with rank 0: no progress to show
     laggards = _laggards(progress) if progress else []
-    if laggards:
+    absent = [] if laggards or not progress else _ranks_not_in_the_collective(
+        store, rank, world_size
+    )
+    if absent:
+        laggards = absent
+        who = ", ".join(map(str, absent))
+        missing = (
+            f"every rank had reported the same step ({_progress_lines(progress)}), but "
+            f"rank{'s' if len(absent) > 1 else ''} {who} never entered the collective: the "
+            f"others timed out waiting in it, {'they' if len(absent) > 1 else 'it'} did not "
+            "(stuck in its own work since that step: a loop, a deadlock, a slow step, or a "
+            "collective the others do not make)"
+        )
+    elif laggards:
         who = ", ".join(map(str, laggards))
         missing = (
             f"rank{'s' if len(laggards) > 1 else ''} {who} never arrived "
@@ -250,6 +265,35 @@ def _explain_timeout(
         rank,
         laggards,
     )
+
+
+#: Seconds a rank that timed out in a collective waits for its peers to time out too:
+#: the ranks that entered the collective time out within about this much of each other
+#: (they entered it at about the same time); one that never entered does not.
+_TIMEOUT_GATHER_S = 5.0
+
+
+def _ranks_not_in_the_collective(store: dist.Store | None, rank: int, world_size: int) -> list[int]:
+    """The ranks that did not time out in the collective this rank timed out in.
+
+    Every rank that waited in the collective times out after the same timeout and notes
+    it in the job's store; after a few seconds, a rank without that note never entered
+    the collective. Empty when the store is gone or every rank noted it.
+    """
+    if store is None or world_size < 2:
+        return []
+    try:
+        count = _progress_count
+        store.set(f"timed_out/{rank}", str(count))
+        deadline = time.monotonic() + _TIMEOUT_GATHER_S
+        keys = [f"timed_out/{r}" for r in range(world_size)]
+        while True:
+            absent = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not absent or time.monotonic() > deadline:
+                return absent
+            time.sleep(0.1)
+    except Exception:  # the store went away with rank 0: nothing more to learn
+        return []
 
 
 def end_process(status: int = 0) -> NoReturn:
@@ -328,6 +372,18 @@ def choose_backend(local_world_size: int) -> str:
     gpus = num_gpus()
     if gpus >= local_world_size and dist.is_nccl_available():
         return "nccl"
+    if gpus == 1 and local_world_size > 1 and dist.is_nccl_available():
+        # Each rank may have been bound to its own GPU from outside (SLURM's
+        # --gpus-per-task, a per-rank CUDA_VISIBLE_DEVICES), or all share one GPU:
+        # from inside one rank the two look the same, and NCCL refuses the second.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        warnings.warn(
+            f"this rank sees 1 GPU (CUDA_VISIBLE_DEVICES={visible!r}) "
+            f"but its machine runs {local_world_size} ranks, so the group uses gloo on the CPU. "
+            "If every rank was given its own GPU (SLURM --gpus-per-task=1, a CUDA_VISIBLE_DEVICES "
+            "per rank), pass backend='nccl': each rank then computes on its cuda:0",
+            stacklevel=2,
+        )
     return "gloo"
 
 
@@ -386,6 +442,7 @@ def _open_store(
     thread that the caller stops waiting for; the caller gets an error.
     ``fix`` says what to do about a port that does not work.
     """
+    _check_resolves(host, port, rank)
     outcome: dict[str, Any] = {}
 
     def connect() -> None:
@@ -396,9 +453,13 @@ def _open_store(
                 world_size,
                 is_master=serve,
                 timeout=datetime.timedelta(seconds=timeout_s),
+                # Rank 0 does not wait here for the others: _meet does, and names who is late.
+                wait_for_workers=False,
                 # Several groups of one process may share the port, as with init_method="tcp://".
                 multi_tenant=serve,
             )
+            if serve:  # who serves, for a second process that finds the port taken
+                outcome["store"].set(_SERVED_BY, _this_process())
         except Exception as exc:  # raised again below, in the caller's thread
             outcome["error"] = exc
 
@@ -414,6 +475,16 @@ def _open_store(
     # After a timeout, the thread's own error (if any by now) is the one _abandon caused.
     error = None if timed_out else outcome.get("error")
     reason = f" ({type(error).__name__}: {_first_line(str(error))})" if error else ""
+    if serve and error is not None and _address_in_use(error):
+        holder = _rendezvous_holder(host, port)
+        if holder is not None:
+            raise RuntimeError(
+                f"two processes claim rank 0 of the rendezvous at {where}: {holder} already "
+                f"serves it as rank 0, and this process ({_this_process()}) was started as rank "
+                f"0 too. Give every process its own rank, 0 to world_size-1 (launch and torchrun "
+                f"do); or, if {holder} is an earlier job that still runs, end it or choose "
+                f"another port. {fix}"
+            ) from error
     if serve and error is not None:
         raise RuntimeError(
             f"rank {rank} could not serve the rendezvous at {where}{reason}; if the port is in "
@@ -439,6 +510,58 @@ def _open_store(
     if error is None:
         raise TimeoutError(message)
     raise RuntimeError(message) from error
+
+
+#: The store key where rank 0 writes who serves the rendezvous (host and process id).
+_SERVED_BY = "d2lgpu/served_by"
+
+
+def _this_process() -> str:
+    return f"process {os.getpid()} on {socket.gethostname()}"
+
+
+def _check_resolves(host: str, port: int, rank: int) -> None:
+    """Refuse a rendezvous host whose name does not resolve, before waiting on it.
+
+    Otherwise the client retries the connection until the timeout and reports a
+    connect timeout, which reads as a rank 0 that never started.
+    """
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(
+            f"rank {rank}: the rendezvous host {host!r} does not resolve ({exc.strerror or exc}): "
+            "pass the host name or IP address of the machine where rank 0 runs (master_addr=, "
+            "MASTER_ADDR, or torchrun's --master-addr / --rdzv-endpoint), e.g. 127.0.0.1 for "
+            "one machine"
+        ) from None
+
+
+def _address_in_use(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
+def _rendezvous_holder(host: str, port: int) -> str | None:
+    """Who serves a d2lgpu rendezvous at ``host:port`` (its rank 0), or None when nothing
+    there is one: another program holds the port, or nothing answers in a second or two."""
+    found: dict[str, str] = {}
+
+    def ask() -> None:
+        try:
+            store = dist.TCPStore(host, port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=2))
+            if store.check([_SERVED_BY]):
+                found["holder"] = store.get(_SERVED_BY).decode()
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=ask, name="d2lgpu-rendezvous-probe", daemon=True)
+    thread.start()
+    thread.join(3.0)
+    if thread.is_alive():
+        _abandon(thread, host, port, 2.0)
+    return found.get("holder")
 
 
 def _abandon(thread: threading.Thread, host: str, port: int, timeout_s: float) -> None:
@@ -586,6 +709,12 @@ def _as_timeout(timeout_s: float) -> datetime.timedelta:
         raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}") from None
 
 
+def _bound_to_one_gpu() -> bool:
+    """True when CUDA_VISIBLE_DEVICES names exactly one GPU (a rank bound from outside)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return len([d for d in visible.split(",") if d.strip()]) == 1
+
+
 def _rank_device(backend: str, local_rank: int) -> torch.device:
     """Where this rank computes: its own GPU with NCCL (made the current one), the CPU with gloo."""
     if not isinstance(backend, str) or backend not in ("nccl", "gloo"):
@@ -593,6 +722,10 @@ def _rank_device(backend: str, local_rank: int) -> torch.device:
     if backend == "gloo":
         return torch.device("cpu")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 1 and local_rank >= 1 and _bound_to_one_gpu():
+        # Bound from outside: this rank's one visible GPU is its own (see choose_backend).
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
     if local_rank >= gpus:
         raise RuntimeError(
             f"backend 'nccl' needs one GPU per process, but local rank {local_rank} has no "
@@ -671,7 +804,7 @@ def process_group(
     store = _rendezvous(under_torchrun, master_addr, master_port, rank, world_size, timeout_s)
     global _progress_store, _progress_rank, _progress_count
     progress = dist.PrefixStore("d2lgpu/progress", store)
-    _check_same_world_size(progress, rank, world_size)
+    _meet(progress, rank, world_size, timeout_s)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -684,6 +817,8 @@ def process_group(
     global _failed_at
     failed = False
     _progress_store, _progress_rank, _progress_count = progress, rank, 0
+    if _launch_dir is not None:  # for launch: how long this rank waits in a collective
+        (_launch_dir / f"group-timeout-{rank}.txt").write_text(repr(float(timeout_s)))
     try:
         yield DistContext(rank, world_size, local_rank, local_world_size, backend, device)
     except BaseException as exc:
@@ -706,22 +841,53 @@ def process_group(
             dist.destroy_process_group()
 
 
-def _check_same_world_size(progress: dist.Store, rank: int, world_size: int) -> None:
-    """Refuse to join when this rank was given another world size than rank 0.
+def _meet(progress: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait until every rank of the job has arrived at the rendezvous, naming what is wrong.
 
-    Otherwise the group waits for a rank that will never come (or never counts
-    one that did) and ends in the backend's raw timeout, which names nothing.
+    Each rank claims its rank number, writes its world size and waits for the others'.
+    Two processes with one rank number, a rank given another world size than rank 0, or
+    fewer ranks started than the world size (a missing rank) each end in an error that
+    says so, instead of the backend's raw timeout, which names nothing.
     """
-    progress.set(f"world_size/{rank}", str(world_size))
-    if rank == 0:
-        return
-    theirs = int(progress.get("world_size/0").decode())
-    if theirs != world_size:
+    me = _this_process()
+    owner = progress.compare_set(f"claim/{rank}", "", me).decode()
+    if owner != me:
+        progress.set(f"claim/{rank}/again", me)  # for the error of the rank waiting for others
         raise ValueError(
-            f"world-size mismatch: rank 0 was started with world_size={theirs}, rank {rank} with "
-            f"world_size={world_size}; give every rank the same world size (with launch: "
-            "launch(fn, nprocs, (nprocs, ...)); with torchrun it is --nnodes x --nproc_per_node)"
+            f"two processes claim rank {rank}: {owner} joined as rank {rank} first, then "
+            f"{me}. Give every process its own rank, 0 to world_size-1 (launch and torchrun do)"
         )
+    progress.set(f"world_size/{rank}", str(world_size))
+    keys = [f"world_size/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        arrived = [r for r, key in enumerate(keys) if progress.check([key])]
+        sizes = {r: int(progress.get(keys[r]).decode()) for r in arrived}
+        other = {r: n for r, n in sizes.items() if n != world_size}
+        if other:
+            them = min(other)  # rank 0 when it is among them
+            raise ValueError(
+                f"world-size mismatch: rank {them} was started with world_size={other[them]}, "
+                f"rank {rank} with world_size={world_size}; give every rank the same world size "
+                "(with launch: launch(fn, nprocs, (nprocs, ...)); with torchrun it is --nnodes x "
+                "--nproc_per_node)"
+            )
+        if len(arrived) == world_size:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    missing = [r for r in range(world_size) if r not in arrived]
+    doubled = [r for r in range(world_size) if progress.check([f"claim/{r}/again"])]
+    extra = (f"; a second process also claimed rank{'s' if len(doubled) > 1 else ''} "
+             f"{', '.join(map(str, doubled))}" if doubled else "")
+    raise TimeoutError(
+        f"only {len(arrived)} of {world_size} ranks arrived at the rendezvous within "
+        f"timeout_s={timeout_s:g} s (arrived: {', '.join(map(str, arrived))}; never came: "
+        f"{', '.join(map(str, missing))}{extra}). Start as many processes as the world size: "
+        "with launch, nprocs must equal the world_size the ranks are given; with torchrun, "
+        "every node must start (--nnodes) with --nproc_per_node processes"
+    )
 
 
 def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
@@ -934,10 +1100,17 @@ class _Outcome:
     early_exits: dict[int, str]
     #: The last step each rank reported with mark_progress: (count, label), by rank.
     progress: dict[int, tuple[int, str]]
+    #: When each rank last reported progress (time.time()), by rank.
+    progress_times: dict[int, float] = field(default_factory=dict)
+    #: The process-group timeout each rank waited in its collectives with, by rank.
+    group_timeouts: dict[int, float] = field(default_factory=dict)
+    #: When launch first saw a rank dead (time.time()).
+    seen_dead_at: float | None = None
 
     @classmethod
     def read(
-        cls, workdir: Path, exitcodes: list[int | None], first_seen: list[int], stopped: list[int]
+        cls, workdir: Path, exitcodes: list[int | None], first_seen: list[int], stopped: list[int],
+        seen_dead_at: float | None = None,
     ) -> _Outcome:
         records = {}
         for path in workdir.glob("error-*.pkl"):
@@ -947,11 +1120,17 @@ class _Outcome:
         early = {
             int(path.stem.split("-")[1]): path.read_text() for path in workdir.glob("exit-*.txt")
         }
-        progress = {
-            int(path.stem.split("-")[1]): _parse_progress(path.read_text())
-            for path in workdir.glob("progress-*.txt")
+        progress, times = {}, {}
+        for path in workdir.glob("progress-*.txt"):
+            rank = int(path.stem.split("-")[1])
+            progress[rank] = _parse_progress(path.read_text())
+            times[rank] = path.stat().st_mtime  # written at each mark, replaced atomically
+        timeouts = {
+            int(path.stem.rsplit("-", 1)[1]): float(path.read_text())
+            for path in workdir.glob("group-timeout-*.txt")
         }
-        return cls(exitcodes, first_seen, stopped, records, early, progress)
+        return cls(exitcodes, first_seen, stopped, records, early, progress, times, timeouts,
+                   seen_dead_at)
 
     def hang_summary(self) -> str:
         """Which ranks were still running at launch's timeout, and where each one was."""
@@ -982,18 +1161,34 @@ class _Outcome:
         return "; ".join(parts) + ". Give them more time, or look for a rank that never reached "\
             "a collective the others wait in"
 
-    def aborted_waiting(self) -> bool:
-        """True when every rank seen dead first was killed by SIGABRT while others still ran.
+    def aborted_waiting_for_a_peer(self, rank: int) -> bool:
+        """True when ``rank`` looks killed by NCCL's watchdog after waiting for a peer.
 
-        NCCL's watchdog ends a rank that timed out in a collective with SIGABRT: the
-        dead ranks are then the ones that waited, and the culprit is a rank that never
+        The watchdog ends a rank with SIGABRT once it has waited a whole process-group
+        timeout in a collective. So a SIGABRT counts as such a victim only when it came at
+        least that timeout after the rank's last progress report: sooner, the rank
+        aborted of its own (a sticky CUDA error, a failed assertion, its own watchdog on
+        a collective it alone got wrong) and is a culprit like any crash. Without the
+        times (no progress reported) every SIGABRT is taken for a victim.
+        """
+        if self.exitcodes[rank] != -getattr(signal, "SIGABRT", 6):
+            return False
+        last, timeout = self.progress_times.get(rank), self.group_timeouts.get(rank)
+        if last is None or timeout is None or self.seen_dead_at is None:
+            return True
+        # 0.9: the poll and the file times are a little apart; a victim waited the whole timeout.
+        return self.seen_dead_at - last >= 0.9 * timeout
+
+    def aborted_waiting(self) -> bool:
+        """True when every rank seen dead first was killed by the watchdog while others ran.
+
+        The dead ranks are then the ones that waited, and the culprit is a rank that never
         arrived, one that launch found still running (or that crashed later, quietly).
         """
-        abort = -getattr(signal, "SIGABRT", 6)
         silent = [r for r in self.first_seen if r not in self.records]
         return (
             bool(silent)
-            and all(self.exitcodes[r] == abort for r in silent)
+            and all(self.aborted_waiting_for_a_peer(r) for r in silent)
             and bool(self.stopped)
         )
 
@@ -1008,10 +1203,10 @@ class _Outcome:
         silent = [r for r in self.first_seen if r not in self.records]
         if self.aborted_waiting():
             return self.stopped[0]  # the one that never arrived
-        # A rank killed by SIGABRT is often one that waited for a crashed peer (NCCL's
-        # watchdog); a peer dead of anything else is the likelier first failure.
-        abort = -getattr(signal, "SIGABRT", 6)
-        silent.sort(key=lambda r: self.exitcodes[r] == abort)
+        # A rank the watchdog ended after waiting is a victim; of the others, the one whose
+        # progress stopped first is the likelier first failure.
+        silent.sort(key=lambda r: (self.aborted_waiting_for_a_peer(r),
+                                   self.progress_times.get(r, math.inf)))
         if silent:
             return silent[0]
         return min(self.records.values(), key=lambda record: record["time"])["rank"]
@@ -1167,11 +1362,12 @@ def _rank_environment() -> dict[str, str]:
 
 def _watch(
     processes: list, deadline: float | None, grace_s: float, poll_s: float
-) -> tuple[list[int], bool]:
+) -> tuple[list[int], bool, float | None]:
     """Wait until every rank succeeded, one failed, or the deadline passed.
 
     Returns the ranks seen failed at the first poll that saw any (empty when
-    none failed) and whether the deadline passed.
+    none failed), whether the deadline passed, and when (time.time()) the first
+    failure was seen.
     """
     first_seen: list[int] = []
     while True:
@@ -1182,14 +1378,15 @@ def _watch(
         if first_seen or all(c == 0 for c in codes):
             break
         if deadline is not None and time.monotonic() > deadline:
-            return [], True
+            return [], True, None
         time.sleep(poll_s)
+    seen_at = time.time() if first_seen else None
     if first_seen:
         # Give the other ranks a moment to notice and record their own errors.
         end = time.monotonic() + grace_s
         while any(p.is_alive() for p in processes) and time.monotonic() < end:
             time.sleep(poll_s)
-    return first_seen, False
+    return first_seen, False, seen_at
 
 
 def _stop_the_rest(processes: list, grace_s: float) -> list[int]:
@@ -1278,9 +1475,9 @@ def launch(
         # Watch them; whatever happens (KeyboardInterrupt too: the stop button), leave
         # no orphans behind.
         first_seen: list[int] = []
-        timed_out = False
+        timed_out, seen_dead_at = False, None
         try:
-            first_seen, timed_out = _watch(processes, deadline, grace_s, poll_s)
+            first_seen, timed_out, seen_dead_at = _watch(processes, deadline, grace_s, poll_s)
         finally:
             still_running = _stop_the_rest(processes, grace_s)
         exitcodes = [p.exitcode for p in processes]
@@ -1289,7 +1486,9 @@ def launch(
         stopped = [rank for rank in still_running if exitcodes[rank] in stop_codes]
         # Blame the failing rank.
         if first_seen:
-            _raise_first_failure(_Outcome.read(workdir, exitcodes, first_seen, stopped))
+            _raise_first_failure(
+                _Outcome.read(workdir, exitcodes, first_seen, stopped, seen_dead_at)
+            )
         if timed_out:
             outcome = _Outcome.read(workdir, exitcodes, [], stopped)
             raise TimeoutError(
@@ -1411,15 +1610,13 @@ def hogwild_train(
         (model, features, targets, nprocs, epochs, batch_size, lr, seed),
         timeout_s=timeout_s,
     )
-    # The same rule as d2lgpu.training's: a loss that is not finite (or here, one that
-    # grew tenfold) is a diverged run, never a result.
+    # The course's one divergence rule (d2lgpu.checks): a loss that is not finite, or ten
+    # times the one training started from, is a diverged run, never a result. The ranks'
+    # steps race, so the loss over all the data, before and after, is what can be read.
     with torch.no_grad():
         after = nn.functional.mse_loss(model(features), targets).item()
-    if not math.isfinite(after) or after > 10 * before:
-        raise FloatingPointError(
-            f"hogwild training diverged: the loss went from {before:.4g} to {after:.4g}. Try a "
-            f"smaller lr (this run: {lr:g}) or a smaller batch_size"
-        )
+    check_training_loss(after, when=f"hogwild training ({epochs} epoch(s))", lr=lr,
+                        first_loss=before, advice="or a smaller batch_size")
     return model
 
 

@@ -21,7 +21,6 @@ so several of them share one :func:`d2lgpu.distributed.launch` through
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -44,6 +43,7 @@ from d2lgpu.checks import (
     check_positive_int,
     check_seed,
     check_sequence,
+    check_training_loss,
 )
 from d2lgpu.distributed import DistContext, mark_progress
 from d2lgpu.models import MLPBlock
@@ -56,6 +56,7 @@ from d2lgpu.sharding import (
     latest_checkpoint,
     load_checkpoint,
     prepare_checkpoint_root,
+    read_checkpoint_extra,
     save_checkpoint,
 )
 
@@ -845,10 +846,7 @@ def _resume_2d(
     path = latest_checkpoint(job.checkpoint_root)
     if path is None:
         return 0, [], {}
-    try:
-        extra = json.loads((path / "extra.json").read_text())
-    except (OSError, ValueError):
-        extra = {}  # no settings to check against: check_resumable says so
+    extra = read_checkpoint_extra(path)  # damage named first, before the settings
     check_resumable(extra, config, path, MUST_MATCH_2D)
     if extra["step"] >= job.two_d.steps:
         raise CheckpointError(
@@ -927,11 +925,10 @@ def train_2d(
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / ctx.world_size)
-            if not math.isfinite(losses[-1]):
-                raise FloatingPointError(
-                    f"the training loss became {losses[-1]} in step {step + 1}: training "
-                    f"diverged (lr={run.lr} may be too large: try {run.lr / 10:g})"
-                )
+            # The course's one divergence rule: not finite, or ten times the first loss.
+            check_training_loss(losses[-1], when=f"step {step + 1}", lr=run.lr,
+                                first_loss=losses[0] if len(losses) > 1 else None,
+                                advice=f"try {run.lr / 10:g}")
             done = step + 1
             if saving is not None and (done % saving.save_every == 0 or done == run.steps):
                 extra = {"losses": losses, "mesh": [dp, tp], "config": config}

@@ -536,6 +536,30 @@ def memory_timeline_from_trace(
     return timeline
 
 
+_SNAPSHOT_IS = ("a CUDA memory snapshot is the pickle that "
+                "torch.cuda.memory._dump_snapshot(path) writes after "
+                "torch.cuda.memory._record_memory_history()")
+
+
+def _read_snapshot_file(path: Path) -> Mapping[str, Any]:
+    """The snapshot pickled at ``path``; an error naming the file when it is not one."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a memory snapshot: {_SNAPSHOT_IS}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no memory snapshot at {path}: {_SNAPSHOT_IS}")
+    try:
+        with open(path, "rb") as f:
+            snapshot = pickle.load(f)
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            ImportError, IndexError) as err:
+        raise ValueError(f"{path} is not a memory snapshot (it does not read as a pickle: "
+                         f"{type(err).__name__}: {err}); {_SNAPSHOT_IS}") from None
+    if not isinstance(snapshot, Mapping):
+        raise ValueError(f"{path} holds a pickled {type(snapshot).__name__}, not a memory "
+                         f"snapshot (a dict with 'segments' and 'device_traces'); {_SNAPSHOT_IS}")
+    return snapshot
+
+
 def memory_timeline_from_snapshot(
     snapshot: Mapping[str, Any] | str | Path, device_index: int = 0
 ) -> list[tuple[float, int]]:
@@ -551,8 +575,7 @@ def memory_timeline_from_snapshot(
         raise TypeError(f"snapshot must be torch.cuda.memory._snapshot() or the path of the "
                         f"pickle _dump_snapshot wrote, got {type(snapshot).__name__} {snapshot!r}")
     if not isinstance(snapshot, Mapping):
-        with open(snapshot, "rb") as f:
-            snapshot = pickle.load(f)
+        snapshot = _read_snapshot_file(Path(snapshot))
     traces = snapshot.get("device_traces")
     if traces is None:
         raise ValueError("not a CUDA memory snapshot: it has no 'device_traces'")

@@ -101,6 +101,8 @@ __all__ = [
     "prepare_checkpoint_root",
     "sharding_worker",
     "latest_checkpoint",
+    "newest_intact_checkpoint",
+    "read_checkpoint_extra",
     "load_checkpoint",
     "local_bytes",
     "padded_parameter_bytes",
@@ -594,27 +596,24 @@ def _file_digests(directory: Path) -> dict[str, str]:
     return digests
 
 
-def _verify_checkpoint(path: Path) -> None:
-    """Compare every file of a checkpoint with the digests written with it."""
-    fresh = _start_fresh(path.parent)
+def _checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with the checkpoint directory ``path``, or None when it is intact.
+
+    Intact means: DCP's ``.metadata`` is there, and every file matches the SHA-256 that
+    :func:`save_checkpoint` wrote with it in ``checksums.json``, no file missing or added.
+    """
     if not (path / ".metadata").exists():
-        raise CheckpointError(
-            f"checkpoint {path} has no .metadata (the map of its shards): it was damaged after "
-            f"it was written. Delete {path} to resume from an earlier checkpoint; or, {fresh}"
-        )
+        return "has no .metadata (the map of its shards): it was damaged after it was written"
     listed = path / _CHECKSUMS
-    if not listed.exists():
-        raise CheckpointError(
-            f"checkpoint {path} has no {_CHECKSUMS}, so its files cannot be checked: it was not "
-            f"written by save_checkpoint, or was damaged. Delete {path} to resume from an "
-            f"earlier checkpoint; or, {fresh}"
-        )
+    if not listed.is_file():
+        return (f"has no {_CHECKSUMS}, so its files cannot be checked: it was not written by "
+                "save_checkpoint, or was damaged")
     try:
         expected = json.loads(listed.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(
-            f"{listed} is not readable JSON: the checkpoint was damaged; {fresh}"
-        ) from None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"has a {_CHECKSUMS} that is not readable JSON: it was damaged"
+    if not isinstance(expected, dict):
+        return f"has a {_CHECKSUMS} that holds no list of files: it was damaged"
     actual = _file_digests(path)
     for name in sorted(set(expected) | set(actual)):
         if name not in actual:
@@ -622,13 +621,80 @@ def _verify_checkpoint(path: Path) -> None:
         elif name not in expected:
             problem = "was not part of the checkpoint when it was written"
         elif actual[name] != expected[name]:
-            problem = "does not match the checksum written with it (corrupt or changed)"
+            problem = ("is empty" if (path / name).stat().st_size == 0 else
+                       "does not match the checksum written with it (corrupt or changed)")
         else:
             continue
+        return f"file {name} {problem}"
+    return None
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a checkpoint directory named ``step-NNNNNN``, else None."""
+    digits = path.name[len(_STEP_PREFIX):]
+    if path.name.startswith(_STEP_PREFIX) and digits.isdigit() and path.is_dir():
+        return int(digits)
+    return None
+
+
+def newest_intact_checkpoint(root: str | Path, before: int | None = None) -> Path | None:
+    """The checkpoint of the highest step under ``root`` whose files all check out.
+
+    ``before`` limits it to steps below that one (the checkpoints older than a damaged
+    one). None when there is none: then the only way on is to start fresh.
+    """
+    steps = sorted(
+        ((step, p) for p in Path(root).iterdir() if (step := _step_of(p)) is not None),
+        reverse=True,
+    ) if Path(root).is_dir() else []
+    for step, candidate in steps:
+        if (before is None or step < before) and _checkpoint_damage(candidate) is None:
+            return candidate
+    return None
+
+
+def _verify_checkpoint(path: Path) -> None:
+    """Compare every file of a checkpoint with the digests written with it.
+
+    A damaged checkpoint is refused with what is wrong (the file, and how) and the way
+    on: the newest intact checkpoint before it, when there is one, or starting fresh.
+    """
+    damage = _checkpoint_damage(path)
+    if damage is None:
+        return
+    fresh = _start_fresh(path.parent)
+    step = _step_of(path)
+    older = newest_intact_checkpoint(path.parent, before=step) if step is not None else None
+    if older is not None:
+        way_on = (f"Delete {path} to resume from {older.name}, the newest intact checkpoint "
+                  f"before it; or, {fresh}")
+    else:
+        way_on = f"No intact checkpoint comes before it: {fresh}"
+    raise CheckpointError(f"checkpoint {path} {damage}. {way_on}")
+
+
+def read_checkpoint_extra(path: str | Path) -> dict[str, Any]:
+    """The ``extra.json`` of a checkpoint (its step, losses, settings), after checking
+    every file of it against its checksums.
+
+    Damage is named as such (:class:`CheckpointError`: which file, and the newest intact
+    checkpoint to resume from instead), never taken for a checkpoint without settings.
+    """
+    path = Path(path)
+    _verify_checkpoint(path)
+    try:
+        extra = json.loads((path / "extra.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:  # only if written so
         raise CheckpointError(
-            f"checkpoint file {path / name} {problem}. Delete {path} to resume from an earlier "
-            f"checkpoint; or, {fresh}"
+            f"checkpoint {path}'s extra.json (its step, losses and settings, written by "
+            f"d2lgpu's save_checkpoint) cannot be read ({exc}); {_start_fresh(path.parent)}"
+        ) from None
+    if not isinstance(extra, dict) or not isinstance(extra.get("step"), int):
+        raise CheckpointError(
+            f"checkpoint {path}'s extra.json holds no step number: it was not written by "
+            f"save_checkpoint; {_start_fresh(path.parent)}"
         )
+    return extra
 
 
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is .*(unavailable|uninitialized)"
@@ -715,29 +781,42 @@ def save_checkpoint(
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint of the highest step under ``root``, or None when there is none.
 
-    Temporary directories (a save that crashed) do not count. A ``step-*``
-    directory without ``.metadata`` is an error, not a missing checkpoint: such
-    a name appears only once the save is complete, so it was damaged later, and
-    silently starting over would throw the training away.
+    None only for a directory with nothing that looks like a checkpoint: temporary
+    directories of a save that crashed (``.step-NNNNNN.tmp``) do not count. A
+    ``step-*`` directory without ``.metadata`` is an error, not a missing checkpoint:
+    such a name appears only once the save is complete, so it was damaged later, and
+    silently starting over would throw the training away. Entries that look like
+    checkpoints but are not one (``step-abc``, ``step-1.tmp``, a file named
+    ``step-000003``) are an error when they are all there is, and a warning beside real
+    checkpoints: a resumed run must never start from scratch without a word.
     """
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"root must be a path, got {type(root).__name__} {root!r}")
     root = Path(root)
     if not root.is_dir():
         return None
-    done = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_STEP_PREFIX) and p.name[len(_STEP_PREFIX) :].isdigit()
-    ]
+    done, lookalikes = [], []
+    for p in root.iterdir():
+        if _step_of(p) is not None:
+            done.append(p)
+        elif p.name.startswith(_STEP_PREFIX) or p.name.endswith(".distcp"):
+            lookalikes.append(p.name)
     for p in done:
         if not (p / ".metadata").exists():
+            _verify_checkpoint(p)  # raises, naming the newest intact one before it
+    if lookalikes:
+        odd = ", ".join(sorted(lookalikes)[:5]) + (" ..." if len(lookalikes) > 5 else "")
+        what = (f"{root} holds {len(lookalikes)} entr{'y' if len(lookalikes) == 1 else 'ies'} "
+                f"that look like checkpoints but are not ({odd}): save_checkpoint writes "
+                f"directories named {_STEP_PREFIX}NNNNNN (six digits)")
+        if not done:
             raise CheckpointError(
-                f"checkpoint {p} has no .metadata (the map of its shards): it was damaged after "
-                f"it was written. Delete {p} to resume from an earlier checkpoint; or, "
-                f"{_start_fresh(root)}"
+                f"{what}, and there is no other checkpoint, so a resumed run would start from "
+                f"scratch. Rename or move them away if they are checkpoints of another tool; "
+                f"or, {_start_fresh(root)}"
             )
-    return max(done, key=lambda p: int(p.name[len(_STEP_PREFIX) :]), default=None)
+        warnings.warn(f"{what}; they are left out", stacklevel=2)
+    return max(done, key=lambda p: int(p.name[len(_STEP_PREFIX):]), default=None)
 
 
 def load_checkpoint(
@@ -764,15 +843,45 @@ def load_checkpoint(
         raise FileNotFoundError(
             f"{path} is no checkpoint directory: pick one with latest_checkpoint()"
         )
-    _verify_checkpoint(path)
+    extra = read_checkpoint_extra(path)  # every file checked against its checksum first
     model_state, optim_state = get_state_dict(model, optimizer)
+    _check_checkpoint_fits(path, model_state, dcp)
     state = {"model": model_state, "optim": optim_state}
     with _single_process_quietly():
         dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    return json.loads((path / "extra.json").read_text())
+    return extra
+
+
+def _check_checkpoint_fits(path: Path, model_state: dict[str, Any], dcp) -> None:
+    """Refuse a checkpoint of another model before DCP does, naming what differs.
+
+    DCP's own error is ``CheckpointException ranks:dict_keys([0])`` and a traceback; the
+    checkpoint's ``.metadata`` already holds every tensor's full shape, so the parameter
+    and both shapes can be named. Sharded parameters (DTensors) report their full shape.
+    """
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    differences, missing = [], []
+    for name, value in model_state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        entry = saved.get(f"model.{name}")
+        if entry is None:
+            missing.append(name)
+        elif hasattr(entry, "size") and tuple(entry.size) != tuple(value.shape):
+            differences.append(f"{name} is {tuple(entry.size)} in the checkpoint, "
+                               f"{tuple(value.shape)} in this model")
+    if differences or missing:
+        parts = differences + ([f"this model's {', '.join(missing[:5])} "
+                                f"{'is' if len(missing) == 1 else 'are'} not in it"]
+                               if missing else [])
+        raise CheckpointError(
+            f"checkpoint {path} holds another model: {'; '.join(parts[:6])}. Build the model "
+            f"with the settings it was saved with (its extra.json records them); or, "
+            f"{_start_fresh(path.parent)}"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -1019,8 +1128,7 @@ def _resume(
         path = latest_checkpoint(path)
     if path is None:
         return 0, []
-    _verify_checkpoint(path)
-    extra = json.loads((path / "extra.json").read_text())
+    extra = read_checkpoint_extra(path)
     check_resumable(extra, config, path)
     if extra["step"] >= run.plan.steps:
         raise CheckpointError(
@@ -1034,18 +1142,11 @@ def _resume(
     return extra["step"], list(extra.get("losses", []))
 
 
-#: A loss this many times the first step's means training diverged. Stricter than the
-#: default of :func:`d2lgpu.checks.check_training_loss` (10,000, for any loss a learner
-#: gives :func:`d2lgpu.train`): these runs train a fresh model with cross-entropy, which
-#: starts near log(classes) and only goes down while training works.
-DIVERGED_FACTOR = 10.0
-
-
 def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
     """Stop on a loss that is not finite, or far above the first step's: training diverged.
 
-    The course's one loss check (:func:`d2lgpu.checks.check_training_loss`), at
-    :data:`DIVERGED_FACTOR`, on every loss from index ``first_new`` on.
+    The course's one divergence rule (:func:`d2lgpu.checks.check_training_loss`: not
+    finite, or ten times the first step's loss) on every loss from index ``first_new`` on.
     """
     for step in range(first_new, len(losses)):
         if step == 0 and not math.isfinite(losses[0]):
@@ -1059,7 +1160,6 @@ def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
             lr=plan.lr,
             first_loss=losses[0] if step > 0 else None,
             advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint",
-            factor=DIVERGED_FACTOR,
         )
 
 

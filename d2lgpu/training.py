@@ -204,8 +204,13 @@ def train_epoch(
     on_batch=None,
     *,
     techniques: Techniques = PLAIN,
+    first_step_loss: list[torch.Tensor | float] | None = None,
 ) -> tuple[float, float, int]:
     """One pass over ``train_iter``; returns (mean loss, accuracy, number of examples).
+
+    When ``first_step_loss`` is an empty list, the first step's loss is appended to it:
+    the start that the divergence rule (:func:`d2lgpu.checks.check_training_loss`)
+    measures later losses against. With ``no_sync`` it is a device tensor, not read here.
 
     With ``techniques.no_sync`` (the default) the sums stay on ``device`` during the
     epoch and are read once at the end, so the GPU is never stalled waiting for the
@@ -263,10 +268,15 @@ def train_epoch(
             if techniques.no_sync:
                 loss_sum += loss.detach().float() * y.numel()
                 correct += (y_hat.detach().argmax(dim=1) == y).sum()
+                if first_step_loss is not None and not first_step_loss:
+                    first_step_loss.append(loss.detach().float())  # read once, later
             else:
                 # Each .item() makes the host wait until the device has finished the step.
-                loss_read += loss.item() * y.numel()
+                step_loss = loss.item()
+                loss_read += step_loss * y.numel()
                 correct_read += (y_hat.argmax(dim=1) == y).sum().item()
+                if first_step_loss is not None and not first_step_loss:
+                    first_step_loss.append(step_loss)
             count += y.numel()
         if on_batch is not None:
             on_batch()
@@ -411,17 +421,21 @@ def run_epochs(
     """The epoch loop of :func:`train`: train one epoch, evaluate, append to ``history``,
     update the progress ``bar`` and ``live`` plot (either may be None)."""
     estimate = training_estimate(train_iter, num_epochs, parts.device)  # one line, long runs
+    first_step_loss: list[torch.Tensor | float] = []
     for epoch in range(num_epochs):
         start = time.perf_counter()
         loss, train_acc, count = train_epoch(
             parts.model, train_iter, parts.loss_fn, parts.optimizer, parts.device,
             parts.policy, parts.scaler, parts.scheduler,
             on_batch=estimate.step if bar is None else lambda: (bar.update(1), estimate.step()),
-            techniques=parts.techniques,
+            techniques=parts.techniques, first_step_loss=first_step_loss,
         )
         train_seconds = time.perf_counter() - start  # train_epoch read its sums: synchronised
-        check_finite_loss(loss, epoch + 1, parts.optimizer.defaults["lr"], parts.policy,
-                          first_loss=history.train_loss[0] if history.train_loss else None)
+        # The run's start: a float already, or (no_sync) read once in the whole run, after
+        # the epoch's own reads, so it waits on nothing.
+        first = float(first_step_loss[0]) if first_step_loss else None
+        check_finite_loss(loss, _epoch_steps(epoch, train_iter),
+                          parts.optimizer.defaults["lr"], parts.policy, first_loss=first)
         with torch.profiler.record_function("evaluate"):
             test_acc = evaluate_accuracy(parts.eval_model, test_iter, parts.device,
                                          policy=parts.policy)
@@ -436,10 +450,23 @@ def run_epochs(
             live.add(epoch + 1, [loss, train_acc, test_acc])
 
 
+def _epoch_steps(epoch: int, train_iter: Iterable) -> str:
+    """``"epoch 2 (steps 51-100)"``: where an epoch's loss comes from, for error messages."""
+    try:
+        steps = len(train_iter)  # type: ignore[arg-type]
+    except TypeError:
+        return f"epoch {epoch + 1}"
+    return f"epoch {epoch + 1} (steps {epoch * steps + 1}-{(epoch + 1) * steps})"
+
+
 def check_finite_loss(
-    loss: float, epoch: int, lr: float, policy: PrecisionPolicy, first_loss: float | None = None
+    loss: float, epoch: int | str, lr: float, policy: PrecisionPolicy,
+    first_loss: float | None = None,
 ) -> None:
     """Stop a run whose epoch loss is inf or NaN, or has blown up from ``first_loss``.
+
+    ``epoch`` is the epoch's number, or the words that name it (``"epoch 2 (steps
+    51-100)"``); ``first_loss`` is the loss of the run's first step.
 
     An error, not a warning: once the loss is not a number the weights are too, and
     every further epoch is wasted. Called once per epoch on the loss that
@@ -452,7 +479,8 @@ def check_finite_loss(
                  "overflows above 65504")
     else:
         other = "or ramp it up over the first epoch with lr=d2lgpu.SGDRecipe(lr, warmup_epochs=1)"
-    check_training_loss(loss, when=f"epoch {epoch}", lr=lr, first_loss=first_loss, advice=other)
+    when = epoch if isinstance(epoch, str) else f"epoch {epoch}"
+    check_training_loss(loss, when=when, lr=lr, first_loss=first_loss, advice=other)
 
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from d2lgpu.distributed import all_reduce_sum, process_group
+from d2lgpu.distributed import all_reduce_sum, mark_progress, process_group
 
 
 def return_rank(rank: int) -> int:
@@ -98,4 +98,28 @@ def rank_1_never_ends(rank: int) -> int:
 def mismatched_world_size(rank: int, master_port: int) -> None:
     """Rank 0 is told the job has 2 ranks, rank 1 that it has 3."""
     with process_group(rank, 2 if rank == 0 else 3, master_port=master_port, timeout_s=20):
+        pass
+
+
+def hang_after_its_mark(rank: int, world_size: int, master_port: int) -> float:
+    """Both ranks report step 1; then rank 1 is stuck in its own work while rank 0 waits in
+    an all-reduce (timeout 3 s): the progress marks alone cannot tell them apart."""
+    with process_group(rank, world_size, master_port=master_port, timeout_s=3):
+        mark_progress("step 1")
+        if rank == 1:
+            time.sleep(60)
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        return value.item()
+
+
+def claim_rank(rank: int, ranks: list[int], world_size: int, master_port: int) -> None:
+    """Process ``rank`` joins the group as rank ``ranks[rank]``: two processes may claim one."""
+    with process_group(ranks[rank], world_size, master_port=master_port, timeout_s=5):
+        pass
+
+
+def join_a_bigger_world(rank: int, world_size: int, master_port: int) -> None:
+    """Every process is told the world has ``world_size`` ranks (more than were started)."""
+    with process_group(rank, world_size, master_port=master_port, timeout_s=3):
         pass

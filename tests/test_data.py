@@ -304,6 +304,20 @@ def test_a_truncated_file_says_how_much_is_missing(data_copy):
 
 
 @needs_data
+def test_what_is_not_a_regular_file_is_named_for_what_it_is(data_copy):
+    path = data_copy / "t10k-labels-idx1-ubyte"
+    path.unlink()
+    path.mkdir()  # a directory where the file should be: its size reads 4096
+    with pytest.raises(RuntimeError, match=r"t10k-labels-idx1-ubyte is a directory, not the "
+                                           r"raw file t10k-labels-idx1-ubyte \(10008 bytes\)"):
+        fashion_mnist_tensors(train=False)
+    path.rmdir()
+    path.symlink_to(data_copy / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"does not exist \(a broken symbolic link\)"):
+        data_module.verify_fashion_mnist_file(path)
+
+
+@needs_data
 def test_an_empty_labels_file_is_named_not_blamed_on_the_network(data_copy):
     _damage(data_copy, "t10k-labels-idx1-ubyte", lambda b: b"")
     with pytest.raises(RuntimeError, match=r"t10k-labels-idx1-ubyte is empty") as info:

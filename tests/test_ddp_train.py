@@ -154,9 +154,37 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_snapshot(tmp_p
             return super().forward(logits, target) * math.inf
 
     monkeypatch.setattr(ddp_train.nn, "CrossEntropyLoss", InfiniteLoss)
-    with pytest.raises(FloatingPointError, match=r"epoch 2.*(nan|inf)"):
+    with pytest.raises(FloatingPointError, match=r"became (nan|inf) in epoch 2 \(steps 3-4\)"):
         train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **COMMON), None, good)
     assert read_snapshot(snapshot)["epochs_done"] == 1
+
+
+def test_a_loss_that_grows_tenfold_in_the_first_epoch_is_divergence(monkeypatch):
+    # The first epoch's mean is measured against the first step's loss, not against itself:
+    # a run that blows up within epoch 1 stops there, finite or not.
+    class GrowingLoss(torch.nn.CrossEntropyLoss):
+        calls = 0
+
+        def forward(self, logits, target):
+            GrowingLoss.calls += 1
+            return super().forward(logits, target) * (1 if GrowingLoss.calls == 1 else 1000)
+
+    monkeypatch.setattr(ddp_train.nn, "CrossEntropyLoss", GrowingLoss)
+    with pytest.raises(FloatingPointError,
+                       match=r"more than 10 times the .* in epoch 1 \(steps 1-2\): training "
+                             r"diverged at lr 0\.1"):
+        train_ddp(DDPConfig(epochs=2, **COMMON), None, _images())
+
+
+@pytest.mark.parametrize("which", ["train", "test"])
+def test_an_empty_data_set_is_refused_before_training(which):
+    x_train, y_train, x_test, y_test = _images()
+    if which == "train":
+        x_train, y_train = x_train[:0], y_train[:0]
+    else:
+        x_test, y_test = x_test[:0], y_test[:0]
+    with pytest.raises(ValueError, match=rf"the {which} set is empty \(0 {which} images\)"):
+        train_ddp(DDPConfig(epochs=1, **COMMON), None, (x_train, y_train, x_test, y_test))
 
 
 # --- snapshots ----------------------------------------------------------------------------

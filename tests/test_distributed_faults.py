@@ -13,6 +13,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import _fault_workers as workers
@@ -298,6 +300,57 @@ def test_a_world_size_mismatch_is_named():
         launch(workers.mismatched_world_size, 2, (find_free_port(),), timeout_s=60)
 
 
+def test_a_rank_stuck_after_the_last_mark_is_named_as_never_entering_the_collective():
+    with pytest.raises(CollectiveTimeout) as info:
+        launch(workers.hang_after_its_mark, 2, (2, find_free_port()), timeout_s=60, grace_s=1)
+    message = str(info.value)
+    assert "rank 1 never entered the collective" in message, message
+    assert info.value.laggards == [1]
+
+
+def test_the_ranks_that_did_not_time_out_are_found_within_the_gather_time(monkeypatch):
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+    monkeypatch.setattr(distributed, "_TIMEOUT_GATHER_S", 0.3)
+    store = Store({"timed_out/2": "1"})
+    start = time.monotonic()
+    assert distributed._ranks_not_in_the_collective(store, 0, 3) == [1]
+    assert 0.3 <= time.monotonic() - start < 2  # waited the gather time, not longer
+    start = time.monotonic()
+    store["timed_out/1"] = "1"
+    assert distributed._ranks_not_in_the_collective(store, 0, 3) == []
+    assert time.monotonic() - start < 0.3  # everyone noted: no wait
+
+
+@pytest.mark.parametrize("ranks, claimed", [([0, 0], 0), ([0, 1, 1], 1)])
+def test_two_processes_with_one_rank_are_named_as_such(ranks, claimed):
+    with pytest.raises((RuntimeError, ValueError),
+                       match=rf"two processes claim rank {claimed}\b.*own rank, 0 to world_size-1"):
+        launch(workers.claim_rank, len(ranks), (ranks, len(ranks), find_free_port()),
+               timeout_s=60)
+
+
+def test_fewer_processes_than_the_world_size_says_how_many_arrived():
+    with pytest.raises(TimeoutError, match=r"only 2 of 3 ranks arrived at the rendezvous within "
+                                           r"timeout_s=3 s \(arrived: 0, 1; never came: 2\)"):
+        launch(workers.join_a_bigger_world, 2, (3, find_free_port()), timeout_s=60)
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_named_at_once():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"rendezvous host 'no-such-host.invalid' does not "
+                                         r"resolve .*machine where rank 0 runs"):
+        with process_group(0, 2, master_port=find_free_port(),
+                           master_addr="no-such-host.invalid", timeout_s=30):
+            pass
+    assert time.monotonic() - start < 10  # not the 30 s connect timeout
+
+
 def _outcome(exitcodes, first_seen, stopped, progress=None):
     return _Outcome(exitcodes, first_seen, stopped, {}, {}, progress or {})
 
@@ -323,6 +376,42 @@ def test_a_native_crash_is_blamed_before_the_peers_the_watchdog_aborted():
     # Alone, SIGABRT is described with the watchdog as one likely cause.
     with pytest.raises(RankError, match=r"SIGABRT.*NCCL's watchdog"):
         _raise_first_failure(_outcome([-signal.SIGABRT, 0], [0], []))
+
+
+def test_a_rank_that_aborts_soon_after_its_last_step_is_the_culprit_not_a_watchdog_victim():
+    # Rank 0 died by SIGABRT 1 s after its last progress, far less than its 30 s group
+    # timeout: it did not wait for a peer (a sticky CUDA error, its own assertion). The
+    # rank launch stopped is healthy and must not be blamed as "never arrived".
+    now = 1000.0
+    soon = _Outcome([-signal.SIGABRT, -signal.SIGTERM], [0], [1], {}, {},
+                    {0: (3, "step 3"), 1: (3, "step 3")}, {0: now - 1, 1: now - 1},
+                    {0: 30.0, 1: 30.0}, now)
+    assert not soon.aborted_waiting() and soon.cause() == 0
+    with pytest.raises(RankError, match=r"rank 0 of 2 was killed by signal SIGABRT"):
+        _raise_first_failure(soon)
+    # The same death a whole timeout after the last step is the watchdog's victim.
+    waited = replace(soon, progress_times={0: now - 31, 1: now - 1})
+    assert waited.aborted_waiting() and waited.cause() == 1
+    # Two deaths: the one whose progress stopped first is the cause.
+    both = _Outcome([-signal.SIGSEGV, -signal.SIGSEGV], [0, 1], [], {}, {},
+                    {0: (5, "x"), 1: (4, "x")}, {0: now - 1, 1: now - 8}, {}, now)
+    assert both.cause() == 1
+
+
+def test_one_gpu_per_rank_bound_from_outside_is_warned_about_and_usable_with_nccl(monkeypatch):
+    monkeypatch.setattr(distributed, "num_gpus", lambda: 1)
+    monkeypatch.setattr(distributed.dist, "is_nccl_available", lambda: True)
+    with pytest.warns(UserWarning, match=r"sees 1 GPU .* runs 4 ranks.*pass backend='nccl'"):
+        assert distributed.choose_backend(4) == "gloo"
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # rank 3 of the machine, bound to GPU 3
+    assert distributed._rank_device("nccl", 3) == torch.device("cuda", 0) and chosen == [0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # not bound: a real shortage of GPUs
+    with pytest.raises(RuntimeError, match="needs one GPU per process"):
+        distributed._rank_device("nccl", 3)
 
 
 # --- a clean exit for every command-line entry point --------------------------------------
@@ -406,6 +495,9 @@ def test_hogwild_that_diverges_raises_instead_of_returning_exploded_weights(monk
     y = X @ torch.tensor([[2.0], [-3.0]])
     with pytest.raises(FloatingPointError, match=r"diverged.*smaller lr \(this run: 1e\+06\)"):
         hogwild_train(torch.nn.Linear(2, 1), X, y, lr=1e6)
+    # Finite but tenfold the start is divergence too (the course's one rule).
+    with pytest.raises(FloatingPointError, match=r"more than 10 times .*diverged at lr 1\.2"):
+        hogwild_train(torch.nn.Linear(2, 1), X, y, lr=1.2, epochs=2, batch_size=64)
     model = hogwild_train(torch.nn.Linear(2, 1), X, y, lr=0.1, epochs=10, batch_size=8)  # sane
     assert torch.allclose(model.weight.detach(), torch.tensor([[2.0, -3.0]]), atol=0.1)
 

@@ -184,6 +184,37 @@ def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, one_rank
 
 
 @needs_fsdp2_on_cpu
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: (d / "extra.json").write_text(""), "file extra.json is empty"),
+    (lambda d: (d / "extra.json").unlink(), "file extra.json is missing"),
+])
+def test_a_damaged_extra_json_is_named_with_the_step_to_resume_from(
+    tmp_path, one_rank, damage, words
+):
+    # Damage is checked before the settings: never "does not record the settings".
+    base = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=3, lr=LR)
+    ResumableTwoDRun(base, str(tmp_path), save_every=1).run(one_rank)
+    damage(tmp_path / "step-000003")
+    with pytest.raises(CheckpointError, match=words) as info:
+        ResumableTwoDRun(replace(base, steps=4), str(tmp_path), save_every=1).run(one_rank)
+    assert "Delete " in str(info.value) and "resume from step-000002" in str(info.value)
+
+
+@needs_fsdp2_on_cpu
+def test_a_loss_that_explodes_but_stays_finite_stops_at_the_step_it_grew_tenfold(
+    tmp_path, one_rank
+):
+    # lr=100 on a tiny model: the losses go 2.5, 1.2e4, 8e17, inf. The rule stops step 2,
+    # not step 4 where the float ran out.
+    run = TwoDRun(ModelSpec(width=8, hidden=8, depth=1), (1, 1), batch_size=2, seq_len=2,
+                  steps=3, lr=100.0, precision="fp32")
+    with pytest.raises(FloatingPointError,
+                       match=r"more than 10 times the .* in step 2: training diverged at lr 100"):
+        ResumableTwoDRun(run, str(tmp_path), save_every=1).run(one_rank)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
+
+
+@needs_fsdp2_on_cpu
 def test_a_diverging_run_stops_before_saving_the_diverged_weights(tmp_path, one_rank):
     run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=4, lr=1e30)
     with pytest.raises(FloatingPointError, match="diverged.*try 1e[+]29"):

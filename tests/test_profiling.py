@@ -265,6 +265,26 @@ def test_memory_timeline_from_a_snapshot_counts_what_was_there_before(tmp_path):
         P.memory_timeline_from_snapshot(snapshot, device_index=1)
 
 
+def test_a_file_that_is_not_a_memory_snapshot_is_named_with_what_a_snapshot_is(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a pickle")
+    listed = tmp_path / "list.pickle"
+    listed.write_bytes(pickle.dumps([1, 2, 3]))
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(b"")
+    cases = [
+        (text, ValueError, r"notes.txt is not a memory snapshot \(it does not read as a pickle"),
+        (empty, ValueError, r"empty.pickle is not a memory snapshot"),
+        (listed, ValueError, r"list.pickle holds a pickled list, not a memory snapshot"),
+        (tmp_path, ValueError, r"is a directory, not a memory snapshot"),
+        (tmp_path / "missing.pickle", FileNotFoundError, r"no memory snapshot at .*missing"),
+    ]
+    for path, error, words in cases:
+        with pytest.raises(error, match=words) as info:
+            P.memory_timeline_from_snapshot(path)
+        assert "torch.cuda.memory._dump_snapshot" in str(info.value)
+
+
 def test_plot_memory_timeline_in_mib():
     import matplotlib
 

@@ -20,15 +20,33 @@ PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf
 
 # The first code cell of every notebook, character for character.
 SETUP_CELL = """\
-# On Colab or Kaggle the course package is not installed yet: install it from the
-# course repository. Wherever d2lgpu is already importable this cell does nothing.
+# On Colab or Kaggle the course package is not installed yet: install it from the course
+# repository, keeping the torch and torchvision the platform ships. Their CUDA build matches
+# the platform's GPU driver; the newest one on PyPI may need a newer driver, and CUDA would
+# then be unusable. Wherever d2lgpu is already importable this cell does nothing.
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
+import tempfile
 
 COURSE_REPO = "https://github.com/d2lgpu/d2lgpu"
 if importlib.util.find_spec("d2lgpu") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{COURSE_REPO}"], check=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    ships = {name: importlib.metadata.version(name) for name in ("torch", "torchvision")
+             if importlib.util.find_spec(name) is not None}
+    if "torch" in ships and tuple(map(int, ships["torch"].split(".")[:2])) < (2, 9):
+        print(f"torch {ships['torch']} is older than the course's 2.9: kept, so CUDA keeps "
+              "working. Chapters 8 and 9 need 2.9 (FSDP2 on CPU processes averages gradients "
+              "correctly from 2.9 on, pytorch/pytorch#162338); the course is tested on 2.9 "
+              "and newer only.")
+        subprocess.run([*pip, "--no-deps", f"git+{COURSE_REPO}"], check=True)
+        subprocess.run([*pip, "matplotlib>=3.7", "tqdm>=4.60", "nvidia-ml-py>=12.535"],
+                       check=True)
+    else:  # a constraint: pip may add packages, but not replace the platform's torch
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as keep:
+            keep.write("".join(f"{name}=={version}\\n" for name, version in ships.items()))
+        subprocess.run([*pip, "-c", keep.name, f"git+{COURSE_REPO}"], check=True)
 """
 
 IGNORE_OUTPUT_TAG = "nbval-ignore-output"
@@ -63,6 +81,59 @@ def test_setup_cell_installs_from_the_repository_in_pyproject():
     match = re.search(r'^COURSE_REPO = "([^"]+)"$', SETUP_CELL, re.MULTILINE)
     assert match is not None
     assert match.group(1) == repository
+
+
+def _run_setup_cell(monkeypatch, shipped: dict[str, str]) -> tuple[list[list[str]], list[str]]:
+    """Run the setup cell where d2lgpu is missing and ``shipped`` are the platform's packages:
+    the pip commands it runs, and the constraints it hands pip (nothing is installed)."""
+    import importlib.metadata
+    import importlib.util
+    import subprocess
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "d2lgpu" or name in ("torch", "torchvision") and name not in shipped:
+            return None
+        return real_find_spec(name, *args)
+
+    commands, constraints = [], []
+
+    def run(command, check):
+        commands.append(list(command))
+        if "-c" in command:
+            constraints.append(Path(command[command.index("-c") + 1]).read_text())
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: shipped[name])
+    monkeypatch.setattr(subprocess, "run", run)
+    exec(compile(SETUP_CELL, "setup cell", "exec"), {})
+    return commands, constraints
+
+
+@pytest.mark.parametrize("shipped", [
+    {"torch": "2.10.0+cu126", "torchvision": "0.25.0+cu126"},  # Colab-like: a CUDA build
+    {"torch": "2.9.1"},
+])
+def test_the_setup_cell_keeps_the_platforms_torch(monkeypatch, shipped):
+    commands, constraints = _run_setup_cell(monkeypatch, shipped)
+    assert len(commands) == 1 and commands[0][-1].startswith("git+")
+    assert not {"-U", "--upgrade", "--force-reinstall"} & set(commands[0])
+    # The constraint pins exactly what the platform ships, so pip cannot replace it.
+    assert constraints == ["".join(f"{n}=={v}\n" for n, v in shipped.items())]
+
+
+def test_the_setup_cell_never_upgrades_a_torch_below_the_floor(monkeypatch, capsys):
+    commands, _ = _run_setup_cell(monkeypatch, {"torch": "2.6.0+cu124", "torchvision": "0.21.0"})
+    named = [arg for command in commands for arg in command[4:]]
+    assert not any(arg.split("=")[0].split(">")[0] in ("torch", "torchvision") for arg in named)
+    assert "--no-deps" in commands[0] and commands[0][-1].startswith("git+")
+    assert "Chapters 8 and 9 need 2.9" in capsys.readouterr().out
+
+
+def test_the_setup_cell_installs_torch_where_there_is_none(monkeypatch):
+    commands, constraints = _run_setup_cell(monkeypatch, {})
+    assert len(commands) == 1 and constraints == [""]  # nothing to keep: pip picks torch
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -422,6 +422,68 @@ def test_a_corrupt_shard_is_named_and_not_loaded(tmp_path):
     assert "to start fresh, delete" in str(info.value)
 
 
+def _three_checkpoints(root: Path) -> tuple[list[Path], nn.Module, torch.optim.Optimizer]:
+    model = SHAPE.build()
+    optimizer = make_optimizer("sgd_momentum", model.parameters(), lr=1e-2)
+    paths = [save_checkpoint(root, step, model, optimizer, {"losses": [2.3] * step})
+             for step in (1, 2, 3)]
+    return paths, model, optimizer
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: (d / "extra.json").write_text(""), "file extra.json is empty"),
+    (lambda d: (d / "extra.json").unlink(), "file extra.json is missing"),
+    (lambda d: (d / "checksums.json").unlink(), "has no checksums.json"),
+    (lambda d: (d / "checksums.json").write_text("{"), "checksums.json that is not readable"),
+    (lambda d: _flip_bytes(next(d.glob("*.distcp"))), r"\.distcp does not match the checksum"),
+])
+def test_a_damaged_checkpoint_names_the_file_and_the_newest_intact_one(tmp_path, damage, words):
+    from d2lgpu.sharding import CheckpointError, newest_intact_checkpoint, read_checkpoint_extra
+
+    paths, model, optimizer = _three_checkpoints(tmp_path)
+    damage(paths[2])
+    older = "resume from step-000002, the newest intact checkpoint before it"
+    for read in (lambda: read_checkpoint_extra(paths[2]),
+                 lambda: load_checkpoint(paths[2], model, optimizer)):
+        with pytest.raises(CheckpointError, match=words) as info:
+            read()
+        assert older in str(info.value) and "to start fresh" in str(info.value)
+    assert newest_intact_checkpoint(tmp_path) == paths[1]
+    # With nothing intact before it, the only way on is named: start fresh.
+    damage(paths[0])
+    with pytest.raises(CheckpointError, match="No intact checkpoint comes before it"):
+        read_checkpoint_extra(paths[0])
+
+
+def test_loading_into_a_model_of_another_shape_names_the_parameter_and_both_shapes(tmp_path):
+    from d2lgpu.sharding import CheckpointError
+
+    path, _, _ = _saved_checkpoint(tmp_path)
+    wider = replace(SHAPE, hidden=SHAPE.hidden * 2).build()
+    optimizer = make_optimizer("sgd_momentum", wider.parameters(), lr=1e-2)
+    with pytest.raises(CheckpointError, match=r"holds another model: \S+weight is \(\d+, \d+\) "
+                                              r"in the checkpoint, \(\d+, \d+\) in this model"):
+        load_checkpoint(path, wider, optimizer)
+
+
+def test_latest_checkpoint_refuses_look_alikes_instead_of_starting_from_scratch(tmp_path):
+    from d2lgpu.sharding import CheckpointError
+
+    (tmp_path / "step-abc").mkdir()
+    (tmp_path / "step-1.tmp").mkdir()
+    (tmp_path / ".step-000004.tmp").mkdir()  # a save that crashed: ours, and ignored
+    with pytest.raises(CheckpointError, match=r"2 entries that look like checkpoints but are "
+                                              r"not \(step-1.tmp, step-abc\)"):
+        latest_checkpoint(tmp_path)
+    path, _, _ = _saved_checkpoint(tmp_path)
+    with pytest.warns(UserWarning, match="look like checkpoints but are not"):
+        assert latest_checkpoint(tmp_path) == path
+    empty = tmp_path / "fresh"
+    empty.mkdir()
+    (empty / ".step-000001.tmp").mkdir()
+    assert latest_checkpoint(empty) is None  # nothing checkpoint-like: a fresh start
+
+
 def test_a_checkpoint_without_metadata_is_an_error_not_a_fresh_start(tmp_path, one_rank):
     from d2lgpu.sharding import CheckpointError
 

@@ -240,6 +240,21 @@ def test_diverging_training_stops_with_the_epoch_and_the_fix(fast):
     assert "smaller lr (this run: 1e+06)" in str(info.value)
 
 
+def test_a_loss_that_grows_but_stays_finite_is_divergence_named_with_its_steps():
+    # lr=1e6 on a linear classifier: the epoch losses are huge but finite (about 1e7),
+    # millions of times the first step's. The first epoch is measured against the first
+    # step, not against its own mean, so the run stops in epoch 1.
+    train_iter, test_iter = tiny_loaders()
+    with pytest.raises(FloatingPointError,
+                       match=r"grew to .*, more than 10 times the .* it started from, in "
+                             r"epoch 1 \(steps 1-4\): training diverged at lr 1e\+06"):
+        train(linear_net(), train_iter, test_iter, num_epochs=2, lr=1e6, devices="cpu",
+              seed=0, progress=False, plot=False)
+    history = train(linear_net(), train_iter, test_iter, num_epochs=2, lr=0.01, devices="cpu",
+                    seed=0, progress=False, plot=False)
+    assert len(history.train_loss) == 2  # a sane lr on the same data is not stopped
+
+
 def test_train_beats_chance_and_returns_a_well_formed_history(quick_loaders):
     train_iter, test_iter = quick_loaders
     epochs = 4
