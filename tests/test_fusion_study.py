@@ -242,3 +242,15 @@ def test_a_reset_frees_dynamos_real_recompile_budget() -> None:
                                                   backend="eager")
         assert compiled is not None and "works" in reasons[0]
     torch._dynamo.reset()
+
+
+def test_yardsticks_are_compared_at_their_best_rounds() -> None:
+    # medians say the two stream alike (a burst of load on the in-place add's rounds);
+    # the best rounds show the copy's hidden third tensor-size
+    numel = 2**20
+    seconds = {"copy": (2.0, 2.2, 9.0), "in-place add": (2.0, 3.3, 3.3), "fused": (3.0,) * 3,
+               "in-place unfused": (5.0,) * 3, "unfused": (6.0,) * 3}
+    times = bm.InterleavedTimes(seconds, {k: None for k in seconds})
+    study = bm.FusionStudy("cpu", numel, 1, bm.fusion_study_traffic(numel), times)
+    assert times.best("in-place add") == 2.0
+    assert "streams 1.50x" in study.verdicts()[0]
