@@ -254,3 +254,8 @@ def test_yardsticks_are_compared_at_their_best_rounds() -> None:
     study = bm.FusionStudy("cpu", numel, 1, bm.fusion_study_traffic(numel), times)
     assert times.best("in-place add") == 2.0
     assert "streams 1.50x" in study.verdicts()[0]
+
+
+def test_write_allocate_verdict_says_when_the_gap_is_more_than_bytes() -> None:
+    assert "the rest of the gap is not bytes" in bm.write_allocate_verdict(2.06)
+    assert "the rest of the gap" not in bm.write_allocate_verdict(1.6)  # within 10 % of 1.5
