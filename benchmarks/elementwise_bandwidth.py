@@ -18,6 +18,7 @@ import torch
 
 import d2lgpu
 from d2lgpu import benchmarking as bm
+from d2lgpu import timing
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,7 +70,7 @@ def main() -> None:
     rows = bm.multiply_add_sweep(
         devices, sizes, steps=steps, copy_gbps=copy_gbps, variants=variants, repeats=repeats
     )
-    print(bm.format_table(bm.MULTIPLY_ADD_HEADERS, bm.multiply_add_table(rows)))
+    print(timing.format_table(bm.MULTIPLY_ADD_HEADERS, bm.multiply_add_table(rows)))
 
 
 if __name__ == "__main__":
