@@ -18,6 +18,7 @@ import torch
 
 import d2lgpu
 from d2lgpu import benchmarking as bm
+from d2lgpu import timing
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,15 +50,14 @@ def main() -> None:
 
     variants = dict(bm.MULTIPLY_ADD_VARIANTS)
     if args.compile:
-        for device in devices:
-            compiled, reason = bm.compile_or_reason(bm.multiply_add_unfused, device)
-            print(f"{device}: {reason}")
-            if compiled is None:
-                break
-        else:
+        # compile_on_devices resets dynamo before each device: dynamo keeps one graph per
+        # device and stops at its recompile limit (8), which the CPU and 8 GPUs pass.
+        compiled, reasons = bm.compile_on_devices(bm.multiply_add_unfused, devices)
+        print("\n".join(reasons))
+        if compiled is not None:
             # One compiled object serves every device: multiply_add_sweep resets dynamo before
-            # each device (dynamo guards on the device, and its recompile limit is 8), and
-            # compile_or_reason's fullgraph=True turns any fallback to eager into an error.
+            # each device as well, and compile_or_reason's fullgraph=True turns any fallback
+            # to eager into an error.
             variants["compiled"] = (compiled, bm.FUSED_TENSOR_PASSES)
 
     names = ", ".join(str(d) for d in devices)
@@ -70,7 +70,7 @@ def main() -> None:
     rows = bm.multiply_add_sweep(
         devices, sizes, steps=steps, copy_gbps=copy_gbps, variants=variants, repeats=repeats
     )
-    print(bm.format_table(bm.MULTIPLY_ADD_HEADERS, bm.multiply_add_table(rows)))
+    print(timing.format_table(bm.MULTIPLY_ADD_HEADERS, bm.multiply_add_table(rows)))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ __all__ = [
     "MULTIPLY_ADD_VARIANTS",
     "UNFUSED_TENSOR_PASSES",
     "benchmark_autorange",
+    "compile_on_devices",
     "compile_or_reason",
     "copy_peak_ceiling",
     "cpu_writes_allocate",
@@ -590,6 +591,33 @@ def compile_or_reason(
     return compiled, f"torch.compile (backend={backend!r}) works here"
 
 
+def compile_on_devices(
+    step: StepFn, devices: Sequence[DeviceLike], *, backend: str = "inductor"
+) -> tuple[StepFn | None, list[str]]:
+    """:func:`compile_or_reason` on each device in turn, with dynamo reset before each.
+
+    Dynamo keeps the graphs it compiles for ``step`` on its code object, one per
+    device (it guards on the device), and gives up at
+    ``torch._dynamo.config.recompile_limit`` (8; ``cache_size_limit`` is the old name
+    of the same setting, an alias in torch 2.9 to 2.15). With ``fullgraph=True``,
+    passing it raises ``FailOnRecompileLimitHit``: without a reset the CPU plus 8
+    GPUs would report torch.compile as unusable on the ninth device. Returns the
+    compiled function (None at the first device where it fails) and one reason per
+    device tried.
+    """
+    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_unfused")
+    devices = check_sequence("devices", devices, of="devices, e.g. ['cpu', 'cuda:0']")
+    compiled: StepFn | None = None
+    reasons = []
+    for device in devices:
+        _reset_dynamo()  # a fresh cache, and a fresh recompile budget, per device
+        compiled, reason = compile_or_reason(step, device, backend=backend)
+        reasons.append(f"{timing_device(device)}: {reason}")
+        if compiled is None:
+            break
+    return compiled, reasons
+
+
 # --------------------------------------------------------------------------- #
 # Host-to-device transfers
 # --------------------------------------------------------------------------- #
@@ -686,8 +714,8 @@ class TimerComparison:
             )
         return (
             f"{self.device}: the two timers differ by a factor of {ratio:.2f}, although on the "
-            "CPU both time the same finished work: that is noise (other programs sharing "
-            "the cores; see the spreads above), so measure again on a quieter machine."
+            "CPU both time the same finished work: other programs held the cores during some "
+            "of the runs (see the spreads above), and the medians did not absorb it."
         )
 
 
@@ -787,8 +815,8 @@ def _beating_the_copy(
         return [
             f"{head}. Their tensors take at most {_mib(largest)}: rows whose tensors fit in "
             "the caches can do that, because caches are faster than memory and the copy was "
-            "measured on buffers larger than them; the size of the cache is unknown here, so "
-            "this run cannot tell those rows from the others."
+            "measured on buffers larger than them. The size of the cache is unknown here, so "
+            "which rows fit is left open."
         ]
     fits = [r for r in above if _working_set_bytes(r) <= cache]
     spills = [r for r in above if _working_set_bytes(r) > cache]
@@ -823,9 +851,9 @@ def _beating_the_copy(
             dev, disturbed[0].variant) > 1 else "")
         findings.append(
             f"{lead} {len(disturbed)} of them ({sizes}) do so{limit} although their tensors "
-            f"exceed the {_mib(cache)} cache: that cannot be memory-bound work done right, so "
-            "the copy measurement or these rows were disturbed (other programs on the same "
-            "cores?); measure again on a quiet machine before trusting either."
+            f"exceed the {_mib(cache)} cache: memory-bound work cannot do that, so other "
+            "programs held the cores while the copy or these rows were timed, and those numbers "
+            "are not the device's."
         )
     return findings
 
@@ -833,7 +861,8 @@ def _beating_the_copy(
 def _slower_than_larger(dev: str, rows: Sequence[ElementwiseRow]) -> list[str]:
     """A sentence on rows that took more than twice as long as a larger size of their variant.
 
-    More data can never take less time on a quiet device, so such rows were disturbed.
+    More data can never take less time on an idle device, so other programs shared the
+    device while such rows ran.
     """
     odd = []
     for r in rows:
@@ -849,8 +878,8 @@ def _slower_than_larger(dev: str, rows: Sequence[ElementwiseRow]) -> list[str]:
         f"variant (e.g. {r.numel:,} floats {r.variant}: {format_seconds(r.seconds)}, against "
         f"{format_seconds(faster.seconds)} for {faster.numel:,}). More data cannot take less "
         "time, so other programs were competing for the device while those rows ran (on a "
-        "CPU, an operation split over all cores waits for the slowest one); measure again on "
-        "a quiet machine before reading anything into them."
+        "CPU, an operation split over all cores waits for the slowest one), and those rows "
+        "are not the device's times."
     ]
 
 
@@ -864,7 +893,7 @@ def multiply_add_findings(
     Per device: which rows beat the copy bandwidth and why (tensors that fit in
     the cache can; on an x86 CPU larger ones can too, up to
     :func:`copy_peak_ceiling`, because of write-allocate; beyond it a row points at
-    a disturbed measurement), how close the
+    a measurement that other programs shared), how close the
     largest size comes to it, and how fused compares with unfused there against
     the 1.5x that the bytes predict. Across devices: each GPU's speed-up over the
     CPU at the largest size, next to the ratio of their copy bandwidths.
@@ -993,3 +1022,570 @@ def plot_multiply_add(rows: Sequence[ElementwiseRow], copy_gbps: Mapping[str, fl
     ax_gbps.set_yscale("log")
     fig.tight_layout()
     return fig
+
+
+# --------------------------------------------------------------------------- #
+# The fusion study: counted bytes, interleaved timings, verdicts from the numbers
+# --------------------------------------------------------------------------- #
+
+
+#: Operators that write their first argument without reading it first.
+_WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_"}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a piece of PyTorch code asks of memory, counted from its operators' arguments.
+
+    ``read`` and ``written`` are bytes; ``fresh`` is how many result tensors were
+    newly allocated; ``ops`` how many aten operators ran. This is a count, the same
+    on every machine, not a measurement: caches, write-allocate reads and page
+    faults are what the timings add on top of it.
+    """
+
+    read: int
+    written: int
+    fresh: int
+    ops: int
+
+    @property
+    def moved(self) -> int:
+        """Bytes read plus bytes written."""
+        return self.read + self.written
+
+
+def count_traffic(fn: Callable[[], object]) -> Traffic:
+    """Run ``fn()`` once and count the bytes its aten operators read and write.
+
+    Every operator is intercepted (``TorchDispatchMode``): a tensor argument it
+    only reads counts as read, one it writes in place (``add_``'s self) as read
+    and written, an ``out=`` argument or ``copy_``'s destination as written only,
+    and a result that is a new tensor as written and allocated (``fresh``).
+    Views cost nothing: an operator whose result shares its input's memory
+    (``view``, ``reshape`` of a contiguous tensor) counts no bytes.
+    """
+    check_callable("fn", fn, example="lambda: a * b")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    totals = {"read": 0, "written": 0, "fresh": 0, "ops": 0}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            totals["ops"] += 1
+            schema = func._schema
+            name = schema.name.split("::")[-1]
+            inputs: list[torch.Tensor] = []
+            written: list[torch.Tensor] = []
+            values = list(args) + [kwargs[a.name] for a in schema.arguments[len(args):]
+                                   if a.name in kwargs]
+            for argument, value in zip(schema.arguments, values, strict=False):
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    written.append(value)
+                    if not (argument.kwarg_only or (argument.name == "self"
+                                                    and name in _WRITE_ONLY_SELF)):
+                        inputs.append(value)  # in place: read, then written
+                elif not name.endswith("_like"):  # zeros_like(a) reads only a's shape
+                    inputs.append(value)
+            known = {t.untyped_storage().data_ptr() for t in inputs + written}
+            results = out if isinstance(out, (tuple, list)) else [out]
+            for t in results:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in known:
+                    written.append(t)
+                    totals["fresh"] += 1
+            if not written:
+                return out  # a view of an input: no bytes move
+            totals["read"] += sum(nbytes(t) for t in inputs)
+            totals["written"] += sum(nbytes(t) for t in written)
+            return out
+
+    with Counter():
+        fn()
+    return Traffic(**totals)
+
+
+def fusion_study_loops(
+    a: torch.Tensor, b: torch.Tensor, steps: int
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The five loops of the fusion study, each ``steps`` steps on ``a`` and ``b``.
+
+    Two yardsticks and three ways to write ``result += a * b``:
+
+    * ``copy``: ``dst.copy_(a)``, the classic bandwidth test (2 tensor-sizes counted);
+    * ``in-place add``: ``dst.add_(a)``, which writes only memory it has just read (3);
+    * ``fused``: ``result.addcmul_(a, b)``, one kernel (4);
+    * ``in-place unfused``: ``torch.mul(a, b, out=scratch)`` then ``result.add_(scratch)``,
+      two kernels into memory allocated once (6);
+    * ``unfused``: ``result = result + a * b``, two kernels and two new tensors per step (6).
+
+    The buffers are allocated here, once; only ``unfused`` allocates while it runs.
+    ``fused``, ``in-place unfused`` and ``unfused`` share ``result`` (the timings do not
+    care what it holds): to check what one loop computes, make fresh loops for it.
+    """
+    check_positive_int("steps", steps)
+    dst = torch.empty_like(a)
+    result = torch.zeros_like(a)
+    scratch = torch.empty_like(a)
+
+    def copy() -> torch.Tensor:
+        for _ in range(steps):
+            dst.copy_(a)
+        return dst
+
+    def in_place_add() -> torch.Tensor:
+        for _ in range(steps):
+            dst.add_(a)
+        return dst
+
+    def fused() -> torch.Tensor:
+        for _ in range(steps):
+            result.addcmul_(a, b)
+        return result
+
+    def in_place_unfused() -> torch.Tensor:
+        for _ in range(steps):
+            torch.mul(a, b, out=scratch)
+            result.add_(scratch)
+        return result
+
+    def unfused() -> torch.Tensor:
+        fresh = result  # starts from the kept buffer: the loop allocates only in its steps
+        for _ in range(steps):
+            fresh = fresh + a * b
+        return fresh
+
+    return {"copy": copy, "in-place add": in_place_add, "fused": fused,
+            "in-place unfused": in_place_unfused, "unfused": unfused}
+
+
+def _minor_page_faults() -> int | None:
+    """Minor page faults of this process so far (Linux, macOS); None where unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@dataclass(frozen=True)
+class InterleavedTimes:
+    """Timings of several loops taken in rounds: one run of each loop per round.
+
+    ``seconds[name][i]`` is round ``i`` of loop ``name``; ``faults[name]`` the
+    median minor page faults per run (None where the OS does not count them).
+    """
+
+    seconds: dict[str, tuple[float, ...]]
+    faults: dict[str, float | None]
+
+    def median(self, name: str) -> float:
+        return Timing(self.seconds[name]).median
+
+    def best(self, name: str) -> float:
+        """The fastest round: other programs can only add time, so this is the least disturbed."""
+        return min(self.seconds[name])
+
+    def ratio(self, slower: str, faster: str) -> float:
+        """Median over rounds of ``seconds[slower] / seconds[faster]`` within each round.
+
+        Both runs of a round ran seconds apart, under the same load, so their ratio
+        keeps little of a burst of load that a ratio of two overall medians would.
+        """
+        pairs = zip(self.seconds[slower], self.seconds[faster], strict=True)
+        return Timing(tuple(s / f for s, f in pairs)).median
+
+
+def interleaved_times(
+    loops: Mapping[str, Callable[[], object]], device: DeviceLike, *, rounds: int,
+    warmup: int = 1, progress: bool = False,
+) -> InterleavedTimes:
+    """Time every loop once per round, ``rounds`` rounds, the order rotating each round.
+
+    Interleaving spreads a burst of load from other programs over all loops instead
+    of letting it land on one; rotating the order keeps any loop from always
+    running first (or right after the slowest one). Each run is timed with
+    :func:`~d2lgpu.timing.time_fn` (synchronised on a GPU); minor page faults are
+    counted around each run. ``progress`` shows a tqdm bar over the rounds.
+    """
+    _check_mapping("loops", loops, "fusion_study_loops(a, b, steps)")
+    check_warmup_repeats(warmup, rounds)
+    for name, fn in loops.items():
+        check_callable(f"loops[{name!r}]", fn, example="lambda: a * b")
+    dev = timing_device(device)
+    names = list(loops)
+    for _ in range(warmup):
+        for name in names:
+            loops[name]()
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    faults: dict[str, list[int]] = {name: [] for name in names}
+    bar = None
+    if progress:
+        import warnings
+
+        with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
+            warnings.simplefilter("ignore")
+            from tqdm.auto import tqdm
+
+        bar = tqdm(total=rounds, desc="rounds", unit="round")
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            before = _minor_page_faults()
+            seconds[name] += time_fn(loops[name], dev, warmup=0, repeats=1).times
+            after = _minor_page_faults()
+            if before is not None and after is not None:
+                faults[name].append(after - before)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return InterleavedTimes(
+        {name: tuple(times) for name, times in seconds.items()},
+        {name: (float(Timing(tuple(f)).median) if f else None) for name, f in faults.items()},
+    )
+
+
+#: In-place add over copy, in counted GB/s, from which the copy counts as short of its
+#: real traffic: 1 where a copy moves the 2 tensor-sizes counted, 1.5 where its
+#: destination is also read (3 real), so the threshold sits between them.
+WRITE_ALLOCATE_THRESHOLD = 1.25
+#: What write-allocate alone makes of that ratio: 3 real tensor-sizes for 2 counted.
+WRITE_ALLOCATE_RATIO = 1.5
+#: Fused beats in-place unfused by at least this share of the counted bytes ratio (1.5)
+#: when memory traffic sets the time.
+FUSION_SHARE_THRESHOLD = 0.8
+#: Unfused over in-place unfused (same counted bytes) above which allocating costs time.
+ALLOCATION_THRESHOLD = 1.25
+
+
+def write_allocate_verdict(rate_ratio: float) -> str:
+    """What the in-place add's counted rate over the copy's (best rounds) says about the copy."""
+    check_positive_float("rate_ratio", rate_ratio)
+    lead = (f"At their best rounds the in-place add streams {rate_ratio:.2f}x the counted bytes "
+            "per second of the copy:")
+    beyond = (
+        " Write-allocate accounts for 1.5x; the rest of the gap is not bytes: the copy kernel "
+        "streams its real bytes more slowly than the add on this machine."
+        if rate_ratio > WRITE_ALLOCATE_RATIO * 1.1 else "")
+    if rate_ratio >= WRITE_ALLOCATE_THRESHOLD:
+        return (
+            f"{lead} the copy moves more than its 2 counted tensor-sizes. Its destination is "
+            "read before it is written (write-allocate: a store to memory that is not in the "
+            "cache first fetches the line), a third tensor-size the count leaves out, while "
+            "the add writes only memory it has just read. So the peak below is the in-place "
+            f"add's rate, and the copy figure understates this memory.{beyond}"
+        )
+    return (
+        f"{lead} the copy moves what it counts (stores write whole lines without reading "
+        "them), and the peak below is the faster of the two."
+    )
+
+
+def fusion_verdict(time_ratio: float, bytes_ratio: float) -> str:
+    """Whether fusing bought what the counted bytes predict."""
+    check_positive_float("time_ratio", time_ratio)
+    check_positive_float("bytes_ratio", bytes_ratio)
+    if time_ratio >= FUSION_SHARE_THRESHOLD * bytes_ratio:
+        extra = (
+            " It gains more than the count because the unfused kernels write `scratch` "
+            "without reading it, which on a write-allocate CPU costs a hidden read."
+            if time_ratio > 1.1 * bytes_ratio else ""
+        )
+        return (
+            f"Fusing pays: fused is {time_ratio:.2f}x as fast as the same two kernels unfused "
+            f"in place, for {bytes_ratio:.2f}x fewer counted bytes. Memory traffic sets the "
+            f"time of this step.{extra}"
+        )
+    return (
+        f"Fused is only {time_ratio:.2f}x as fast as unfused in place, less than "
+        f"{FUSION_SHARE_THRESHOLD:.0%} of the {bytes_ratio:.2f}x fewer bytes it moves: "
+        "something other than memory traffic (launch overhead, arithmetic) sets the time here."
+    )
+
+
+def allocation_verdict(time_ratio: float, faults_per_step: float | None = None) -> str:
+    """What allocating two fresh tensors per step costs, against the same kernels in place."""
+    check_positive_float("time_ratio", time_ratio)
+    faults = ("" if faults_per_step is None else
+              f" The count of page faults says why: {faults_per_step:,.0f} per step, each a "
+              "fresh page of memory that the operating system maps and zeroes on first touch.")
+    if time_ratio >= ALLOCATION_THRESHOLD:
+        return (
+            f"Allocating costs: unfused takes {time_ratio:.2f}x the time of the same kernels "
+            "in place, for the same counted bytes, so the difference is the two new tensors "
+            f"per step.{faults}"
+        )
+    return (
+        f"Allocating costs little here: unfused takes {time_ratio:.2f}x the time of the same "
+        "kernels in place, for the same counted bytes (a caching allocator hands back memory "
+        f"it already holds).{faults}"
+    )
+
+
+@dataclass(frozen=True)
+class FusionStudy:
+    """The fusion study on one device: counted traffic, interleaved times and their reading."""
+
+    device: str
+    numel: int
+    steps: int
+    traffic: dict[str, Traffic]  # per step
+    times: InterleavedTimes  # per loop of ``steps`` steps
+
+    def passes(self, name: str) -> float:
+        """Counted tensor-sizes moved per step."""
+        return self.traffic[name].moved / (self.numel * 4)
+
+    def gbps(self, name: str) -> float:
+        """Counted bytes per second, from the median time."""
+        return gbps(self.traffic[name].moved * self.steps, self.times.median(name))
+
+    @property
+    def peak_gbps(self) -> float:
+        """The highest counted rate measured in the study (a yardstick's, as a rule)."""
+        return max(self.gbps(name) for name in self.times.seconds)
+
+    def table(self) -> list[list[Any]]:
+        rows = []
+        for name in self.times.seconds:
+            faults = self.times.faults[name]
+            rows.append([
+                name, f"{self.passes(name):g}", self.traffic[name].fresh,
+                self.times.median(name) / self.steps * 1e3, self.gbps(name),
+                f"{100 * self.gbps(name) / self.peak_gbps:.0f} %",
+                "-" if faults is None else f"{faults / self.steps:,.0f}",
+            ])
+        return rows
+
+    def verdicts(self) -> list[str]:
+        # The yardsticks are compared at their best rounds, as peak bandwidths are: the
+        # expected gap (1.5x or none) is smaller than a single round's swing under load.
+        rate_ratio = self.times.best("copy") / self.times.best("in-place add") * (
+            self.passes("in-place add") / self.passes("copy"))
+        faults = self.times.faults["unfused"]
+        return [
+            write_allocate_verdict(rate_ratio),
+            fusion_verdict(self.times.ratio("in-place unfused", "fused"),
+                           self.passes("in-place unfused") / self.passes("fused")),
+            allocation_verdict(self.times.ratio("unfused", "in-place unfused"),
+                               None if faults is None else faults / self.steps),
+        ]
+
+
+FUSION_STUDY_HEADERS = ("variant", "tensor-sizes per step (counted)", "new tensors per step",
+                        "ms per step", "GB/s (counted)", "of peak", "page faults per step")
+
+
+def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str, Traffic]:
+    """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats.
+
+    Counted on 1,024-element tensors and scaled (the count per element does not
+    depend on the size): two steps minus one step, so that what a loop does once
+    (``unfused`` starts from ``zeros_like``) stays out of the per-step count.
+    """
+    check_positive_int("numel", numel)
+    dev = timing_device(device) or torch.device("cpu")
+    ones = torch.ones(1024, device=dev)
+    traffic = {}
+    for name in fusion_study_loops(ones, ones, 1):
+        one, two = (count_traffic(fusion_study_loops(ones, ones, steps)[name])
+                    for steps in (1, 2))
+        traffic[name] = Traffic(
+            (two.read - one.read) * numel // 1024, (two.written - one.written) * numel // 1024,
+            two.fresh - one.fresh, two.ops - one.ops)
+    return traffic
+
+
+def fusion_study(
+    device: DeviceLike, numel: int, *, steps: int, rounds: int, threads: int | None = None,
+    progress: bool = False,
+) -> FusionStudy:
+    """Count and time :func:`fusion_study_loops` on ``device``, interleaved over ``rounds``.
+
+    The traffic is counted on small tensors (the count per element does not depend
+    on the size) and the loops are timed on float32 tensors of ``numel`` elements.
+    ``threads`` sets ``torch.set_num_threads`` while timing a CPU (restored after).
+    """
+    dev = timing_device(device)
+    if dev is None:
+        raise ValueError("fusion_study needs a device, e.g. 'cpu' or 'cuda:0'")
+    check_positive_int("numel", numel)
+    check_positive_int("steps", steps)
+    traffic = fusion_study_traffic(numel, device=dev)
+    generator = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(numel, device=dev, generator=generator)
+    b = torch.randn(numel, device=dev, generator=generator)
+    before = torch.get_num_threads()
+    if threads is not None and dev.type == "cpu":
+        torch.set_num_threads(check_positive_int("threads", threads))
+    try:
+        times = interleaved_times(fusion_study_loops(a, b, steps), dev, rounds=rounds,
+                                  progress=progress)
+    finally:
+        torch.set_num_threads(before)
+    return FusionStudy(str(dev), numel, steps, traffic, times)
+
+
+# --------------------------------------------------------------------------- #
+# torch.utils.benchmark.Timer next to time_fn, and what a profiler trace shows
+# --------------------------------------------------------------------------- #
+
+#: time_fn and torch.utils.benchmark.Timer agree when their medians differ by at most this.
+TIMER_TOLERANCE = 0.2
+
+
+def timer_agreement_verdict(ratio: float, tolerance: float = TIMER_TOLERANCE,
+                            calls_per_block: int = 1) -> str:
+    """Whether Timer's median over time_fn's median (``ratio``) is within ``tolerance`` of 1."""
+    check_positive_float("ratio", ratio)
+    check_positive_float("tolerance", tolerance)
+    check_positive_int("calls_per_block", calls_per_block)
+    if abs(ratio - 1) <= tolerance:
+        return (
+            f"torch.utils.benchmark.Timer and time_fn agree: their medians differ by "
+            f"{abs(ratio - 1):.0%}, within the {tolerance:.0%} tolerance."
+        )
+    return (
+        f"torch.utils.benchmark.Timer's median is {ratio:.2f}x time_fn's, outside the "
+        f"{tolerance:.0%} tolerance: Timer averaged blocks of {calls_per_block} calls, so each "
+        "of its times holds every pause another program caused, where time_fn's median of "
+        "single calls leaves the slow calls out. Give each call more work (a block of one call) "
+        "to compare the same statistic."
+    )
+
+
+@dataclass(frozen=True)
+class TimerAgreement:
+    """``torch.utils.benchmark.Timer`` and :func:`~d2lgpu.timing.time_fn` on the same work."""
+
+    benchmark_timer: Timing  # per-call time of each of Timer's blocks
+    time_fn: Timing  # single calls
+    calls_per_block: int
+
+    @property
+    def ratio(self) -> float:
+        return self.benchmark_timer.median / self.time_fn.median
+
+    def verdict(self, tolerance: float = TIMER_TOLERANCE) -> str:
+        return timer_agreement_verdict(self.ratio, tolerance, self.calls_per_block)
+
+
+def compare_with_benchmark_timer(
+    fn: Callable[[], object], device: DeviceLike, *, rounds: int = 3, min_run_time: float = 0.2,
+    repeats: int = 5, threads: int = 1,
+) -> TimerAgreement:
+    """Time ``fn()`` with ``Timer.blocked_autorange`` and with :func:`time_fn`, in rounds.
+
+    Each round runs Timer for ``min_run_time`` seconds and then ``time_fn`` for
+    ``repeats`` calls, so a burst of load lands on both. Both run with ``threads``
+    CPU threads: ``Timer`` sets ``torch.set_num_threads(num_threads)``, 1 by default,
+    while timing, so ``time_fn`` must do the same to time the same work.
+    """
+    check_callable("fn", fn, example="lambda: a * b")
+    check_warmup_repeats(0, rounds)
+    check_positive_int("threads", threads)
+    dev = timing_device(device)
+    from torch.utils import benchmark
+
+    on_gpu = dev is not None and dev.type == "cuda"
+
+    def clock() -> float:
+        if on_gpu:
+            torch.cuda.synchronize(dev)
+        return timeit.default_timer()
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, timer=clock, num_threads=threads)
+    blocks: list[float] = []
+    singles: list[float] = []
+    calls_per_block = 1
+    before = torch.get_num_threads()
+    try:
+        for _ in range(rounds):
+            measurement = timer.blocked_autorange(min_run_time=min_run_time)
+            blocks += measurement.times
+            calls_per_block = measurement.number_per_run
+            torch.set_num_threads(threads)
+            singles += time_fn(fn, dev, warmup=1, repeats=repeats).times
+            torch.set_num_threads(before)
+    finally:
+        torch.set_num_threads(before)
+    return TimerAgreement(Timing(tuple(blocks)), Timing(tuple(singles)), calls_per_block)
+
+
+@dataclass(frozen=True)
+class TraceSpans:
+    """When, in a profiler trace, the host finished its calls and the device its kernels.
+
+    Microseconds from the first host event. ``device_end`` is None when the trace
+    holds no device events (a CPU-only run).
+    """
+
+    host_ops: int
+    host_end: float
+    kernels: int
+    device_end: float | None
+
+
+def trace_spans(events: Sequence[Any], host_names: Sequence[str] = ("aten::mul", "aten::add",
+                                                                     "aten::addcmul_",
+                                                                     "cudaLaunchKernel")
+                ) -> TraceSpans:
+    """Read :class:`TraceSpans` from ``prof.events()`` of a ``torch.profiler`` run.
+
+    Host events are those named in ``host_names`` (the loop's operators and, on a
+    GPU, its kernel launches); device events are those whose ``device_type`` is
+    not the CPU (the kernels as the GPU ran them).
+    """
+    check_sequence("events", events, of="profiler events (prof.events())", allow_empty=True)
+    host = [e for e in events if _is_host(e) and e.name in host_names]
+    device = [e for e in events if not _is_host(e)]
+    if not host:
+        raise ValueError(f"no host event named one of {list(host_names)} in the trace")
+    origin = min(e.time_range.start for e in host)
+    return TraceSpans(
+        host_ops=len(host),
+        host_end=max(e.time_range.end for e in host) - origin,
+        kernels=len(device),
+        device_end=(max(e.time_range.end for e in device) - origin) if device else None,
+    )
+
+
+def _is_host(event: Any) -> bool:
+    return str(getattr(event, "device_type", "CPU")).rsplit(".", 1)[-1] == "CPU"
+
+
+#: The device still works after the host's last launch for at least this share of the
+#: whole trace: the host ran ahead.
+AHEAD_THRESHOLD = 0.2
+
+
+def asynchrony_verdict(spans: TraceSpans) -> str:
+    """What a trace's host and device spans say about who waited for whom."""
+    if not isinstance(spans, TraceSpans):
+        raise TypeError(f"spans must be the TraceSpans of trace_spans(prof.events()), got "
+                        f"{type(spans).__name__}")
+    if spans.device_end is None:
+        return (
+            f"The trace holds only host events: {spans.host_ops} operators ran on the calling "
+            f"thread, one after another, and the last ended {spans.host_end / 1e3:.2f} ms after "
+            "the first began. Each did its work before returning, so the host's clock is the "
+            "work's clock."
+        )
+    behind = spans.device_end - spans.host_end
+    if behind >= AHEAD_THRESHOLD * spans.device_end:
+        return (
+            f"The host issued its last call {spans.host_end / 1e3:.2f} ms into the trace; the "
+            f"device finished its {spans.kernels} kernels at {spans.device_end / 1e3:.2f} ms, "
+            f"{behind / 1e3:.2f} ms later: the CPU ran ahead and the GPU worked through the queue."
+        )
+    return (
+        f"The device finished its {spans.kernels} kernels at {spans.device_end / 1e3:.2f} ms, "
+        f"close behind the host's last call at {spans.host_end / 1e3:.2f} ms: the kernels are "
+        "so short that launching them sets the pace (launch-bound)."
+    )
