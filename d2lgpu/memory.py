@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from d2lgpu.checks import check_module, check_positive_float, check_positive_int, check_tensor
+from d2lgpu.precision import precision_policy
 from d2lgpu.timing import format_table, time_fn
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "checkpoint_stages",
     "checkpointing_tradeoff",
     "check_module",
+    "clock_against_count",
     "check_tensor",
     "format_mib",
     "gradient_bytes",
@@ -570,6 +572,7 @@ def checkpointing_tradeoff(
     *,
     repeats: int = 3,
     progress: bool = False,
+    precision: str = "fp32",
 ) -> tuple[list[CheckpointRow], float]:
     """Memory and time of forward + backward, without and with checkpointing of ``stages``.
 
@@ -580,6 +583,11 @@ def checkpointing_tradeoff(
     estimate of the time left after the counted steps. Returns the two rows and
     the largest difference between the two variants' gradients (checkpointing
     recomputes the same numbers, so it should be zero or rounding).
+
+    ``precision`` is a word of :data:`d2lgpu.precision.PRECISIONS`; the default
+    "fp32" is strict fp32: TF32 off for matmuls and for cuDNN's convolutions, in
+    the counted steps as in the timed ones (``cudnn.flags`` would otherwise switch
+    TF32 on, its default). "tf32" allows it; "bf16"/"fp16"/"auto" add autocast.
     """
     if not callable(make_model) or isinstance(make_model, nn.Module):
         raise TypeError(
@@ -588,6 +596,22 @@ def checkpointing_tradeoff(
         )
     _check_batch(X, y)
     check_positive_int("repeats", repeats)
+    policy = precision_policy(X.device, precision)
+    # None (a policy that leaves TF32 alone) keeps whatever cuDNN is set to now.
+    allow_tf32 = torch.backends.cudnn.allow_tf32 if policy.tf32 is None else policy.tf32
+    with policy.matmul_precision(), policy.autocast():
+        return _checkpointing_tradeoff(make_model, X, y, stages, repeats, progress, allow_tf32)
+
+
+def _checkpointing_tradeoff(
+    make_model: Callable[[], nn.Module],
+    X: torch.Tensor,
+    y: torch.Tensor,
+    stages: Sequence[str],
+    repeats: int,
+    progress: bool,
+    allow_tf32: bool,
+) -> tuple[list[CheckpointRow], float]:
     on_cuda = X.device.type == "cuda"
     models, counted, grads = {}, {}, []
     for variant in ("plain", "checkpointed"):
@@ -601,7 +625,9 @@ def checkpointing_tradeoff(
         started = time.perf_counter()
         # cuDNN may pick convolution algorithms whose sums run in another order on every
         # call: deterministic ones make "the same gradients" a check of exact equality.
-        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        with torch.backends.cudnn.flags(
+            enabled=True, benchmark=False, deterministic=True, allow_tf32=allow_tf32
+        ):
             held, peak = _counted_step(model, X, y)
         if progress and models:
             # The second counted step is warm; a plain step costs about 3/4 of it.
@@ -627,3 +653,32 @@ def checkpointing_tradeoff(
     rows = [CheckpointRow(variant, *counted[variant], min(times[variant])) for variant in models]
     diff = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
     return rows, diff
+
+
+def clock_against_count(time_ratio: float, flop_ratio: float) -> str:
+    """Read a measured time ratio (checkpointed / plain step) against the counted FLOP ratio.
+
+    The FLOP count is exact and the same on every machine; the clock also sees
+    how fast each pass runs and whatever else the machine does. A checkpointed
+    step does strictly more work, so a time ratio at or below 1 means the clock
+    did not resolve the extra forward in this run; within a factor 1.25 of the
+    count it agrees; above that, the extra forward costs more time than its share
+    of the arithmetic (usual on CPUs, where forward runs less efficiently than
+    backward); below it, less.
+    """
+    check_positive_float("time_ratio", time_ratio)
+    check_positive_float("flop_ratio", flop_ratio)
+    if flop_ratio <= 1:
+        raise ValueError(f"flop_ratio must be above 1 (checkpointing adds work), got {flop_ratio}")
+    if time_ratio <= 1:
+        return (f"the clock read x{time_ratio:.2f}, no slower, for x{flop_ratio:.2f} the "
+                "arithmetic: the machine's other work outweighed the extra forward in this run, "
+                "so the count is the measure here")
+    if time_ratio > 1.25 * flop_ratio:
+        return (f"the clock read x{time_ratio:.2f} for x{flop_ratio:.2f} the arithmetic: the "
+                "extra forward costs more time than its share of the FLOPs on this device")
+    if time_ratio < flop_ratio / 1.25:
+        return (f"the clock read x{time_ratio:.2f} for x{flop_ratio:.2f} the arithmetic: the "
+                "extra forward costs less time than its share of the FLOPs on this device")
+    return (f"the clock read x{time_ratio:.2f} for x{flop_ratio:.2f} the arithmetic: time "
+            "follows the count")

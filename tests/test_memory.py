@@ -14,6 +14,7 @@ from d2lgpu.memory import (
     accumulated_gradients,
     checkpoint_stages,
     checkpointing_tradeoff,
+    clock_against_count,
     format_mib,
     make_optimizer,
     measure_activations,
@@ -190,6 +191,30 @@ def test_checkpointing_compares_gradients_with_deterministic_cudnn():
     assert torch.backends.cudnn.deterministic is False
 
 
+@pytest.mark.parametrize("precision, tf32", [("fp32", False), ("tf32", True)])
+def test_checkpointing_keeps_cudnn_tf32_as_the_precision_says(precision, tf32):
+    # cudnn.flags() switches TF32 on unless told otherwise; strict fp32 must keep it off.
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.stage = nn.Linear(784, 10)
+
+        def forward(self, X: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.backends.cudnn.allow_tf32)
+            return self.stage(X.flatten(1))
+
+    X, y = _batch(4)
+    before = torch.backends.cudnn.allow_tf32
+    checkpointing_tradeoff(Probe, X, y, ["stage"], repeats=1, precision=precision)
+    assert seen[:2] == [tf32, tf32]  # the two counted steps, under cudnn.flags
+    assert torch.backends.cudnn.allow_tf32 == before  # restored
+    with pytest.raises(ValueError, match="precision"):
+        checkpointing_tradeoff(Probe, X, y, ["stage"], repeats=1, precision="fp64")
+
+
 @pytest.mark.parametrize(
     "call, words",
     [
@@ -231,3 +256,26 @@ def test_saved_activations_names_a_bad_exclude(exclude):
 def test_memory_formulas_name_a_bad_argument(call, name):
     with pytest.raises((TypeError, ValueError), match=name):
         call()
+
+
+@pytest.mark.parametrize(
+    "time_ratio, words",
+    [
+        (0.94, "no slower"),
+        (1.0, "no slower"),
+        (1.33, "time follows the count"),
+        (1.6, "time follows the count"),  # 1.6 < 1.25 * 4/3
+        (1.7, "costs more time"),
+        (1.05, "costs less time"),  # 1.05 < (4/3) / 1.25
+        (1.1, "time follows the count"),
+    ],
+)
+def test_clock_against_count_reads_both_sides_of_each_threshold(time_ratio, words):
+    assert words in clock_against_count(time_ratio, 4 / 3)
+
+
+def test_clock_against_count_names_bad_input():
+    with pytest.raises(ValueError, match="flop_ratio must be above 1"):
+        clock_against_count(1.2, 1.0)
+    with pytest.raises((TypeError, ValueError), match="time_ratio"):
+        clock_against_count(-1.0, 1.3)
