@@ -48,8 +48,9 @@ class ReplicasOnOneDevice(nn.Module):
     computes chunk ``i`` and the outputs are concatenated in order. Parameters are
     shared, so gradients add up as under DataParallel; replicas 1 to k-1 update copies
     of the buffers that are then dropped, so the module's batch-norm statistics come
-    from chunk 0. In eval mode batch norm reads its running statistics and the replicas
-    compute what the module computes on the whole batch, so the module runs once.
+    from chunk 0. In eval mode the batch is split the same way (DataParallel splits test
+    batches too); batch norm reads its running statistics, so each row's output is what
+    the module computes for it on the whole batch (up to the last bits of float sums).
     """
 
     def __init__(self, module: nn.Module, k: int) -> None:
@@ -65,9 +66,9 @@ class ReplicasOnOneDevice(nn.Module):
                 "ReplicasOnOneDevice splits a batch along dimension 0: pass one tensor with "
                 f"at least one dimension, got {type(X).__name__}"
             )
-        if not self.training:
-            return self.module(X)
         chunks = X.chunk(self.k)
+        if not self.training:  # running statistics: nothing to copy, nothing updated
+            return torch.cat([self.module(chunk) for chunk in chunks])
         # Copies taken before replica 0 updates the module's buffers in place: every
         # replica starts from the same state, as DataParallel's replicas do.
         buffers = dict(self.module.named_buffers())
