@@ -9,7 +9,8 @@ A chapter's helpers live in its own modules:
    wrong timer, bandwidths, the multiply-add study);
 3. ``parallel`` (data parallelism by hand);
 4. ``data`` (Fashion-MNIST: loaders, tensors, ``DeviceLoader`` on the device),
-   ``models``, ``training`` (the train loop) and ``fast`` (the fast path's switches);
+   ``models``, ``training`` (the train loop), ``replicas`` (DataParallel's arithmetic
+   on one device, the lr for k devices) and ``fast`` (the fast path's switches, chapter 7);
 5. ``distributed``, ``ddp_train`` and ``healthcheck`` (torch.distributed, torchrun);
 6. ``precision`` (the precision vocabulary and policy, the sweep);
 7. ``profiling`` (traces, the roofline, the ablation, torch.compile, CUDA graphs);
@@ -114,6 +115,11 @@ from d2lgpu.profiling import (
     run_ablation,
     summarize_trace,
 )
+from d2lgpu.replicas import (
+    ReplicasOnOneDevice,
+    compare_across_seeds,
+    scaled_learning_rate,
+)
 from d2lgpu.report import (
     EnvironmentReport,
     diagnose_cuda,
@@ -156,6 +162,7 @@ __all__ = [
     "PrecisionPolicy",
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
+    "ReplicasOnOneDevice",
     "Residual",
     "SGDRecipe",
     "Roofline",
@@ -173,6 +180,7 @@ __all__ = [
     "capture_training_step",
     "checkpoint_stages",
     "choose_backend",
+    "compare_across_seeds",
     "compare_sweep_modes",
     "cpu",
     "cpu_has_native_bf16",
@@ -233,6 +241,7 @@ __all__ = [
     "replicate_params",
     "residual_mlp",
     "resnet18",
+    "scaled_learning_rate",
     "run_ablation",
     "set_seed",
     "setup_summary",
