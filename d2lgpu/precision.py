@@ -936,8 +936,9 @@ def sweep_checks(
     memory, or saying what it needs; reduced precision compared with fp32 at
     least once and within ``loss_tolerance`` of its loss (same model, data and
     weights); the bytes saved for the backward pass counted for every row that ran,
-    and fewer under fp16 or bf16 than under fp32 at the same batch; peak memory
-    recorded exactly on CUDA.
+    and fewer under fp16 or bf16 than under fp32 at the largest batch both ran (at
+    small batches autocast's 16-bit copies of the weights, which it saves too, can
+    outweigh the activations); peak memory recorded exactly on CUDA.
     """
     _check_rows(rows)
     check_str_list("modes", modes)
@@ -947,6 +948,7 @@ def sweep_checks(
     device = as_device(device)
     fp32_loss = {r.batch_size: r.loss for r in rows if r.mode == "fp32" and r.ok}
     fp32_saved = {r.batch_size: r.saved_activation_bytes for r in rows if r.mode == "fp32" and r.ok}
+    ran = {(r.mode, r.batch_size) for r in rows if r.ok}
     tracks_fp32 = [
         abs(r.loss - fp32_loss[r.batch_size]) < loss_tolerance
         for r in rows
@@ -963,11 +965,13 @@ def sweep_checks(
         "bytes saved for the backward pass counted for every row that ran": all(
             r.saved_activation_bytes is not None for r in rows if r.ok
         ),
-        "reduced precision saves fewer bytes than fp32 at every batch": all(
+        "reduced precision saves fewer bytes than fp32 at the largest batch": all(
             r.saved_activation_bytes < fp32_saved[r.batch_size]
             for r in rows
             if r.ok and r.mode in ("fp16", "bf16") and r.saved_activation_bytes is not None
             and fp32_saved.get(r.batch_size) is not None
+            and r.batch_size == max(b for b in fp32_saved if fp32_saved[b] is not None
+                                    and (r.mode, b) in ran)
         ),
         "peak memory measured exactly when on CUDA": all(
             (r.peak_memory_bytes is not None) == (device.type == "cuda") for r in rows if r.ok

@@ -48,7 +48,7 @@ def test_sweep_checks_pass_for_a_sound_cpu_sweep_and_name_what_breaks():
 def checks_hold_for_saved_bytes(rows, modes, sizes):
     """Rows without saved-byte counts fail that check; with counts, bf16 must save fewer."""
     names = ("bytes saved for the backward pass counted for every row that ran",
-             "reduced precision saves fewer bytes than fp32 at every batch")
+             "reduced precision saves fewer bytes than fp32 at the largest batch")
     uncounted = [SweepRow(r.mode, r.batch_size, r.median_seconds, None, r.loss, r.steps_run,
                           r.status) for r in rows]
     assert not sweep_checks(uncounted, modes, sizes, "cpu")[names[0]]
@@ -59,6 +59,14 @@ def checks_hold_for_saved_bytes(rows, modes, sizes):
                      (), r.saved_activation_bytes and (1000 if r.mode == "fp32" else 1200))
             for r in counted]
     assert not sweep_checks(more, modes, sizes, "cpu")[names[1]]
+    # More at a small batch (autocast's weight copies) but fewer at the largest: that holds.
+    both = [SweepRow("fp32", 8, 0.01, None, 2.3, 3, "ok", (), 1000),
+            SweepRow("fp32", 16, 0.01, None, 2.3, 3, "ok", (), 2000),
+            SweepRow("bf16", 8, 0.01, None, 2.3, 3, "ok", (), 1200),
+            SweepRow("bf16", 16, 0.01, None, 2.3, 3, "ok", (), 1700)]
+    assert sweep_checks(both, ["fp32", "bf16"], [8, 16], "cpu")[names[1]]
+    both[3] = SweepRow("bf16", 16, 0.01, None, 2.3, 3, "ok", (), 2100)
+    assert not sweep_checks(both, ["fp32", "bf16"], [8, 16], "cpu")[names[1]]
     return True
 
 
