@@ -8,8 +8,9 @@ taking turns, and a row's time is the median of its repeats. A batch that does n
 fit is reported as OOM; modes the device cannot run say why. Below the table: at
 the largest batch size where both ran, the speed-up of the device's automatic mixed
 precision (bf16 from compute capability 8.0, fp16 + GradScaler below; bf16 on a
-CPU) over strict FP32, the range of the paired repeats, a verdict (faster, slower,
-or unclear when the repeats disagree) and the peak-memory saving.
+CPU) over strict FP32, the range of the paired repeats, a verdict from their median
+(faster, slower, or the same speed within 10%: d2lgpu.precision.speed_verdict), the
+peak-memory saving on a GPU and the saving in bytes saved for the backward pass.
 
     python benchmarks/amp_sweep.py           # real sizes, for a GPU
     python benchmarks/amp_sweep.py --quick   # tiny sizes, seconds on a CPU

@@ -4,6 +4,10 @@ The fast path (:func:`d2lgpu.train_fast`) picks channels_last and, on GPUs, prec
 (autocast in the Tensor Core format). This script measures the four combinations of
 {NCHW, channels_last} x {"fp32", "auto"} for one SGD step (forward, backward, fused
 update) of a model on random 28x28 one-channel images, so the choice rests on numbers.
+Each row is timed under its precision policy's TF32 setting
+(:meth:`d2lgpu.PrecisionPolicy.matmul_precision`): "fp32" is strict fp32, with TF32
+off for matmuls *and* cuDNN convolutions, which PyTorch otherwise lets use TF32 on
+compute capability 8.0 and newer.
 
     python benchmarks/step_choices.py                       # ResNet-18, batch 256, GPU if any
     python benchmarks/step_choices.py --batch-size 16 --repeats 6   # a CPU in a minute or two
@@ -46,7 +50,13 @@ def make_step(model: str, batch_size: int, device: torch.device, channels_last: 
         scaler.step(optimizer)
         scaler.update()
 
-    return step, policy.name
+    return step, policy
+
+
+def time_choice(step, policy: d2lgpu.PrecisionPolicy, device: torch.device, repeats: int):
+    """Time ``step`` under ``policy``'s TF32 setting (strict fp32 for "fp32"; CUDA only)."""
+    with policy.matmul_precision():
+        return time_fn(step, device, warmup=2, repeats=repeats)
 
 
 def main() -> None:
@@ -65,10 +75,10 @@ def main() -> None:
     rows = []
     for channels_last in (False, True):
         for precision in ("fp32", "auto"):
-            step, policy_name = make_step(args.model, args.batch_size, device,
-                                          channels_last, precision)
-            timing = time_fn(step, device, warmup=2, repeats=args.repeats)
-            rows.append(["channels_last" if channels_last else "NCHW", policy_name,
+            step, policy = make_step(args.model, args.batch_size, device, channels_last,
+                                     precision)
+            timing = time_choice(step, policy, device, args.repeats)
+            rows.append(["channels_last" if channels_last else "NCHW", policy.name,
                          f"{timing.median * 1e3:.1f}", f"{timing.min * 1e3:.1f}",
                          f"{args.batch_size / timing.median:.0f}"])
     print(format_table(["layout", "precision", "median ms/step", "min ms/step", "img/s"], rows))

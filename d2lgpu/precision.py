@@ -49,6 +49,7 @@ __all__ = [
     "PRECISIONS",
     "PRECISION_MODES",
     "PrecisionPolicy",
+    "SavedActivationCounter",
     "SweepComparison",
     "SweepRow",
     "amp_sweep_mode",
@@ -57,10 +58,14 @@ __all__ = [
     "cpu_flags",
     "cpu_has_native_bf16",
     "format_sweep_table",
+    "has_fp32_precision_api",
     "mode_unavailable_reason",
     "precision_policy",
     "precision_sweep",
     "random_batch_maker",
+    "saved_activation_bytes",
+    "speed_verdict",
+    "sweep_cnn",
     "sweep_mlp",
     "tf32_matmuls",
 ]
@@ -263,6 +268,17 @@ def precision_policy(
     return PrecisionPolicy(device.type, torch.bfloat16, use_scaler=False)
 
 
+def has_fp32_precision_api() -> bool:
+    """Whether this torch has the ``fp32_precision`` switches (torch 2.9 and newer do).
+
+    torch 2.9 recommends them and warns (once, a UserWarning) when the older
+    ``allow_tf32`` flags or ``torch.get_float32_matmul_precision`` are used; newer
+    versions raise an error when code reads an old flag after setting a new one.
+    """
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
+        getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+
+
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
     """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit.
@@ -270,8 +286,12 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
     TF32 keeps fp32's 8-bit exponent but rounds the mantissa to 10 bits inside
     Tensor Core matmuls on compute capability 8.0 and newer. PyTorch's defaults
     differ per library (matmuls: off; cuDNN convolutions: on), so "strict fp32"
-    has to switch off both. The previous settings come back even if the body
-    raises. On a CPU or a GPU older than 8.0 the flags change nothing.
+    has to switch off both. It sets ``torch.set_float32_matmul_precision`` and
+    ``torch.backends.cudnn.allow_tf32``, which every supported torch has (torch 2.9
+    warns once that they will be deprecated; :func:`has_fp32_precision_api` tells
+    whether the newer ``fp32_precision`` switches are there). The previous
+    settings come back even if the body raises. On a CPU or a GPU older than 8.0
+    the flags change nothing.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"tf32_matmuls(enabled) takes True or False, got {enabled!r}")
@@ -285,6 +305,81 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
     finally:
         torch.set_float32_matmul_precision(previous_precision)
         torch.backends.cudnn.allow_tf32 = previous_cudnn
+
+
+# ---------------------------------------------------------------------------
+# Memory a CPU can count: bytes saved for the backward pass
+# ---------------------------------------------------------------------------
+
+
+class SavedActivationCounter:
+    """Counts the bytes autograd saves for the backward pass while it is active.
+
+    A context manager around ``torch.autograd.graph.saved_tensors_hooks``: every
+    tensor an op saves for its backward passes through the pack hook, which notes
+    its storage. Each storage counts once (a ReLU's output saved by two ops is one
+    buffer), and the storages of ``exclude`` (pass the model's parameters: they
+    exist whether or not a graph is built) count not at all. Under autocast the
+    16-bit copies of the weights that the matmuls save do count: they are memory
+    the step allocates. This is the activation memory that grows with the batch,
+    counted exactly and on any device, where a CPU has no peak-memory statistic.
+    """
+
+    def __init__(self, exclude: object = ()) -> None:
+        self._excluded = {_storage_key(t)[0] for t in exclude}
+        self._seen: dict[int, int] = {}
+        self._hooks: AbstractContextManager | None = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key, nbytes = _storage_key(tensor)
+        if key not in self._excluded:
+            self._seen.setdefault(key, nbytes)
+        return tensor
+
+    def __enter__(self) -> SavedActivationCounter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._hooks is not None
+        self._hooks.__exit__(*exc_info)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the distinct storages saved so far."""
+        return sum(self._seen.values())
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """(an id of the tensor's storage, its size in bytes); a tensor without one is its own."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr() or id(tensor), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without a storage
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+def saved_activation_bytes(
+    model: nn.Module,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    policy: PrecisionPolicy,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
+) -> int:
+    """Bytes autograd saves for one forward pass and loss of ``model`` under ``policy``.
+
+    The forward pass runs once (batch norm layers in training mode update their
+    running statistics, as a training step would); no backward pass runs.
+    """
+    if not isinstance(policy, PrecisionPolicy):
+        raise TypeError(f"policy must be a PrecisionPolicy (d2lgpu.precision_policy(device, "
+                        f"precision)), got {type(policy).__name__}")
+    counter = SavedActivationCounter(exclude=list(model.parameters()))
+    with counter, policy.autocast():
+        loss = loss_fn(model(features), labels)
+    del loss  # frees the graph and what it saved
+    return counter.bytes
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +402,9 @@ class SweepRow:
     ``loss`` is the training loss of the last step, after ``steps_run`` steps.
     ``repeat_seconds`` holds the median step time of each repeat (the sweep runs
     the modes of one batch size in turn, repeat after repeat); ``median_seconds``
-    is their median.
+    is their median. ``saved_activation_bytes`` counts what autograd saved for the
+    backward pass of one step (:class:`SavedActivationCounter`), on every device:
+    the part of training memory that grows with the batch and that autocast shrinks.
     """
 
     mode: str
@@ -318,6 +415,7 @@ class SweepRow:
     steps_run: int
     status: str
     repeat_seconds: tuple[float, ...] = ()
+    saved_activation_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -429,8 +527,15 @@ def _measure_one(
         scaler.update()
         losses.append(loss.detach())
 
+    counter = SavedActivationCounter(exclude=list(model.parameters()))
     with policy.matmul_precision():  # TF32 on for "tf32", off for "fp32"; CUDA only
-        timing = time_fn(train_step, device, warmup=warmup, repeats=steps)
+        if warmup > 0:  # the first warm-up step also counts what the step saves
+            with counter:
+                train_step()
+        else:  # no step to spare: count in a forward pass of its own
+            with counter, policy.autocast():
+                loss_fn(model(features), labels)
+        timing = time_fn(train_step, device, warmup=max(warmup - 1, 0), repeats=steps)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     last_loss = float(losses[-1])
     if not math.isfinite(last_loss):
@@ -450,6 +555,7 @@ def _measure_one(
         steps_run=len(losses),
         status="ok",
         repeat_seconds=(timing.median,),
+        saved_activation_bytes=counter.bytes,
     )
 
 
@@ -588,7 +694,7 @@ def precision_sweep(
                     if previous.peak_memory_bytes is not None and peak is not None:
                         peak = max(peak, previous.peak_memory_bytes)
                     row = SweepRow(mode, batch_size, statistics.median(times), peak, row.loss,
-                                   row.steps_run, "ok", times)
+                                   row.steps_run, "ok", times, row.saved_activation_bytes)
                 measured[(mode, batch_size)] = row
     rows = []
     for mode in modes:
@@ -601,6 +707,42 @@ def precision_sweep(
     return rows
 
 
+#: A comparison needs this many paired repeats before it names a faster mode.
+MIN_REPEATS_FOR_A_VERDICT = 3
+#: A median paired ratio within this fraction of 1 counts as "the same speed".
+TIE_TOLERANCE = 0.10
+
+
+def speed_verdict(
+    paired_ratios: Sequence[float],
+    tolerance: float = TIE_TOLERANCE,
+    min_repeats: int = MIN_REPEATS_FOR_A_VERDICT,
+) -> str:
+    """"faster", "slower" or "same speed" from paired speed ratios (baseline time / candidate time).
+
+    Each ratio compares two runs measured one right after the other, so a burst of
+    other work on the machine hits both; the verdict goes by the *median* of those
+    ratios, which a minority of disturbed pairs cannot move. A median above
+    ``1 + tolerance`` is "faster", below ``1 / (1 + tolerance)`` "slower", anything in
+    between "same speed". With fewer than ``min_repeats`` ratios the answer is
+    "too few repeats": one pair cannot tell the machine's noise from the precision.
+    """
+    ratios = [float(r) for r in check_sequence("paired_ratios", paired_ratios,
+                                               of="positive ratios", allow_empty=True)]
+    if any(not (math.isfinite(r) and r > 0) for r in ratios):
+        raise ValueError(f"paired_ratios must be finite and positive, got {ratios}")
+    check_positive_float("tolerance", tolerance)
+    check_positive_int("min_repeats", min_repeats)
+    if len(ratios) < min_repeats:
+        return "too few repeats"
+    median = statistics.median(ratios)
+    if median > 1 + tolerance:
+        return "faster"
+    if median < 1 / (1 + tolerance):
+        return "slower"
+    return "same speed"
+
+
 @dataclass(frozen=True)
 class SweepComparison:
     """A reduced-precision mode against a baseline at the largest batch where both ran.
@@ -608,7 +750,8 @@ class SweepComparison:
     ``speedup`` is the ratio of the two rows' median step times; ``repeat_speedups``
     pairs the repeats (repeat i of the baseline against repeat i of the candidate,
     measured one after the other), so their spread shows how far the machine's noise
-    moves the ratio.
+    moves the ratio. ``memory_ratio`` is candidate over baseline peak GPU memory,
+    ``saved_ratio`` candidate over baseline bytes saved for the backward pass.
     """
 
     baseline: str
@@ -617,22 +760,19 @@ class SweepComparison:
     speedup: float
     memory_ratio: float | None  # candidate peak / baseline peak; None where not measured
     repeat_speedups: tuple[float, ...] = ()
+    saved_ratio: float | None = None
+
+    @property
+    def paired_speedup(self) -> float:
+        """The median of the paired ratios (the row medians' ratio without repeats)."""
+        if not self.repeat_speedups:
+            return self.speedup
+        return statistics.median(self.repeat_speedups)
 
     @property
     def verdict(self) -> str:
-        """``"faster"`` or ``"slower"`` when every paired repeat agrees, else ``"unclear"``.
-
-        A single repeat gives no spread, so it decides nothing either: with fewer than
-        three repeats the verdict is ``"unclear"``. A ratio within 5% of 1 counts as a tie.
-        """
-        ratios = self.repeat_speedups
-        if len(ratios) < MIN_REPEATS_FOR_A_VERDICT:
-            return "unclear"
-        if min(ratios) > 1 + TIE_TOLERANCE:
-            return "faster"
-        if max(ratios) < 1 / (1 + TIE_TOLERANCE):
-            return "slower"
-        return "unclear"
+        """:func:`speed_verdict` of the paired repeats."""
+        return speed_verdict(self.repeat_speedups)
 
     def describe(self) -> str:
         text = (
@@ -642,15 +782,11 @@ class SweepComparison:
         if self.repeat_speedups:
             text += (f" (repeats {min(self.repeat_speedups):.2f}x-{max(self.repeat_speedups):.2f}x,"
                      f" {self.verdict})")
+        if self.saved_ratio is not None:
+            text += f", {100 * (1 - self.saved_ratio):.0f}% fewer saved-activation bytes"
         if self.memory_ratio is None:
             return text + "; peak memory not measured on this device"
         return text + f", peak memory {100 * (1 - self.memory_ratio):.0f}% lower"
-
-
-#: A comparison needs this many paired repeats before it says "faster" or "slower".
-MIN_REPEATS_FOR_A_VERDICT = 3
-#: Paired ratios within this fraction of 1 count as "no difference".
-TIE_TOLERANCE = 0.05
 
 
 def compare_sweep_modes(
@@ -674,10 +810,13 @@ def compare_sweep_modes(
     memory_ratio = None
     if base.peak_memory_bytes and cand.peak_memory_bytes is not None:
         memory_ratio = cand.peak_memory_bytes / base.peak_memory_bytes
+    saved_ratio = None
+    if base.saved_activation_bytes and cand.saved_activation_bytes is not None:
+        saved_ratio = cand.saved_activation_bytes / base.saved_activation_bytes
     paired = tuple(b / c for b, c in zip(base.repeat_seconds, cand.repeat_seconds, strict=False))
     return SweepComparison(
         baseline, candidate, shared[-1], base.median_seconds / cand.median_seconds, memory_ratio,
-        paired,
+        paired, saved_ratio,
     )
 
 
@@ -691,18 +830,25 @@ def _check_rows(rows: object) -> None:
 
 
 def format_sweep_table(rows: Sequence[SweepRow]) -> str:
-    """The sweep as a fixed-width text table, one line per row."""
+    """The sweep as a fixed-width text table, one line per row.
+
+    "saved MiB" is what one step saved for its backward pass (counted on every
+    device), "peak MiB" the peak GPU memory (CUDA only).
+    """
     _check_rows(rows)
-    header = ("mode", "batch", "step ms", "examples/s", "peak MiB", "loss")
-    lines = ["{:<5} {:>6} {:>9} {:>11} {:>9} {:>8}  status".format(*header)]
+    header = ("mode", "batch", "step ms", "examples/s", "saved MiB", "peak MiB", "loss")
+    lines = ["{:<5} {:>6} {:>9} {:>11} {:>10} {:>9} {:>8}  status".format(*header)]
     for r in rows:
         seconds, peak, eps = r.median_seconds, r.peak_memory_bytes, r.examples_per_second
         ms = f"{1000 * seconds:9.2f}" if seconds is not None else f"{'-':>9}"
         rate = f"{eps:11.0f}" if eps is not None else f"{'-':>11}"
+        saved = r.saved_activation_bytes
+        saved_mib = f"{saved / 2**20:10.2f}" if saved is not None else f"{'-':>10}"
         mib = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
         # A diverged run prints its loss as inf or nan, never as a dash.
         loss = f"{r.loss:8.4f}" if r.loss is not None else f"{'-':>8}"
-        lines.append(f"{r.mode:<5} {r.batch_size:>6} {ms} {rate} {mib} {loss}  {r.status}")
+        lines.append(f"{r.mode:<5} {r.batch_size:>6} {ms} {rate} {saved_mib} {mib} {loss}  "
+                     f"{r.status}")
     return "\n".join(lines)
 
 
@@ -722,6 +868,30 @@ def sweep_mlp(in_features: int, width: int, depth: int, num_classes: int = 10) -
     for _ in range(depth - 1):
         layers += [nn.Linear(width, width), nn.ReLU()]
     layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def sweep_cnn(in_channels: int = 1, widths: Sequence[int] = (32, 64, 128),
+              num_classes: int = 10) -> nn.Sequential:
+    """A small convolutional net: one conv + batch norm + ReLU block per width, pooling between.
+
+    Its feature maps, not its weights, take the memory: at 28x28 a 32-channel map
+    holds 25,088 numbers per example, against about 93,000 weights in the whole
+    default net. So the bytes saved for the backward pass grow steeply with the
+    batch, which is what autocast halves.
+    """
+    widths = check_sequence("widths", widths, of="positive ints (channels per block)")
+    for value in (in_channels, num_classes, *widths):
+        check_positive_int("in_channels, num_classes and widths", value)
+    layers: list[nn.Module] = []
+    channels = in_channels
+    for i, width in enumerate(widths):
+        if i > 0:
+            layers.append(nn.MaxPool2d(2))
+        layers += [nn.Conv2d(channels, width, kernel_size=3, padding=1), nn.BatchNorm2d(width),
+                   nn.ReLU()]
+        channels = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
     return nn.Sequential(*layers)
 
 
@@ -765,7 +935,10 @@ def sweep_checks(
     One row per mode and batch size, in sweep order; every row measured, out of
     memory, or saying what it needs; reduced precision compared with fp32 at
     least once and within ``loss_tolerance`` of its loss (same model, data and
-    weights); peak memory recorded exactly on CUDA.
+    weights); the bytes saved for the backward pass counted for every row that ran,
+    and fewer under fp16 or bf16 than under fp32 at the largest batch both ran (at
+    small batches autocast's 16-bit copies of the weights, which it saves too, can
+    outweigh the activations); peak memory recorded exactly on CUDA.
     """
     _check_rows(rows)
     check_str_list("modes", modes)
@@ -774,6 +947,8 @@ def sweep_checks(
     check_positive_float("loss_tolerance", loss_tolerance)
     device = as_device(device)
     fp32_loss = {r.batch_size: r.loss for r in rows if r.mode == "fp32" and r.ok}
+    fp32_saved = {r.batch_size: r.saved_activation_bytes for r in rows if r.mode == "fp32" and r.ok}
+    ran = {(r.mode, r.batch_size) for r in rows if r.ok}
     tracks_fp32 = [
         abs(r.loss - fp32_loss[r.batch_size]) < loss_tolerance
         for r in rows
@@ -787,6 +962,17 @@ def sweep_checks(
         ),
         "reduced precision compared with fp32 at least once": len(tracks_fp32) > 0,
         f"reduced-precision losses within {loss_tolerance:g} of fp32": all(tracks_fp32),
+        "bytes saved for the backward pass counted for every row that ran": all(
+            r.saved_activation_bytes is not None for r in rows if r.ok
+        ),
+        "reduced precision saves fewer bytes than fp32 at the largest batch": all(
+            r.saved_activation_bytes < fp32_saved[r.batch_size]
+            for r in rows
+            if r.ok and r.mode in ("fp16", "bf16") and r.saved_activation_bytes is not None
+            and fp32_saved.get(r.batch_size) is not None
+            and r.batch_size == max(b for b in fp32_saved if fp32_saved[b] is not None
+                                    and (r.mode, b) in ran)
+        ),
         "peak memory measured exactly when on CUDA": all(
             (r.peak_memory_bytes is not None) == (device.type == "cuda") for r in rows if r.ok
         ),
@@ -800,12 +986,12 @@ def explain_comparison(
 ) -> str:
     """The headline of a sweep: what was measured, and what it means on this device.
 
-    A ratio below 1 is stated as a slow-down, not as a "0.35x speed-up". The
-    verdict comes from the paired repeats (:attr:`SweepComparison.verdict`): when
-    they do not all agree, the text says that the spread is too wide to judge
-    instead of naming a winner. On a CPU it adds what the CPU offers (pass
-    ``cpu_native_bf16``, from :func:`cpu_has_native_bf16`). Lines are wrapped at
-    100 characters.
+    The speed verdict is :func:`speed_verdict` of the paired repeats, and the ratio
+    quoted is their median (candidate against baseline, at the batch size named).
+    A ratio below 1 is stated as a slow-down, not as a "0.35x speed-up". Memory is
+    the peak on a GPU and the bytes saved for the backward pass wherever they were
+    counted. On a CPU it adds what the CPU offers (pass ``cpu_native_bf16``, from
+    :func:`cpu_has_native_bf16`). Lines are wrapped at 100 characters.
     """
     import textwrap
 
@@ -816,26 +1002,32 @@ def explain_comparison(
     if not isinstance(comparison, SweepComparison):
         raise TypeError(f"comparison must be what compare_sweep_modes returns, "
                         f"got {type(comparison).__name__}")
-    ratio, b = comparison.speedup, comparison.batch_size
-    cand, base = comparison.candidate, comparison.baseline
+    b, cand, base = comparison.batch_size, comparison.candidate, comparison.baseline
     paired = comparison.repeat_speedups
-    spread = f" (repeats: {min(paired):.2f}x to {max(paired):.2f}x)" if paired else ""
+    ratio = comparison.paired_speedup
+    basis = (f" (median of {len(paired)} paired repeats, {min(paired):.2f}x to "
+             f"{max(paired):.2f}x; step time of {base} over {cand})" if paired else "")
     verdict = comparison.verdict
-    if verdict == "unclear":
-        if len(paired) < MIN_REPEATS_FOR_A_VERDICT:
-            why = f"{len(paired)} repeat(s) are too few to judge; measure with repeats=3 or more"
-        else:
-            why = ("the repeats disagree, so the spread is too wide to say which is faster "
-                   "here; run it again on a quiet machine")
-        measured = f"{cand} against {base} at batch {b}: median ratio {ratio:.2f}x{spread}; {why}"
+    if verdict == "too few repeats":
+        measured = (f"{cand} against {base} at batch {b}: ratio {ratio:.2f}x from "
+                    f"{len(paired)} repeat(s); a speed verdict takes "
+                    f"{MIN_REPEATS_FOR_A_VERDICT} or more")
     elif verdict == "faster":
-        measured = f"{cand} ran {ratio:.2f}x as fast as {base} at batch {b}{spread}"
+        measured = f"{cand} ran {ratio:.2f}x as fast as {base} at batch {b}{basis}"
+    elif verdict == "slower":
+        measured = f"{cand} ran {1 / ratio:.2f}x slower than {base} at batch {b}{basis}"
     else:
-        measured = f"{cand} ran {1 / ratio:.2f}x slower than {base} at batch {b}{spread}"
-    if comparison.memory_ratio is None:
-        measured += "; peak memory is measured on CUDA GPUs only."
-    else:
-        measured += f", with {100 * (1 - comparison.memory_ratio):.0f}% less peak memory."
+        measured = (f"{cand} ran as fast as {base} at batch {b}, within "
+                    f"{100 * TIE_TOLERANCE:.0f}%: ratio {ratio:.2f}x{basis}")
+    measured += "."
+    memory = []
+    if comparison.memory_ratio is not None:
+        memory.append(f"{100 * (1 - comparison.memory_ratio):.0f}% less peak memory")
+    if comparison.saved_ratio is not None:
+        memory.append(f"{100 * (1 - comparison.saved_ratio):.0f}% fewer bytes saved for the "
+                      "backward pass")
+    if memory:
+        measured += f" Memory: {cand} used " + " and ".join(memory) + f" than {base}."
     if device.type == "cpu":
         offers = ("has bf16 instructions (AVX512-BF16, AMX or Arm BF16)" if cpu_native_bf16
                   else "has no bf16 instructions, so autocast converts every operand")

@@ -885,3 +885,76 @@ def test_bad_arguments_get_an_error_naming_the_parameter(call, name):
         call()
     assert name in str(info.value), str(info.value)
     assert "' object" not in str(info.value)  # not a bare Python error
+
+
+# ---------------------------------------------------------------------------
+# Saved-activation bytes: the memory a CPU can count
+# ---------------------------------------------------------------------------
+
+
+def test_the_counter_counts_what_a_linear_relu_stack_saves_once_per_storage():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    features, labels = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    with P.SavedActivationCounter(exclude=list(model.parameters())) as counter:
+        nn.functional.cross_entropy(model(features), labels)
+    # fp32: the input (5x4), the ReLU output (5x8; saved by ReLU and by the second linear,
+    # counted once), the logits' softmax for the loss (5x3) and small loss buffers.
+    assert counter.bytes >= 4 * (5 * 4 + 5 * 8 + 5 * 3)
+    assert counter.bytes < 4 * (5 * 4 + 2 * 5 * 8 + 3 * 5 * 3) + 256
+    policy = P.precision_policy("cpu", "fp32")
+    assert P.saved_activation_bytes(model, features, labels, policy) == counter.bytes
+
+
+def test_the_counter_leaves_out_the_parameters_and_grows_with_the_batch():
+    torch.manual_seed(0)
+    model = P.sweep_cnn(widths=(4, 8))
+    make = P.random_batch_maker((1, 16, 16))
+    fp32, bf16 = P.precision_policy("cpu", "fp32"), P.precision_policy("cpu", "bf16")
+    counts = {(name, b): P.saved_activation_bytes(model, *make(b, torch.device("cpu")), policy)
+              for b in (2, 4, 8) for name, policy in (("fp32", fp32), ("bf16", bf16))}
+    for name in ("fp32", "bf16"):
+        step = counts[name, 4] - counts[name, 2]
+        assert step > 0 and counts[name, 8] - counts[name, 4] == pytest.approx(2 * step, rel=0.05)
+    assert counts["bf16", 8] < counts["fp32", 8]
+    everything = P.SavedActivationCounter()
+    with everything:
+        model(make(2, torch.device("cpu"))[0]).sum()
+    assert everything.bytes > counts["fp32", 2] - 4 * 2 * 10  # parameters counted now
+    with pytest.raises(TypeError, match="PrecisionPolicy"):
+        P.saved_activation_bytes(model, *make(2, torch.device("cpu")), "bf16")
+
+
+def test_sweep_rows_record_saved_bytes_and_the_table_shows_them():
+    # Batches large enough that activations, not autocast's 16-bit weight copies, dominate.
+    rows = P.precision_sweep(lambda: P.sweep_mlp(8, 16, 2), P.random_batch_maker((8,)),
+                             ["fp32", "bf16"], [64, 128], "cpu", steps=1, warmup=1)
+    saved = {(r.mode, r.batch_size): r.saved_activation_bytes for r in rows}
+    assert all(v is not None and v > 0 for v in saved.values())
+    assert saved["fp32", 128] > saved["fp32", 64] and saved["bf16", 128] < saved["fp32", 128]
+    assert all(r.steps_run == 2 for r in rows)  # the counted step is the warm-up step
+    table = P.format_sweep_table(rows)
+    assert "saved MiB" in table.splitlines()[0]
+    no_warmup = P.precision_sweep(lambda: P.sweep_mlp(8, 16, 2), P.random_batch_maker((8,)),
+                                  ["fp32"], [64], "cpu", steps=1, warmup=0)
+    assert no_warmup[0].steps_run == 1
+    assert no_warmup[0].saved_activation_bytes == saved["fp32", 64]
+
+
+def test_sweep_cnn_takes_any_image_of_16_pixels_or_more_and_checks_its_widths():
+    model = P.sweep_cnn(widths=(4, 8, 16))
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    assert model(torch.randn(2, 1, 16, 16)).shape == (2, 10)
+    assert sum(isinstance(m, nn.Conv2d) for m in model) == 3
+    with pytest.raises(ValueError):
+        P.sweep_cnn(widths=(4, 0))
+
+
+def test_has_fp32_precision_api_reads_what_this_torch_offers(monkeypatch):
+    assert P.has_fp32_precision_api() is hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+    class OldMatmul:  # a torch before the fp32_precision switches
+        allow_tf32 = False
+
+    monkeypatch.setattr(torch.backends.cuda, "matmul", OldMatmul())
+    assert P.has_fp32_precision_api() is False

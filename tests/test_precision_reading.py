@@ -20,8 +20,9 @@ def _flat(text):
 
 def _row(mode, batch, seconds=0.01, peak=None, loss=2.3, status="ok"):
     ok = status == "ok"
+    saved = (1000 if mode == "fp32" else 580) if ok else None
     return SweepRow(mode, batch, seconds if ok else None, peak if ok else None,
-                    loss if ok else None, 3 if ok else 0, status)
+                    loss if ok else None, 3 if ok else 0, status, (), saved)
 
 
 def test_sweep_checks_pass_for_a_sound_cpu_sweep_and_name_what_breaks():
@@ -38,16 +39,43 @@ def test_sweep_checks_pass_for_a_sound_cpu_sweep_and_name_what_breaks():
 
     assert not sweep_checks(rows[::-1], modes, sizes, "cpu")["one row per mode and batch size"]
     assert not sweep_checks(rows, modes, sizes, "cuda")["peak memory measured exactly when on CUDA"]
+    assert checks_hold_for_saved_bytes(rows, modes, sizes)
     only_fp32 = [r for r in rows if r.mode == "fp32"]
     checks = sweep_checks(only_fp32, ["fp32"], sizes, "cpu")
     assert not checks["reduced precision compared with fp32 at least once"]
+
+
+def checks_hold_for_saved_bytes(rows, modes, sizes):
+    """Rows without saved-byte counts fail that check; with counts, bf16 must save fewer."""
+    names = ("bytes saved for the backward pass counted for every row that ran",
+             "reduced precision saves fewer bytes than fp32 at the largest batch")
+    uncounted = [SweepRow(r.mode, r.batch_size, r.median_seconds, None, r.loss, r.steps_run,
+                          r.status) for r in rows]
+    assert not sweep_checks(uncounted, modes, sizes, "cpu")[names[0]]
+    counted = rows
+    checks = sweep_checks(counted, modes, sizes, "cpu")
+    assert checks[names[0]] and checks[names[1]]
+    more = [SweepRow(r.mode, r.batch_size, r.median_seconds, None, r.loss, r.steps_run, r.status,
+                     (), r.saved_activation_bytes and (1000 if r.mode == "fp32" else 1200))
+            for r in counted]
+    assert not sweep_checks(more, modes, sizes, "cpu")[names[1]]
+    # More at a small batch (autocast's weight copies) but fewer at the largest: that holds.
+    both = [SweepRow("fp32", 8, 0.01, None, 2.3, 3, "ok", (), 1000),
+            SweepRow("fp32", 16, 0.01, None, 2.3, 3, "ok", (), 2000),
+            SweepRow("bf16", 8, 0.01, None, 2.3, 3, "ok", (), 1200),
+            SweepRow("bf16", 16, 0.01, None, 2.3, 3, "ok", (), 1700)]
+    assert sweep_checks(both, ["fp32", "bf16"], [8, 16], "cpu")[names[1]]
+    both[3] = SweepRow("bf16", 16, 0.01, None, 2.3, 3, "ok", (), 2100)
+    assert not sweep_checks(both, ["fp32", "bf16"], [8, 16], "cpu")[names[1]]
+    return True
 
 
 def test_a_cpu_slow_down_is_stated_as_one_with_its_reason():
     slower = SweepComparison("fp32", "bf16", 1024, 0.35, None, (0.34, 0.35, 0.37))
     assert slower.verdict == "slower"
     text = explain_comparison(slower, "cpu", cpu_native_bf16=False)
-    assert "bf16 ran 2.86x slower than fp32 at batch 1024 (repeats: 0.34x to 0.37x)" in text
+    assert ("bf16 ran 2.86x slower than fp32 at batch 1024 (median of 3 paired repeats, 0.34x to "
+            "0.37x; step time of fp32 over bf16)") in _flat(text)
     assert "speed-up" not in text and "no bf16 instructions" in text
     assert all(len(line) <= 100 for line in text.splitlines())
     assert "automatic choice here is fp32" in _flat(text)
@@ -72,25 +100,59 @@ def test_the_cpu_headline_follows_the_measurement_on_both_kinds_of_cpu(native):
 
 
 @pytest.mark.parametrize(
-    ("repeats", "verdict"),
-    [((2.0, 2.1, 1.9), "faster"), ((0.5, 0.6, 0.55), "slower"), ((0.8, 1.3, 1.1), "unclear"),
-     ((1.02, 1.01, 1.03), "unclear"), ((3.0, 3.0), "unclear"), ((), "unclear")],
+    ("ratios", "verdict"),
+    [
+        ((2.0, 2.1, 1.9), "faster"),
+        ((1.12, 1.15, 1.11), "faster"),  # median 1.12: just above 1.10
+        ((1.08, 1.09, 1.05), "same speed"),  # median 1.08: just below 1.10
+        ((0.92, 0.93, 0.95), "same speed"),  # median 0.93: above 1 / 1.10 = 0.909
+        ((0.89, 0.90, 0.88), "slower"),  # median 0.89: below 0.909
+        ((0.5, 0.6, 0.55), "slower"),
+        ((0.8, 1.3, 1.1), "same speed"),
+        ((3.0, 0.2, 2.5, 2.8, 0.4), "faster"),  # two disturbed pairs out of five: median 2.5
+        ((3.0, 3.0), "too few repeats"),
+        ((), "too few repeats"),
+    ],
 )
-def test_a_verdict_needs_three_paired_repeats_that_agree(repeats, verdict):
-    comparison = SweepComparison("fp32", "bf16", 64, 1.0, None, repeats)
+def test_the_speed_verdict_goes_by_the_median_of_the_paired_ratios(ratios, verdict):
+    assert P.speed_verdict(ratios) == verdict
+    comparison = SweepComparison("fp32", "bf16", 64, 1.0, None, ratios)
     assert comparison.verdict == verdict
     text = _flat(explain_comparison(comparison, "cuda"))
-    if verdict == "unclear":
-        assert "faster" not in text.replace("which is faster", "") and "slower" not in text
-        assert ("too few" in text) is (len(repeats) < 3)
-        assert ("too wide" in text) is (len(repeats) >= 3)
+    if verdict in ("faster", "slower"):
+        ratio = comparison.paired_speedup
+        assert f"bf16 ran {ratio if verdict == 'faster' else 1 / ratio:.2f}x" in text
+    elif verdict == "same speed":
+        assert "ran as fast as fp32 at batch 64, within 10%" in text
+    else:
+        assert "a speed verdict takes 3 or more" in text
+    for hedge in ("too wide", "run it again", "quiet machine", "cannot tell", "no verdict"):
+        assert hedge not in text
+
+
+def test_the_speed_verdict_threshold_and_repeats_can_be_set_and_are_checked():
+    assert P.speed_verdict((1.3, 1.3, 1.3), tolerance=0.5) == "same speed"
+    assert P.speed_verdict((1.6, 1.6, 1.6), tolerance=0.5) == "faster"
+    assert P.speed_verdict((2.0,), min_repeats=1) == "faster"
+    with pytest.raises(ValueError, match="finite and positive"):
+        P.speed_verdict((1.0, float("nan"), 1.0))
+    with pytest.raises(ValueError, match="finite and positive"):
+        P.speed_verdict((1.0, -1.0, 1.0))
+    with pytest.raises(TypeError):
+        P.speed_verdict("fast")
 
 
 def test_a_gpu_comparison_reports_speed_and_memory():
     comparison = SweepComparison("fp32", "bf16", 4096, 3.0, 0.55, (3.0,) * 3)
     text = _flat(explain_comparison(comparison, "cuda"))
-    assert text == ("bf16 ran 3.00x as fast as fp32 at batch 4096 (repeats: 3.00x to 3.00x), "
-                    "with 45% less peak memory.")
+    assert text == ("bf16 ran 3.00x as fast as fp32 at batch 4096 (median of 3 paired repeats, "
+                    "3.00x to 3.00x; step time of fp32 over bf16). Memory: bf16 used 45% less "
+                    "peak memory than fp32.")
+    with_saved = SweepComparison("fp32", "bf16", 64, 1.5, None, (1.5,) * 3, saved_ratio=0.58)
+    assert _flat(explain_comparison(with_saved, "cpu", True)).startswith(
+        "bf16 ran 1.50x as fast as fp32 at batch 64 (median of 3 paired repeats, 1.50x to 1.50x; "
+        "step time of fp32 over bf16). Memory: bf16 used 42% fewer bytes saved for the backward "
+        "pass than fp32.")
     small = explain_comparison(SweepComparison("fp32", "fp16", 16, 0.9, 1.0, (0.9,) * 3), "cuda")
     assert "slower" in small and "kernel launches" in small
     assert "nothing to compare" in explain_comparison(None, "cpu")
