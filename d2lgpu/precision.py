@@ -39,6 +39,7 @@ from d2lgpu.checks import (
     check_seed,
     check_sequence,
     check_str_list,
+    loss_diverged,
 )
 from d2lgpu.chips import native_tensor_core_formats
 from d2lgpu.devices import as_device
@@ -538,13 +539,14 @@ def _measure_one(
         timing = time_fn(train_step, device, warmup=max(warmup - 1, 0), repeats=steps)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     last_loss = float(losses[-1])
-    if not math.isfinite(last_loss):
+    # The course's one divergence rule (d2lgpu.checks): not finite, or ten times the start.
+    if loss_diverged(last_loss, float(losses[0])):
         other = ("or use bf16 or fp32: fp16 overflows above 65504" if mode == "fp16"
                  else "or check that the model trains in fp32 at all")
         raise FloatingPointError(
-            f"the {mode} run at batch {batch_size} ended with loss {last_loss} after "
-            f"{len(losses)} steps: training diverged. Try a smaller lr (this sweep: {lr:g}), "
-            f"{other}."
+            f"the {mode} run at batch {batch_size} ended with loss {last_loss:.4g} after "
+            f"{len(losses)} steps, from {float(losses[0]):.4g} at the first: training "
+            f"diverged. Try a smaller lr (this sweep: {lr:g}), {other}."
         )
     return SweepRow(
         mode=mode,

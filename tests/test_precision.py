@@ -725,6 +725,18 @@ def test_sweep_stops_when_training_diverges_like_train_does():
         _tiny_sweep(lr=1e6, steps=5)
 
 
+def test_sweep_stops_a_loss_that_grows_tenfold_but_stays_finite():
+    calls = []
+
+    def growing_loss(logits, labels):  # the first step's loss, then a thousand times it
+        calls.append(1)
+        return torch.nn.functional.cross_entropy(logits, labels) * (1 if len(calls) == 1 else 1e3)
+
+    with pytest.raises(FloatingPointError, match=r"ended with loss .* from .* at the first: "
+                                                 r"training diverged"):
+        _tiny_sweep(loss_fn=growing_loss, steps=3)
+
+
 def test_sweep_blames_nan_in_the_data_not_the_lr():
     def nan_batch(batch_size, device):
         features, labels = P.random_batch_maker((16,), num_classes=3)(batch_size, device)
