@@ -198,7 +198,7 @@ def test_calibration_is_the_fastest_repeat():
     from d2lgpu.estimate import calibration_seconds
 
     ticks = iter([0, 5, 10, 11, 20, 23])  # repeats of 5, 1 and 3 s: the fastest is 1
-    assert calibration_seconds(3, clock=lambda: next(ticks)) == 1
+    assert calibration_seconds(3, clock=lambda: next(ticks), pause=0) == 1
     with pytest.raises(ValueError, match="repeats"):
         calibration_seconds(0)
 
@@ -246,3 +246,76 @@ def test_calibration_names_a_bad_clock():
 
     with pytest.raises(TypeError, match="clock"):
         calibration_seconds(clock=3)
+
+
+def test_calibration_runs_one_thread_pauses_between_repeats_and_restores_threads():
+    from d2lgpu.estimate import calibration_seconds
+
+    before = torch.get_num_threads()
+    threads_seen, pauses = [], []
+    ticks = iter([0, 4, 10, 12, 20, 27])  # repeats of 4, 2 and 7 s
+
+    def fake_step():
+        threads_seen.append(torch.get_num_threads())
+
+    reading = calibration_seconds(3, clock=lambda: next(ticks), pause=0.01,
+                                  sleep=pauses.append, step=fake_step)
+    assert reading == 2
+    assert threads_seen == [1] * 6  # 3 warm-up steps and 3 timed ones, all on one thread
+    assert pauses == [0.01] * 3  # a pause before every timed repeat
+    assert torch.get_num_threads() == before
+
+
+def test_calibration_restores_threads_when_the_step_fails():
+    from d2lgpu.estimate import calibration_seconds
+
+    before = torch.get_num_threads()
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        calibration_seconds(3, pause=0, step=broken_step)
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("reading, factor", [
+    (1.0, 1.0),  # as fast as the reference
+    (1.5, 1.5),  # inside the bound: taken as read
+    (0.6, 0.6),
+    (2.0, 2.0),  # on the bound, both sides
+    (0.5, 0.5),
+    (2.5, 2.0),  # beyond it: clipped
+    (77.0, 2.0),  # the reading a loaded machine once gave with two threads
+    (0.1, 0.5),
+])
+def test_speed_factor_is_the_reading_within_the_bound(reading, factor):
+    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, speed_factor
+
+    assert speed_factor(reading * REFERENCE_CALIBRATION_SECONDS) == pytest.approx(factor)
+
+
+def test_speed_factor_refuses_bad_arguments():
+    from d2lgpu.estimate import speed_factor
+
+    with pytest.raises(ValueError, match="calibration"):
+        speed_factor(0.0)
+    with pytest.raises(ValueError, match="bound must be >= 1"):
+        speed_factor(1.0, bound=0.5)
+
+
+@pytest.mark.parametrize("reading, expected_seconds, bounded", [
+    (77.0, 120, True),  # an unlucky slow reading: at most twice the reference's 60 s
+    (1.5, 90, False),
+    (0.7, 42, False),
+    (0.05, 30, True),  # an implausibly fast reading: at least half the reference
+])
+def test_chapter_clock_bounds_the_expectation_on_both_sides(reading, expected_seconds, bounded):
+    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
+
+    lines = []
+    clock = ChapterClock(60, 10, mode="cpu", calibration=reading * REFERENCE_CALIBRATION_SECONDS,
+                         out=lines.append)
+    assert clock.expected == pytest.approx(expected_seconds)
+    assert ("at most 2x either way" in lines[1]) == bounded
+    assert f"about {round(expected_seconds)} s" in lines[1] or "about 2 min" in lines[1]
