@@ -17,6 +17,7 @@ of their own.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from numbers import Real
 from time import perf_counter
@@ -329,6 +330,14 @@ def speed_factor(calibration: float, reference: float = REFERENCE_CALIBRATION_SE
     return min(max(calibration / reference, 1 / bound), bound)
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (runnable processes), or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows has no load average
+        return None
+
+
 def _seconds_or_none(name: str, value: float | None) -> float | None:
     if value is None:
         return None
@@ -361,6 +370,8 @@ class ChapterClock:
         calibration: float | None = None,
         clock: Callable[[], float] | None = None,
         out: Callable[[str], object] = print,
+        load_average: float | None = None,
+        cores: int | None = None,
     ) -> None:
         from d2lgpu.config import workload
 
@@ -388,6 +399,8 @@ class ChapterClock:
             raise ValueError(f"mode must be 'quick', 'cpu' or 'full', got {self.mode!r}")
         self._clock = clock or perf_counter
         self._out = out
+        self._load = load_average if load_average is not None else _load_average()
+        self._cores = cores or os.cpu_count() or 1
         self._start = self._clock()
         self.calibration = calibration
         self.factor: float | None = None  # the bounded speed factor, once calibrated
@@ -417,6 +430,9 @@ class ChapterClock:
         self._out(f"This process runs {self.mode} mode. A one-thread calibration step ran "
                   f"{speed} on the reference machine here{bounded}, so expect about "
                   f"{format_duration(self.expected)}.")
+        if self._load is not None and self._load > self._cores:
+            self._out(f"Other programs are running here too (load average {self._load:.0f} on "
+                      f"{self._cores} cores), which can make the chapter take longer.")
 
     def finish(self) -> None:
         """Print how long the chapter took in this process (also kept as ``elapsed``).

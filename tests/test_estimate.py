@@ -319,3 +319,13 @@ def test_chapter_clock_bounds_the_expectation_on_both_sides(reading, expected_se
     assert clock.expected == pytest.approx(expected_seconds)
     assert ("at most 2x either way" in lines[1]) == bounded
     assert f"about {round(expected_seconds)} s" in lines[1] or "about 2 min" in lines[1]
+
+
+@pytest.mark.parametrize("load, says_busy", [(7.5, True), (2.5, True), (2.0, False), (0.3, False)])
+def test_chapter_clock_mentions_other_programs_only_above_one_per_core(load, says_busy):
+    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
+
+    lines = []
+    ChapterClock(60, 10, mode="cpu", calibration=REFERENCE_CALIBRATION_SECONDS,
+                 out=lines.append, load_average=load, cores=2)
+    assert any("Other programs are running here too" in line for line in lines) == says_busy

@@ -71,6 +71,7 @@ VALID = {
     models.resnet18: lambda: dict(num_classes=10, in_channels=1),
     models.small_cnn: lambda: dict(num_classes=10, in_channels=1),
     parallel.allreduce: lambda: dict(tensors=[torch.ones(2), torch.ones(2)]),
+    parallel.choose_cpu_threads: lambda: dict(speeds={1: [1.0], 2: [2.0]}),
     parallel.data_parallel_step: lambda: dict(
         forward=_forward, replicas=_replicas(), X=torch.ones(8, 4), y=torch.arange(8) % 3,
         lr=0.1),
