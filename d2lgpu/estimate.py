@@ -35,6 +35,7 @@ __all__ = [
     "calibration_seconds",
     "estimate_message",
     "format_duration",
+    "load_factor",
     "speed_factor",
     "start_chapter",
     "training_estimate",
@@ -315,6 +316,29 @@ def calibration_seconds(
     return min(times)
 
 
+#: The most the chapter clock adds for other programs running on the machine.
+MAX_LOAD_FACTOR = 3.0
+
+
+def load_factor(load_average: float | None, cores: int, bound: float = MAX_LOAD_FACTOR) -> float:
+    """How many times longer a chapter takes because other programs share the CPU.
+
+    ``sqrt(load_average / cores)``, at least 1 and at most ``bound``; 1 where the load
+    is unknown (Windows). The calibration measures the CPU's speed, not its share, and
+    a chapter spends much of its time starting Python processes and importing torch,
+    which slow down with the share. The square root is fitted to runs of this course's
+    chapters on the 2-core reference machine: at load average 4 they took about their
+    quiet times, at 13 to 15 about 3 to 6 times as long; the bound keeps one busy
+    minute from promising hours.
+    """
+    check_positive_int("cores", cores)
+    bound = check_positive_float("bound", bound)
+    if load_average is None:
+        return 1.0
+    _check_seconds("load_average", load_average)  # a number >= 0, finite
+    return min(max(math.sqrt(load_average / cores), 1.0), max(bound, 1.0))
+
+
 def speed_factor(calibration: float, reference: float = REFERENCE_CALIBRATION_SECONDS,
                  bound: float = MAX_SPEED_FACTOR) -> float:
     """How many times longer than the reference this machine should take, within ``bound``.
@@ -404,6 +428,7 @@ class ChapterClock:
         self._start = self._clock()
         self.calibration = calibration
         self.factor: float | None = None  # the bounded speed factor, once calibrated
+        self.load_factor: float | None = None  # what other programs add, once calibrated
         self.expected: float | None = None
         self.elapsed: float | None = None
         self._announce()
@@ -422,17 +447,18 @@ class ChapterClock:
             self.calibration = calibration_seconds()
         raw = self.calibration / REFERENCE_CALIBRATION_SECONDS
         self.factor = speed_factor(self.calibration)
-        self.expected = ref[self.mode] * self.factor
+        self.load_factor = load_factor(self._load, self._cores)
+        self.expected = ref[self.mode] * self.factor * self.load_factor
         speed = (f"{1 / raw:.1f}x as fast as" if raw <= 0.95 else
                  f"{raw:.1f}x slower than" if raw >= 1.05 else "as fast as")
         bounded = ("" if self.factor == raw else
                    f" (the estimate uses at most {MAX_SPEED_FACTOR:g}x either way)")
+        busy = ("" if self.load_factor < 1.05 else
+                f"; other programs are running here too (load average {self._load:.0f} on "
+                f"{self._cores} cores), which adds about {self.load_factor:.1f}x")
         self._out(f"This process runs {self.mode} mode. A one-thread calibration step ran "
-                  f"{speed} on the reference machine here{bounded}, so expect about "
+                  f"{speed} on the reference machine here{bounded}{busy}, so expect about "
                   f"{format_duration(self.expected)}.")
-        if self._load is not None and self._load > self._cores:
-            self._out(f"Other programs are running here too (load average {self._load:.0f} on "
-                      f"{self._cores} cores), which can make the chapter take longer.")
 
     def finish(self) -> None:
         """Print how long the chapter took in this process (also kept as ``elapsed``).

@@ -154,7 +154,7 @@ def test_chapter_clock_scales_the_reference_by_the_calibration():
     lines = []
     # This machine runs the calibration twice as slowly: expect twice the reference time.
     clock = ChapterClock(60, 10, mode="cpu", calibration=2 * REFERENCE_CALIBRATION_SECONDS,
-                         clock=_ticks(0.0, 150.0), out=lines.append)
+                         clock=_ticks(0.0, 150.0), out=lines.append, load_average=0.0)
     assert clock.expected == pytest.approx(120)
     assert "CPU mode 60 s, quick mode 10 s" in lines[0]
     assert "no run recorded yet" in lines[0]
@@ -168,7 +168,7 @@ def test_chapter_clock_quick_mode_uses_the_quick_figure_and_full_mode_does_not_s
 
     lines = []
     quick = ChapterClock(300, 20, mode="quick", calibration=REFERENCE_CALIBRATION_SECONDS / 2,
-                         out=lines.append)
+                         out=lines.append, load_average=0.0)
     assert quick.expected == pytest.approx(10)
     assert "2.0x as fast as" in lines[1]
     lines.clear()
@@ -315,17 +315,41 @@ def test_chapter_clock_bounds_the_expectation_on_both_sides(reading, expected_se
 
     lines = []
     clock = ChapterClock(60, 10, mode="cpu", calibration=reading * REFERENCE_CALIBRATION_SECONDS,
-                         out=lines.append)
+                         out=lines.append, load_average=0.0)
     assert clock.expected == pytest.approx(expected_seconds)
     assert ("at most 2x either way" in lines[1]) == bounded
     assert f"about {round(expected_seconds)} s" in lines[1] or "about 2 min" in lines[1]
 
 
-@pytest.mark.parametrize("load, says_busy", [(7.5, True), (2.5, True), (2.0, False), (0.3, False)])
-def test_chapter_clock_mentions_other_programs_only_above_one_per_core(load, says_busy):
+@pytest.mark.parametrize("load, factor", [
+    (None, 1.0),  # no load average (Windows): nothing added
+    (0.3, 1.0), (2.0, 1.0),  # up to one runnable process per core: nothing added
+    (4.0, 2 ** 0.5),  # two per core
+    (13.0, 6.5 ** 0.5),
+    (50.0, 3.0),  # bounded
+])
+def test_load_factor_is_the_root_of_the_load_per_core_within_its_bound(load, factor):
+    from d2lgpu.estimate import load_factor
+
+    assert load_factor(load, 2) == pytest.approx(factor)
+
+
+def test_load_factor_refuses_bad_arguments():
+    from d2lgpu.estimate import load_factor
+
+    with pytest.raises(ValueError, match="cores"):
+        load_factor(1.0, 0)
+    with pytest.raises(ValueError, match="load_average"):
+        load_factor(-1.0, 2)
+
+
+@pytest.mark.parametrize("load, expected_seconds, says_busy", [
+    (0.5, 60, False), (2.0, 60, False), (8.0, 120, True), (40.0, 180, True)])
+def test_chapter_clock_scales_by_the_load_and_says_so(load, expected_seconds, says_busy):
     from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
 
     lines = []
-    ChapterClock(60, 10, mode="cpu", calibration=REFERENCE_CALIBRATION_SECONDS,
-                 out=lines.append, load_average=load, cores=2)
-    assert any("Other programs are running here too" in line for line in lines) == says_busy
+    clock = ChapterClock(60, 10, mode="cpu", calibration=REFERENCE_CALIBRATION_SECONDS,
+                         out=lines.append, load_average=load, cores=2)
+    assert clock.expected == pytest.approx(expected_seconds)
+    assert ("other programs are running here too" in lines[1]) == says_busy
