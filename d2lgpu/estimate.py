@@ -280,7 +280,7 @@ def calibration_seconds(
       afterwards.
     * **short repeats with a pause between them** (``pause`` seconds, spent in
       ``sleep``): a process that has slept is scheduled promptly when it wakes, so
-      some repeats run undisturbed even on a loaded machine.
+      some repeats run without interruption even on a loaded machine.
     * **the fastest repeat**, not the median: other programs only ever add time.
 
     ``clock``, ``sleep`` and ``step`` are there for tests.
