@@ -34,6 +34,7 @@ from d2lgpu.devices import require_cuda_device
 
 __all__ = [
     "allreduce",
+    "choose_cpu_threads",
     "data_parallel_step",
     "max_abs_difference",
     "replicate_params",
@@ -147,6 +148,31 @@ def replicate_params(
         check_tensor(f"params[{i}]", p)
     device = require_cuda_device(_device(device), "replicate_params")
     return [p.detach().to(device, copy=True).requires_grad_(True) for p in params]
+
+
+def choose_cpu_threads(speeds: dict[int, Sequence[float]]) -> int:
+    """The thread count to train with on a CPU, from interleaved repeats of the same steps.
+
+    ``speeds`` maps a thread count to its repeats' speeds (examples/s, higher is
+    better). The choice is the count whose *slowest* repeat is fastest: a busy spell
+    of other programs is what makes a repeat slow, and a team of threads suffers far
+    more from it than one thread (every operation waits for its descheduled member),
+    so the worst repeat says which setting survives a busy machine. A tie goes to
+    fewer threads.
+    """
+    if not isinstance(speeds, dict) or not speeds:
+        raise ValueError(f"speeds must be a non-empty dict {{threads: [examples/s, ...]}}, "
+                         f"got {speeds!r}")
+    for threads, runs in speeds.items():
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"thread counts must be ints >= 1, got {threads!r}")
+        runs = check_sequence(f"speeds[{threads}]", runs, of="speeds")
+        if not runs or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            for v in runs
+        ):
+            raise ValueError(f"speeds[{threads}] must hold positive finite speeds, got {runs!r}")
+    return max(sorted(speeds), key=lambda threads: (min(speeds[threads]), -threads))
 
 
 def max_abs_difference(

@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ __all__ = [
     "NvmlView",
     "diagnose_cuda",
     "diagnose_this_machine",
+    "driver_cuda_version_from_error",
     "environment_report",
     "device_numbers",
     "format_report",
@@ -305,6 +307,68 @@ def _install_problems(cuda_build: str | None, driver_found: bool) -> list[CudaPr
     return problems
 
 
+def _cuda_version_text(version: int) -> str:
+    """"12.4" for CUDA's integer form 12040 (1000 x major + 10 x minor), as NVML and the
+    driver's error messages give it."""
+    if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
+        raise ValueError(f"a CUDA version as an int such as 12040, got {version!r}")
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def driver_cuda_version_from_error(text: str) -> str | None:
+    """The driver's CUDA version from torch's "driver ... too old (found version 11040)"
+    message, as "11.4"; None when the text holds no such number."""
+    import re
+
+    match = re.search(r"too old \(found version (\d+)\)", str(text))
+    return _cuda_version_text(int(match.group(1))) if match else None
+
+
+def _version_tuple(version: str) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in str(version).split(".")[:2])
+    except ValueError:
+        return None
+
+
+def _driver_too_old(cuda_build: str, driver_cuda_version: str) -> CudaProblem:
+    major = cuda_build.split(".")[0]
+    return CudaProblem(
+        "driver_too_old",
+        f"the NVIDIA driver supports CUDA up to {driver_cuda_version} (the header of "
+        f"`nvidia-smi` shows it too), older than the CUDA {cuda_build} this torch is built for, "
+        "and CUDA did not start.",
+        "install the torch built for a CUDA this driver supports, from PyTorch's wheel index "
+        f"for it: e.g. `pip install torch torchvision --index-url "
+        f"https://download.pytorch.org/whl/cu126` for a driver of CUDA 12.x (the selector at "
+        "https://pytorch.org/get-started/locally/ lists the indices); on Colab or Kaggle, keep "
+        "the torch the platform installed, which matches its driver. Or update the driver to "
+        f"one of CUDA {major}.x or newer.",
+    )
+
+
+def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[str],
+                  cuda_build: str | None) -> CudaProblem:
+    from d2lgpu.chips import CUDA_13_DROPPED_BELOW
+
+    major, minor = capability
+    listed = " ".join(arch_list) or "(empty)"
+    why = (f"cuda:{index} has compute capability {major}.{minor} (sm_{major}{minor}), which "
+           f"this torch build has no kernels for: torch.cuda.get_arch_list() is {listed}. CUDA "
+           "sees the GPU, but every kernel fails with 'no kernel image is available for "
+           "execution on the device'.")
+    build = _version_tuple(cuda_build) if cuda_build else None
+    if (major, minor) < CUDA_13_DROPPED_BELOW and build is not None and build >= (13,):
+        why += (f" CUDA 13 dropped GPUs below compute capability "
+                f"{CUDA_13_DROPPED_BELOW[0]}.{CUDA_13_DROPPED_BELOW[1]} (V100, P100, ...).")
+    return CudaProblem(
+        "arch_missing", why,
+        f"install a torch build that lists sm_{major}{minor}: for a V100 or older, a CUDA 12 "
+        "build, e.g. `pip install torch torchvision --index-url "
+        "https://download.pytorch.org/whl/cu126`; check with `torch.cuda.get_arch_list()`.",
+    )
+
+
 def diagnose_cuda(
     *,
     cuda_build: str | None,
@@ -312,6 +376,9 @@ def diagnose_cuda(
     driver_found: bool,
     device_count: int,
     physical_gpu_count: int | None = None,
+    driver_cuda_version: str | None = None,
+    gpu_capabilities: Sequence[tuple[int, int] | None] = (),
+    arch_list: Sequence[str] | None = None,
 ) -> CudaDiagnosis:
     """Say whether CUDA is usable and, if not, why and how to fix it.
 
@@ -329,16 +396,40 @@ def diagnose_cuda(
     physical_gpu_count
         How many GPUs the driver sees regardless of ``CUDA_VISIBLE_DEVICES``
         (NVML's count), or None when unknown.
+    driver_cuda_version
+        The newest CUDA the driver supports, e.g. "12.4" (NVML's
+        ``nvmlSystemGetCudaDriverVersion``, or :func:`driver_cuda_version_from_error`),
+        or None when unknown. Older than ``cuda_build``: the driver is too old.
+    gpu_capabilities, arch_list
+        The compute capability of each visible GPU (None: unreadable, skipped) and
+        ``torch.cuda.get_arch_list()``: a GPU the build has no kernels for is reported
+        (``arch_missing``).
     """
     _check_cuda_facts(
         cuda_build, visible_devices_env, driver_found, device_count, physical_gpu_count
     )
+    if driver_cuda_version is not None and _version_tuple(driver_cuda_version) is None:
+        raise ValueError(f"driver_cuda_version must read like '12.4' (or be None), got "
+                         f"{driver_cuda_version!r}")
     env_problems = _visible_devices_problems(visible_devices_env, physical_gpu_count)
     if device_count > 0:
-        return CudaDiagnosis(True, device_count, tuple(env_problems))
+        arch_problems = []
+        if arch_list is not None:
+            from d2lgpu.chips import build_runs_on
+
+            arch_problems = [
+                _arch_missing(i, tuple(capability), list(arch_list), cuda_build)
+                for i, capability in enumerate(gpu_capabilities)
+                if capability is not None and not build_runs_on(tuple(capability), list(arch_list))
+            ]
+        return CudaDiagnosis(True, device_count, tuple(arch_problems + env_problems))
 
     # Most fundamental first: the build, then the driver, then the variable.
     problems = _install_problems(cuda_build, driver_found) + env_problems
+    if (not problems and driver_cuda_version is not None and cuda_build is not None
+            and _version_tuple(cuda_build) is not None
+            and _version_tuple(driver_cuda_version) < _version_tuple(cuda_build)):
+        problems.append(_driver_too_old(cuda_build, driver_cuda_version))
     if not problems:
         problems.append(
             CudaProblem(
@@ -386,13 +477,33 @@ def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
     """
     nvml = read_nvml() if nvml is None else nvml
     driver_found = nvml.error is None or Path("/proc/driver/nvidia").exists()
+    count = num_gpus()
     return diagnose_cuda(
         cuda_build=torch.version.cuda,
         visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
         driver_found=driver_found,
-        device_count=num_gpus(),
+        device_count=count,
         physical_gpu_count=len(nvml.gpus) if nvml.error is None else None,
+        driver_cuda_version=nvml.cuda_driver_version,
+        gpu_capabilities=[_capability_or_none(i) for i in range(count)],
+        arch_list=_arch_list_or_none() if count else None,
     )
+
+
+def _capability_or_none(index: int) -> tuple[int, int] | None:
+    """GPU ``index``'s compute capability; None for a GPU that cannot be read (the
+    environment report says why), so that the diagnosis of the others goes on."""
+    try:
+        return tuple(torch.cuda.get_device_capability(index))
+    except Exception:  # noqa: BLE001 - a lost or busy GPU must not stop the diagnosis
+        return None
+
+
+def _arch_list_or_none() -> list[str] | None:
+    try:
+        return list(torch.cuda.get_arch_list())
+    except Exception:  # noqa: BLE001 - without the list there is nothing to compare
+        return None
 
 
 # --------------------------------------------------------------------------------------
@@ -432,6 +543,8 @@ class NvmlView:
     driver_version: str | None
     gpus: tuple[NvmlGpuReading, ...]
     error: str | None
+    #: The newest CUDA version the driver supports (``nvidia-smi``'s header), e.g. "12.4".
+    cuda_driver_version: str | None = None
 
 
 class _NvmlReader:
@@ -484,7 +597,12 @@ def read_nvml() -> NvmlView:
         pynvml.nvmlShutdown()
         return NvmlView(None, (), f"NVML query failed: {exc}")
     try:
-        return NvmlView(driver, tuple(_read_nvml_gpu(pynvml, i) for i in range(count)), None)
+        cuda_driver = _cuda_version_text(pynvml.nvmlSystemGetCudaDriverVersion())
+    except (pynvml.NVMLError, AttributeError, TypeError, ValueError):
+        cuda_driver = None  # an old NVML or nvidia-ml-py without the call
+    try:
+        return NvmlView(driver, tuple(_read_nvml_gpu(pynvml, i) for i in range(count)), None,
+                        cuda_driver)
     finally:
         pynvml.nvmlShutdown()
 
@@ -866,6 +984,8 @@ _CAUSE_IN_BRIEF = {
     "hidden_by_env": f"{VISIBLE_DEVICES_ENV} hides every GPU",
     "malformed_env": f"{VISIBLE_DEVICES_ENV} is malformed",
     "no_usable_device": "a driver is present, yet CUDA finds no usable GPU",
+    "driver_too_old": "the NVIDIA driver is older than this torch's CUDA",
+    "arch_missing": "this torch has no kernels for a GPU here",
 }
 
 _WORKLOAD_NAMES = {"quick": "quick mode", "cpu": "CPU mode", "full": "full mode"}

@@ -422,3 +422,24 @@ def test_nan_weights_are_named_as_such() -> None:
     W[0][0, 0] = math.nan
     replicas = [replicate_params(W, CPU) for _ in range(2)]
     _refused_and_unchanged(replicas, X, y, 0.1, ValueError, r"parameters of replica 0 hold NaN")
+
+
+@pytest.mark.parametrize("speeds, chosen", [
+    ({2: [15000, 14000, 16000], 1: [8000, 8500, 9000]}, 2),  # quiet: the team is faster
+    ({2: [15000, 900, 14000], 1: [8000, 8500, 7000]}, 1),  # one busy spell stalls the team
+    ({2: [5000, 5000], 1: [5000, 6000]}, 1),  # equal worst repeats: fewer threads
+    ({4: [100.0]}, 4),
+])
+def test_choose_cpu_threads_takes_the_best_worst_repeat(speeds, chosen):
+    from d2lgpu.parallel import choose_cpu_threads
+
+    assert choose_cpu_threads(speeds) == chosen
+
+
+@pytest.mark.parametrize("speeds", [{}, {0: [1.0]}, {2: []}, {2: [1.0, -1.0]},
+                                    {2: [float("nan")]}, [1.0]])
+def test_choose_cpu_threads_refuses_bad_readings(speeds):
+    from d2lgpu.parallel import choose_cpu_threads
+
+    with pytest.raises(ValueError):
+        choose_cpu_threads(speeds)

@@ -63,6 +63,8 @@ VALID = {
                                     out=lambda line: None),
     estimate.estimate_message: lambda: dict(what="run", seconds=40.0, basis="timed"),
     estimate.format_duration: lambda: dict(seconds=40.0),
+    estimate.speed_factor: lambda: dict(calibration=0.004, reference=0.004, bound=2.0),
+    estimate.load_factor: lambda: dict(load_average=3.0, cores=2, bound=3.0),
     estimate.training_estimate: lambda: dict(train_iter=[1, 2], num_epochs=1, device=CPU),
     models.MLPBlock: lambda: dict(width=4, hidden=8),
     models.Residual: lambda: dict(in_channels=3, out_channels=3, use_1x1conv=False, strides=1),
@@ -70,6 +72,7 @@ VALID = {
     models.resnet18: lambda: dict(num_classes=10, in_channels=1),
     models.small_cnn: lambda: dict(num_classes=10, in_channels=1),
     parallel.allreduce: lambda: dict(tensors=[torch.ones(2), torch.ones(2)]),
+    parallel.choose_cpu_threads: lambda: dict(speeds={1: [1.0], 2: [2.0]}),
     parallel.data_parallel_step: lambda: dict(
         forward=_forward, replicas=_replicas(), X=torch.ones(8, 4), y=torch.arange(8) % 3,
         lr=0.1),
@@ -101,7 +104,8 @@ VALID = {
 
 # None means something for these although their annotations do not say so: no
 # synchronisation (any device but CUDA), no label.
-NONE_MEANT = {(estimate.training_estimate, "device"), (plotting.LivePlot, "xlabel")}
+NONE_MEANT = {(estimate.training_estimate, "device"), (plotting.LivePlot, "xlabel"),
+              (estimate.load_factor, "load_average")}  # no load average (Windows)
 CASES = []
 for function, make in VALID.items():
     signature = inspect.signature(function)

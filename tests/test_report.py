@@ -709,3 +709,95 @@ def test_gpu_in_numbers_without_a_gpu_shows_the_data_sheets():
 def test_diagnose_names_a_non_string_visible_devices(value):
     with pytest.raises(TypeError, match="visible_devices_env"):
         _diagnose(visible_devices_env=value)
+
+
+# ------------------------------------------------------------------------------------------
+# A driver older than torch's CUDA, and a GPU the build has no kernels for
+# ------------------------------------------------------------------------------------------
+
+_CU13_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.15+cu132
+
+
+@pytest.mark.parametrize("driver, build, cause", [
+    ("12.4", "13.0", "driver_too_old"),  # older major version
+    ("12.2", "12.6", "driver_too_old"),  # older minor, and CUDA did not start
+    ("13.0", "13.0", "no_usable_device"),  # new enough: the cause lies elsewhere
+    ("13.1", "12.6", "no_usable_device"),
+    (None, "13.0", "no_usable_device"),  # unknown: no claim about the driver
+])
+def test_diagnose_cuda_names_a_driver_older_than_the_build(driver, build, cause):
+    diagnosis = d2lgpu.diagnose_cuda(cuda_build=build, visible_devices_env=None,
+                                     driver_found=True, device_count=0,
+                                     driver_cuda_version=driver)
+    assert not diagnosis.usable and diagnosis.cause == cause
+    if cause == "driver_too_old":
+        text = str(diagnosis)
+        assert f"up to {driver}" in text and f"CUDA {build}" in text
+        assert "download.pytorch.org/whl/cu126" in text and "Colab or Kaggle" in text
+
+
+def test_driver_too_old_comes_after_a_cpu_build_and_a_missing_driver():
+    cpu = d2lgpu.diagnose_cuda(cuda_build=None, visible_devices_env=None, driver_found=True,
+                               device_count=0, driver_cuda_version="11.4")
+    assert cpu.cause == "cpu_build" and "driver_too_old" not in [p.code for p in cpu.problems]
+
+
+def test_driver_cuda_version_from_nvml_and_from_torchs_error(monkeypatch):
+    fake = _fake_pynvml()
+    fake.nvmlSystemGetCudaDriverVersion = lambda: 12040
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert d2lgpu.read_nvml().cuda_driver_version == "12.4"
+    del fake.nvmlSystemGetCudaDriverVersion  # an old nvidia-ml-py: the version stays unknown
+    assert d2lgpu.read_nvml().cuda_driver_version is None
+    message = ("The NVIDIA driver on your system is too old (found version 11040). Please "
+               "update your GPU driver")
+    assert report.driver_cuda_version_from_error(message) == "11.4"
+    assert report.driver_cuda_version_from_error("no driver at all") is None
+
+
+def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
+    monkeypatch.setattr(report, "num_gpus", lambda: 0)
+    monkeypatch.setattr(report.torch.version, "cuda", "13.0")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    view = report.NvmlView("550.54", (), None, "12.4")
+    assert d2lgpu.diagnose_this_machine(view).cause == "driver_too_old"
+
+
+@pytest.mark.parametrize("capability, archs, runs", [
+    ((7, 0), _CU13_ARCHS, False),  # V100 on a CUDA 13 build
+    ((7, 5), _CU13_ARCHS, True),  # T4
+    ((8, 9), _CU13_ARCHS, True),  # L4: sm_86 machine code runs on 8.9
+    ((9, 0), ["sm_80", "sm_90a"], True),  # an arch-specific entry still names sm_90
+    ((8, 0), ["sm_86"], False),  # machine code runs forward only, never backward
+    ((10, 0), ["sm_90", "compute_90"], True),  # PTX is compiled for newer GPUs
+    ((8, 0), ["compute_90"], False),
+    ((7, 0), ["sm_50", "sm_60", "sm_70", "sm_75"], True),  # a CUDA 12 build
+])
+def test_build_runs_on_follows_cudas_compatibility_rules(capability, archs, runs):
+    assert chips.build_runs_on(capability, archs) is runs
+
+
+def test_diagnose_cuda_reports_a_gpu_missing_from_the_arch_list(monkeypatch):
+    v100 = d2lgpu.diagnose_cuda(cuda_build="13.0", visible_devices_env=None, driver_found=True,
+                                device_count=2, gpu_capabilities=[(7, 5), (7, 0)],
+                                arch_list=_CU13_ARCHS)
+    assert v100.usable and v100.cause == "arch_missing" and len(v100.problems) == 1
+    text = str(v100)
+    assert "cuda:1" in text and "sm_70" in text and "CUDA 13 dropped" in text
+    assert "whl/cu126" in text
+    fine = d2lgpu.diagnose_cuda(cuda_build="13.0", visible_devices_env=None, driver_found=True,
+                                device_count=1, gpu_capabilities=[(9, 0)], arch_list=_CU13_ARCHS)
+    assert fine.cause == "ok"
+    # diagnose_this_machine reads the capabilities and the arch list from torch.cuda.
+    monkeypatch.setattr(report, "num_gpus", lambda: 1)
+    monkeypatch.setattr(report.torch.cuda, "get_device_capability", lambda i: (7, 0))
+    monkeypatch.setattr(report.torch.cuda, "get_arch_list", lambda: list(_CU13_ARCHS))
+    monkeypatch.setattr(report.torch.version, "cuda", "13.0")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    view = report.NvmlView("580.1", (), None, "13.0")
+    assert d2lgpu.diagnose_this_machine(view).cause == "arch_missing"
+
+
+def test_t4_datasheet_names_its_l2_cache():
+    assert chips.GPU_DATASHEETS["T4"]["L2 cache"] == "4 MB"
+    assert "-" not in report.gpu_in_numbers(None).split("L2 cache")[1].splitlines()[0]
