@@ -1,4 +1,5 @@
-"""Markers for tests that need GPUs: skipped with a reason where there are too few."""
+"""Markers for tests that need GPUs (skipped with a reason where there are too few), and
+fixtures several test modules share."""
 
 import pytest
 import torch
@@ -17,3 +18,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(
                 pytest.mark.skip(reason=f"needs at least 2 CUDA GPUs; this machine has {gpus}")
             )
+
+
+@pytest.fixture
+def restore_matmul_settings():
+    """Put the TF32 switches back as they were after a test that changes them."""
+    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(precision)
+    torch.backends.cudnn.allow_tf32 = cudnn

@@ -158,14 +158,6 @@ def test_make_scaler_is_enabled_only_for_fp16():
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def restore_matmul_settings():
-    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    yield
-    torch.set_float32_matmul_precision(precision)
-    torch.backends.cudnn.allow_tf32 = cudnn
-
-
 @pytest.mark.usefixtures("restore_matmul_settings")
 @pytest.mark.parametrize("enabled", [True, False])
 def test_tf32_matmuls_sets_both_flags_and_restores_them(enabled):

@@ -20,14 +20,6 @@ def step_choices():
     return module
 
 
-@pytest.fixture
-def restore_matmul_settings():
-    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    yield
-    torch.set_float32_matmul_precision(precision)
-    torch.backends.cudnn.allow_tf32 = cudnn
-
-
 @pytest.mark.usefixtures("restore_matmul_settings")
 @pytest.mark.parametrize(("precision", "tf32"), [("fp32", False), ("tf32", True)])
 def test_a_cuda_policy_sets_tf32_for_matmuls_and_convolutions_while_timing(
