@@ -438,8 +438,9 @@ def fix_torch29_first_exchange(stage: Any) -> Any:
 
     torch 2.9's schedules start by sending each neighbour ``torch.tensor(stage_index)``
     (int64, 8 bytes) into a ``torch.zeros(1)`` (float32, 4 bytes): NCCL does not check the
-    size, gloo stops the process ("8 vs 4. Received data size doesn't match"). Later torch
-    has no such exchange, and then this does nothing.
+    size, gloo stops the process ("8 vs 4. Received data size doesn't match"). torch 2.13
+    sends a float32 there (converting it again changes nothing), and torch 2.15 has no such
+    exchange: then this does nothing.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -795,7 +796,7 @@ class FixedCostRun:
 def _fixed_cost_stages(run: FixedCostRun, ctx: DistContext) -> list[FixedCostStage]:
     v = FIXED_COST_SCHEDULES[run.schedule][1]
     indices = [ctx.rank + k * ctx.world_size for k in range(v)]  # rank r: stages r, r + p, ...
-    return [FixedCostStage(i, 0.0, 0.0, 0.0) for i in indices]
+    return [FixedCostStage(i, 0.0, 0.0, 0.0).to(ctx.device) for i in indices]
 
 
 def time_fixed_cost_schedule(run: FixedCostRun, ctx: DistContext) -> ScheduleTiming:
