@@ -65,28 +65,39 @@ __all__ = [
     "Attention",
     "BubbleResult",
     "BubbleRun",
+    "FIXED_COST_SCHEDULES",
+    "FixedCostRun",
+    "FixedCostStage",
     "FunctionalCollectiveCounter",
     "MUST_MATCH_2D",
     "ModelSpec",
     "PipelineRun",
     "ResumableTwoDRun",
     "SavedActivations",
+    "ScheduleTiming",
     "SplitRow",
     "TensorParallelRun",
     "TrainResult",
     "TwoDRun",
     "bubble_formula",
+    "bubble_matches",
+    "bubble_verdict",
     "check_2d",
     "check_mesh",
     "check_microbatches",
     "check_stages",
     "fix_torch29_first_exchange",
+    "idle_gaps",
     "max_abs_diff",
     "parallelize_2d",
     "param_bytes_2d",
+    "plot_pipeline_timeline",
+    "schedule_bubble_formula",
+    "schedule_unavailable_reason",
     "split_table",
     "split_stages",
     "tp_plan",
+    "time_fixed_cost_schedule",
     "train_reference",
 ]
 
@@ -409,7 +420,10 @@ class PipelineRun:
 def _build_schedule(stage_module: nn.Module, run, ctx: DistContext, n_microbatches: int):
     from torch.distributed.pipelining import PipelineStage
 
-    if n_microbatches < ctx.world_size:  # torch 2.9 refuses it for every schedule
+    # torch 2.9 refuses fewer microbatches than stages in every single-stage schedule (the
+    # check sits in PipelineScheduleSingle); later versions only in Schedule1F1B. Refuse it
+    # here on every version, with the fix named.
+    if n_microbatches < ctx.world_size:
         raise ValueError(
             f"a pipeline of {ctx.world_size} stages needs at least {ctx.world_size} "
             f"microbatches, got {n_microbatches}: use more microbatches (or fewer stages)"
@@ -425,8 +439,9 @@ def fix_torch29_first_exchange(stage: Any) -> Any:
 
     torch 2.9's schedules start by sending each neighbour ``torch.tensor(stage_index)``
     (int64, 8 bytes) into a ``torch.zeros(1)`` (float32, 4 bytes): NCCL does not check the
-    size, gloo stops the process ("8 vs 4. Received data size doesn't match"). Later torch
-    has no such exchange, and then this does nothing.
+    size, gloo stops the process ("8 vs 4. Received data size doesn't match"). torch 2.13
+    sends a float32 there (converting it again changes nothing), and torch 2.15 has no such
+    exchange: then this does nothing.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -541,11 +556,27 @@ class BubbleRun:
         return measure_bubble(self, ctx)
 
 
-def _median_time(fn, repeats: int) -> float:
+def _synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has finished the work queued on it (a no-op on the CPU).
+
+    A host clock around GPU work measures only the launches unless the device is
+    synchronized first; with NCCL, ``work.wait()`` only orders streams and does not
+    wait either.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, repeats: int, device: torch.device | None = None) -> float:
+    """The median of ``repeats`` timings of ``fn()``, the device synchronized around each."""
     times = []
     for _ in range(repeats):
+        if device is not None:
+            _synchronize(device)
         start = time.perf_counter()
         fn()
+        if device is not None:
+            _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -571,15 +602,331 @@ def measure_bubble(run: BubbleRun, ctx: DistContext) -> BubbleResult:
 
         step()  # warm-up: the stage's first step also sets up its buffers
         alone()
+        _synchronize(ctx.device)
         dist.barrier()
-        step_time = _median_time(step, run.repeats)
-        busy_time = _median_time(alone, run.repeats)
+        step_time = _median_time(step, run.repeats, ctx.device)
+        busy_time = _median_time(alone, run.repeats, ctx.device)
         stage_module.zero_grad()
         times: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(times, (step_time, busy_time))
         steps.append(max(t[0] for t in times))
         busy.append([t[1] for t in times])
     return BubbleResult(list(run.n_microbatches), steps, busy)
+
+
+# ---------------------------------------------------------------------------
+# The bubble as a property of the schedule: stages of known, fixed cost
+# ---------------------------------------------------------------------------
+
+#: Schedules the fixed-cost pipeline runs: name -> (class in torch.distributed.pipelining,
+#: stages per rank). The interleaved and zero-bubble ones hold two stages on every rank.
+FIXED_COST_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+}
+
+
+def schedule_unavailable_reason(name: str) -> str | None:
+    """Why schedule ``name`` cannot run with this torch, or None when it can."""
+    if name not in FIXED_COST_SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(FIXED_COST_SCHEDULES)}, got {name!r}")
+    import torch.distributed.pipelining as pipelining
+
+    cls = FIXED_COST_SCHEDULES[name][0]
+    if not hasattr(pipelining, cls):
+        return f"torch {torch.__version__} has no torch.distributed.pipelining.{cls}"
+    return None
+
+
+def schedule_bubble_formula(name: str, n_ranks: int, n_microbatches: int) -> float:
+    """The idle fraction of a step when every stage costs the same.
+
+    GPipe and 1F1B: (p - 1) / (m + p - 1). Interleaved 1F1B with v stages per rank, each
+    1/v of the work: the warm-up and cool-down shrink to (p - 1) stage-times of 1/v,
+    so (p - 1) / (v m + p - 1).
+    """
+    check_positive_int("n_ranks", n_ranks)
+    check_positive_int("n_microbatches", n_microbatches)
+    if name not in FIXED_COST_SCHEDULES:
+        raise ValueError(f"schedule must be one of {tuple(FIXED_COST_SCHEDULES)}, got {name!r}")
+    p, m = n_ranks, n_microbatches
+    v = FIXED_COST_SCHEDULES[name][1]
+    return (p - 1) / (v * m + p - 1)
+
+
+class _Cost(torch.autograd.Function):
+    """Identity forward; a backward that sleeps ``seconds`` and records when it ran."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, record, kind):  # type: ignore[override]
+        ctx.seconds, ctx.record, ctx.kind = seconds, record, kind
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        start = time.perf_counter()
+        time.sleep(ctx.seconds)
+        ctx.record(ctx.kind, start, time.perf_counter())
+        return grad.contiguous(), None, None, None
+
+
+class FixedCostStage(nn.Module):
+    """A pipeline stage whose work takes a known time: forward ``forward_s``; in backward,
+    ``input_s`` for the gradient of its input (I) and ``weight_s`` for its weight's (W).
+
+    It sleeps instead of computing, so its cost does not depend on the machine or on what
+    else runs there, and it records every piece of work in ``events`` as
+    ``(stage_index, kind, start, end)`` on ``time.perf_counter()``'s clock, which all
+    processes of one machine share. The output equals the input (the weights start at 0).
+    """
+
+    def __init__(self, stage_index: int, forward_s: float, input_s: float, weight_s: float):
+        super().__init__()
+        check_positive_int("stage_index", stage_index + 1)
+        for name, value in (("forward_s", forward_s), ("input_s", input_s),
+                            ("weight_s", weight_s)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        self.stage_index = stage_index
+        self.costs = {"F": float(forward_s), "I": float(input_s), "W": float(weight_s)}
+        self.events: list[tuple[int, str, float, float]] = []
+        # The anchor puts the I work on a path that needs a gradient even in the first
+        # stage, whose input (the batch) needs none.
+        self.anchor = nn.Parameter(torch.zeros(1))
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def _record(self, kind: str, start: float, end: float) -> None:
+        self.events.append((self.stage_index, kind, start, end))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        time.sleep(self.costs["F"])
+        self._record("F", start, time.perf_counter())
+        h = _Cost.apply(x + self.anchor, self.costs["I"], self._record, "I")
+        w = _Cost.apply(self.weight, self.costs["W"], self._record, "W")
+        return h + h.detach() * w  # W's node lies only on the weight's path
+
+
+def idle_gaps(spans: Sequence[tuple[float, float]], end: float, min_gap: float) -> float:
+    """The total length of the gaps of at least ``min_gap`` between ``spans`` (``(start,
+    end)`` pairs of one worker's busy time, in seconds from the start) and ``end``."""
+    check_sequence("spans", spans, of="(start, end) pairs", allow_empty=True)
+    t, total = 0.0, 0.0
+    for a, b in sorted(spans) + [(end, end)]:
+        if a - t >= min_gap:
+            total += a - t
+        t = max(t, b)
+    return total
+
+
+@dataclass(frozen=True)
+class ScheduleTiming:
+    """Fixed-cost pipeline steps of one schedule, per number of microbatches.
+
+    ``events[i]`` is the timeline of the step of ``n_microbatches[i]``: one
+    ``(rank, stage, kind, microbatch, start, end)`` per piece of work, in seconds from
+    the start of the step; ``busy_seconds[i][rank]`` sums them per rank.
+    """
+
+    schedule: str
+    n_ranks: int
+    unit_s: float
+    n_microbatches: list[int]
+    step_seconds: list[float]
+    busy_seconds: list[list[float]]
+    events: list[list[tuple[int, int, str, int, float, float]]]
+
+    @property
+    def idle_fraction(self) -> list[float]:
+        """1 - busy / step time, averaged over the ranks: all the time a rank did not work."""
+        return [1 - statistics.fmean(busy) / step
+                for busy, step in zip(self.busy_seconds, self.step_seconds, strict=True)]
+
+    @property
+    def bubble_fraction(self) -> list[float]:
+        """The idle time in gaps of at least half a piece of work (what the schedule leaves
+        while a rank waits for its neighbour's forward or backward), as a fraction of the
+        step, averaged over the ranks. The shorter gaps are the cost of each message:
+        sending it and waking the process that waits for it."""
+        v = FIXED_COST_SCHEDULES[self.schedule][1]
+        min_gap = self.unit_s / v / 2
+        out = []
+        for events, step in zip(self.events, self.step_seconds, strict=True):
+            fractions = []
+            for rank in range(self.n_ranks):
+                spans = sorted((a, b) for r, _, _, _, a, b in events if r == rank)
+                fractions.append(idle_gaps(spans, step, min_gap) / step)
+            out.append(statistics.fmean(fractions))
+        return out
+
+    @property
+    def formula(self) -> list[float]:
+        return [schedule_bubble_formula(self.schedule, self.n_ranks, m)
+                for m in self.n_microbatches]
+
+
+@dataclass(frozen=True)
+class FixedCostRun:
+    """Time pipeline steps of :class:`FixedCostStage` stages under ``schedule``.
+
+    Every rank does ``unit_s`` of forward, ``unit_s`` of I and ``unit_s`` of W per
+    microbatch (split over its stages when it holds several). Each ``m`` runs once to set
+    the stages up (at no cost), then ``repeats`` times; the fastest step is kept, since
+    what else runs on the machine can only add time.
+    """
+
+    schedule: str = "gpipe"
+    n_microbatches: tuple[int, ...] = (2, 4, 8)
+    unit_s: float = 0.04
+    repeats: int = 2
+
+    def __post_init__(self) -> None:
+        if self.schedule not in FIXED_COST_SCHEDULES:
+            raise ValueError(f"schedule must be one of {tuple(FIXED_COST_SCHEDULES)}, "
+                             f"got {self.schedule!r}")
+        for m in check_sequence("n_microbatches", self.n_microbatches, of="positive ints"):
+            check_positive_int("n_microbatches", m)
+        check_positive_float("unit_s", self.unit_s)
+        check_positive_int("repeats", self.repeats)
+
+    def run(self, ctx: DistContext) -> ScheduleTiming:
+        return time_fixed_cost_schedule(self, ctx)
+
+
+def _fixed_cost_stages(run: FixedCostRun, ctx: DistContext) -> list[FixedCostStage]:
+    v = FIXED_COST_SCHEDULES[run.schedule][1]
+    indices = [ctx.rank + k * ctx.world_size for k in range(v)]  # rank r: stages r, r + p, ...
+    return [FixedCostStage(i, 0.0, 0.0, 0.0).to(ctx.device) for i in indices]
+
+
+def time_fixed_cost_schedule(run: FixedCostRun, ctx: DistContext) -> ScheduleTiming:
+    """Every rank calls it; rank 0 returns the steps' times and their timelines."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
+
+    reason = schedule_unavailable_reason(run.schedule)
+    if reason is not None:
+        raise RuntimeError(reason)
+    cls_name, v = FIXED_COST_SCHEDULES[run.schedule]
+    modules = _fixed_cost_stages(run, ctx)
+    n_stages = ctx.world_size * v
+    indices = [mod.stage_index for mod in modules]
+    has_first, has_last = 0 in indices, n_stages - 1 in indices
+    steps, busy, timelines = [], [], []
+    for m in run.n_microbatches:
+        stages = [fix_torch29_first_exchange(PipelineStage(mod, mod.stage_index, n_stages,
+                                                           ctx.device)) for mod in modules]
+        schedule_cls = getattr(pipelining, cls_name)
+        schedule = schedule_cls(stages[0] if v == 1 else stages, m, loss_fn=F.mse_loss)
+        X = torch.ones(2 * m, 16, device=ctx.device)
+
+        def step(schedule=schedule, X=X) -> None:
+            args = (X,) if has_first else ()
+            kwargs = {"target": torch.zeros_like(X)} if has_last else {}
+            schedule.step(*args, **kwargs)
+
+        for mod in modules:  # set the stages up (shapes, buffers) at no cost
+            mod.costs = {"F": 0.0, "I": 0.0, "W": 0.0}
+        step()
+        for mod in modules:
+            mod.costs = {k: run.unit_s / v for k in ("F", "I", "W")}
+        best = None
+        for _ in range(run.repeats):
+            for mod in modules:
+                mod.events.clear()
+                mod.zero_grad()
+            _synchronize(ctx.device)
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            _synchronize(ctx.device)
+            end = time.perf_counter()
+            events = sorted(e for mod in modules for e in mod.events)
+            gathered: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(gathered, (start, end, events))
+            t0 = min(g[0] for g in gathered)
+            t1 = max(g[1] for g in gathered)
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, t0, gathered)
+        step_s, t0, gathered = best
+        timeline, per_rank = [], []
+        for rank, (_, _, events) in enumerate(gathered):
+            seen: dict[tuple[int, str], int] = {}
+            for stage, kind, a, b in sorted(events, key=lambda e: e[2]):
+                mb = seen.get((stage, kind), 0)  # each stage works on microbatches in order
+                seen[(stage, kind)] = mb + 1
+                timeline.append((rank, stage, kind, mb, a - t0, b - t0))
+            per_rank.append(sum(b - a for _, _, a, b in events))
+        steps.append(step_s)
+        busy.append(per_rank)
+        timelines.append(timeline)
+    return ScheduleTiming(run.schedule, ctx.world_size, run.unit_s, list(run.n_microbatches),
+                          steps, busy, timelines)
+
+
+def bubble_matches(measured: Sequence[float], formula: Sequence[float],
+                   tolerance: float = 0.05) -> bool:
+    """Whether every measured bubble (idle fraction) lies within ``tolerance`` of the
+    formula's."""
+    measured = check_sequence("measured", measured, of="idle fractions")
+    formula = check_sequence("formula", formula, of="idle fractions")
+    if len(measured) != len(formula) or not measured:
+        raise ValueError(f"measured and formula need the same number of values (at least "
+                         f"one), got {len(measured)} and {len(formula)}")
+    check_positive_float("tolerance", tolerance)
+    return all(abs(a - b) <= tolerance for a, b in zip(measured, formula, strict=True))
+
+
+def bubble_verdict(name: str, measured: Sequence[float], formula: Sequence[float],
+                   tolerance: float = 0.05) -> str:
+    """One sentence: does the measured bubble of schedule ``name`` follow its formula?"""
+    if bubble_matches(measured, formula, tolerance):
+        return (f"{name}: the measured bubble lies within {tolerance * 100:.0f} points "
+                "of the formula at every m")
+    return (f"{name}: the measured bubble is more than {tolerance * 100:.0f} points "
+            "from the formula at some m: this schedule's plan is not the one the formula "
+            "describes")
+
+
+_KIND_COLORS = {"F": "tab:blue", "I": "tab:orange", "W": "tab:green"}
+
+
+def plot_pipeline_timeline(timing: ScheduleTiming, index: int = 0, ax=None, title=None):
+    """A Gantt chart of step ``index`` of ``timing``: one row per rank, one bar per piece of
+    work (F forward, I input gradient, W weight gradient, labelled with the microbatch);
+    the white gaps are the idle time."""
+    if not isinstance(timing, ScheduleTiming):
+        raise TypeError(f"timing must be a ScheduleTiming, got {type(timing).__name__}")
+    if not isinstance(index, int) or not 0 <= index < len(timing.n_microbatches):
+        raise ValueError(f"index must pick one of {len(timing.n_microbatches)} steps, "
+                         f"got {index!r}")
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        _, ax = plt.subplots(figsize=(8.0, 1.0 + 0.5 * timing.n_ranks))
+    unit = timing.unit_s
+    for rank, _stage, kind, mb, a, b in timing.events[index]:
+        ax.broken_barh([(a / unit, (b - a) / unit)], (rank - 0.4, 0.8),
+                       facecolors=_KIND_COLORS[kind], edgecolor="white", linewidth=0.5)
+        if (b - a) / unit > 0.3:
+            ax.text((a + b) / 2 / unit, rank, f"{mb}", ha="center", va="center", fontsize=7,
+                    color="white")
+    ax.set_yticks(range(timing.n_ranks), [f"rank {r}" for r in range(timing.n_ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, timing.step_seconds[index] / unit)
+    ax.set_xlabel(f"time (units of {unit * 1e3:.0f} ms: one forward of one microbatch)")
+    m = timing.n_microbatches[index]
+    ax.set_title(title or f"{timing.schedule}, {timing.n_ranks} ranks, m = {m}: bubble "
+                 f"{timing.bubble_fraction[index]:.0%} (formula "
+                 f"{timing.formula[index]:.0%}), all idle {timing.idle_fraction[index]:.0%}",
+                 fontsize=9)
+    from matplotlib.patches import Patch
+
+    names = {"F": "forward", "I": "input gradient", "W": "weight gradient"}
+    ax.legend(handles=[Patch(color=c, label=names[k]) for k, c in _KIND_COLORS.items()],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    return ax
 
 
 # ---------------------------------------------------------------------------
@@ -1001,7 +1348,10 @@ def split_table(
 ) -> list[SplitRow]:
     """Memory, bytes sent and idle time per device for data, FSDP, pipeline, tensor and 2-D.
 
-    Without sizes, the formulas as text. With them, ``memory_gb`` is each device's
+    Without sizes, the formulas as text, every one in bytes: P parameters (16P bytes of fp32
+    Adam state), b bytes per number sent, T tokens of width W per step, L transformer layers
+    of 2 tensor-parallel blocks (4L all-reduces a step: one per block in forward and one in
+    backward). With them, ``memory_gb`` is each device's
     parameters, gradients and Adam state (16 bytes a parameter: fp32 weights, gradients and
     two moments) and ``traffic_gb`` the bytes each device sends in one step: gradients and
     parameters in ``bytes_per_number``-byte numbers, activations of ``tokens`` tokens (the
@@ -1014,22 +1364,22 @@ def split_table(
         SplitRow(
             "data parallel (DDP)",
             "16P + A/N",
-            "all-reduce of gradients: 2P(N-1)/N",
+            "all-reduce of gradients: 2bP(N-1)/N",
             "none: overlaps backward",
         ),
         SplitRow(
             "FSDP",
             "16P/N + A/N + 1 layer",
-            "2 all-gathers + 1 reduce-scatter: 3P(N-1)/N",
+            "2 all-gathers + 1 reduce-scatter: 3bP(N-1)/N",
             "none if gathers overlap",
         ),
         SplitRow(
-            "pipeline", "16P/N + A/m (1F1B)", "activations at 1 boundary: 2 T W", "(N-1)/(m+N-1)"
+            "pipeline", "16P/N + A/m (1F1B)", "activations at 1 boundary: 2bTW", "(N-1)/(m+N-1)"
         ),
         SplitRow(
             "tensor parallel",
             "16P/N + A/N .. A",
-            "4L all-reduces of T W: 8 L T W (N-1)/N",
+            "4L all-reduces of bTW: 8LbTW(N-1)/N",
             "all-reduces not hidden",
         ),
         SplitRow(

@@ -10,22 +10,32 @@ import pytest
 import torch
 from torch import nn
 
+import d2lgpu.model_parallel as model_parallel
 from d2lgpu.distributed import DistContext, find_free_port, launch
 from d2lgpu.model_parallel import (
     BubbleRun,
+    FixedCostRun,
+    FixedCostStage,
     ModelSpec,
     PipelineRun,
     SavedActivations,
+    ScheduleTiming,
     TensorParallelRun,
     TwoDRun,
     _build_schedule,
     bubble_formula,
+    bubble_matches,
+    bubble_verdict,
     check_mesh,
     check_microbatches,
     check_stages,
     fix_torch29_first_exchange,
+    idle_gaps,
     max_abs_diff,
     param_bytes_2d,
+    plot_pipeline_timeline,
+    schedule_bubble_formula,
+    schedule_unavailable_reason,
     split_stages,
     split_table,
     train_reference,
@@ -98,6 +108,9 @@ def test_2d_bytes_formula_and_split_table():
     assert ddp.memory_gb == 16 and fsdp.memory_gb == 2
     assert fsdp.traffic_gb == pytest.approx(1.5 * ddp.traffic_gb)
     assert tp.traffic_gb == pytest.approx(4 * 8 * 2 * 1000 * 1024 * 2 * 7 / 8 / 1e9)
+    text = {row.name: row.traffic for row in split_table()}
+    assert text["data parallel (DDP)"].endswith("2bP(N-1)/N")
+    assert text["tensor parallel"].startswith("4L all-reduces of bTW")
     with pytest.raises(ValueError, match="together"):
         split_table(params=1e9)
     with pytest.raises(ValueError, match="divisor of 8"):
@@ -132,6 +145,98 @@ def test_torch29_first_exchange_is_sent_as_float():
         fix_torch29_first_exchange(object())
 
 
+def test_bubble_verdict_on_both_sides_of_its_tolerance():
+    formula = [1 / 3, 1 / 5, 1 / 9]
+    assert bubble_matches([0.35, 0.22, 0.15], formula, tolerance=0.05)
+    assert not bubble_matches([0.35, 0.22, 0.17], formula, tolerance=0.05)  # 5.9 points off
+    assert bubble_matches([0.30, 0.17, 0.08], formula, tolerance=0.05)  # below counts too
+    assert not bubble_matches([0.27], [1 / 3], tolerance=0.05)
+    assert "within 5 points" in bubble_verdict("gpipe", [0.34], [1 / 3])
+    assert "more than 5 points" in bubble_verdict("gpipe", [0.45], [1 / 3])
+    with pytest.raises(ValueError, match="same number"):
+        bubble_matches([0.1, 0.2], [0.1])
+    with pytest.raises((TypeError, ValueError), match="tolerance"):
+        bubble_matches([0.1], [0.1], tolerance=0)
+
+
+def test_schedule_formulas():
+    assert schedule_bubble_formula("gpipe", 2, 4) == pytest.approx(1 / 5)
+    assert schedule_bubble_formula("1f1b", 4, 29) == pytest.approx(3 / 32)
+    # Interleaved, two stages per rank: (p - 1) / (v m + p - 1).
+    assert schedule_bubble_formula("interleaved-1f1b", 2, 4) == pytest.approx(1 / 9)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        schedule_bubble_formula("zero", 2, 4)
+    assert schedule_unavailable_reason("gpipe") is None
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        FixedCostRun(schedule="dualpipe")
+
+
+def test_idle_gaps_count_only_the_long_ones():
+    spans = [(0.0, 1.0), (1.001, 2.0), (3.0, 4.0)]  # gaps: 1 ms, then 1 s, then 0.5 s to the end
+    assert idle_gaps(spans, 4.5, min_gap=0.1) == pytest.approx(1.5)
+    assert idle_gaps(spans, 4.5, min_gap=0.0001) == pytest.approx(1.501)
+    assert idle_gaps([], 2.0, min_gap=0.1) == pytest.approx(2.0)
+
+
+def _two_rank_gpipe_timing() -> ScheduleTiming:
+    # GPipe, 2 ranks, m = 2, unit 1 s, F = I = W = 1: the ideal timeline, 9 s long.
+    events = [
+        (0, 0, "F", 0, 0, 1), (0, 0, "F", 1, 1, 2),
+        (1, 1, "F", 0, 1, 2), (1, 1, "F", 1, 2, 3),
+        (1, 1, "I", 0, 3, 4), (1, 1, "W", 0, 4, 5), (1, 1, "I", 1, 5, 6), (1, 1, "W", 1, 6, 7),
+        (0, 0, "I", 0, 5, 6), (0, 0, "W", 0, 6, 7), (0, 0, "I", 1, 7, 8), (0, 0, "W", 1, 8, 9),
+    ]
+    events = [(r, s, k, m, float(a), float(b) + 0.001 * (b < 9)) for r, s, k, m, a, b in events]
+    return ScheduleTiming("gpipe", 2, 1.0, [2], [9.0], [[6.0, 6.0]], [events])
+
+
+def test_schedule_timing_reads_the_bubble_from_the_timeline():
+    timing = _two_rank_gpipe_timing()
+    assert timing.formula == [pytest.approx(1 / 3)]
+    assert timing.idle_fraction == [pytest.approx(1 / 3)]
+    assert timing.bubble_fraction[0] == pytest.approx(1 / 3, abs=0.01)
+    assert bubble_matches(timing.bubble_fraction, timing.formula)
+
+
+def test_pipeline_timeline_plot_has_one_bar_per_piece_of_work():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plot_pipeline_timeline(_two_rank_gpipe_timing())
+    assert len(ax.collections) == 12
+    with pytest.raises(ValueError, match="index"):
+        plot_pipeline_timeline(_two_rank_gpipe_timing(), index=1)
+    with pytest.raises(TypeError, match="ScheduleTiming"):
+        plot_pipeline_timeline(None)
+
+
+def test_fixed_cost_stage_records_forward_input_and_weight_work():
+    stage = FixedCostStage(0, 0.002, 0.003, 0.004)
+    x = torch.ones(2, 4)  # the first stage: its input needs no gradient, I still runs
+    out = stage(x)
+    assert torch.equal(out, x)
+    out.sum().backward()
+    kinds = sorted(k for _, k, _, _ in stage.events)
+    assert kinds == ["F", "I", "W"]
+    for _, kind, start, end in stage.events:
+        assert end - start >= {"F": 0.002, "I": 0.003, "W": 0.004}[kind] * 0.999
+    assert stage.anchor.grad is not None and stage.weight.grad is not None
+    with pytest.raises(ValueError, match="forward_s"):
+        FixedCostStage(0, -1.0, 0.0, 0.0)
+
+
+def test_timing_synchronizes_the_stage_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    fake = torch.device("cuda", 1)
+    seconds = model_parallel._median_time(lambda: calls.append("work"), 2, fake)
+    # Before and after every timed call, on the stage's own device, not the current one.
+    assert calls == [fake, "work", fake, fake, "work", fake] and seconds >= 0
+    calls.clear()
+    model_parallel._median_time(lambda: None, 1, torch.device("cpu"))
+    assert calls == []
+
+
 # --- one launch of 4 ranks ---------------------------------------------------------------
 
 
@@ -148,6 +253,8 @@ def four_ranks():
         TensorParallelRun(spec=ATTENTION, **tp),
         TensorParallelRun(spec=NORMED, sequence_parallel=True, **tp),
         TwoDRun(spec=SPEC, mesh_shape=(2, 2), batch_size=4, seq_len=8, steps=2),
+        FixedCostRun(schedule="1f1b", n_microbatches=(4,), unit_s=0.004, repeats=1),
+        FixedCostRun(schedule="interleaved-1f1b", n_microbatches=(4,), unit_s=0.004, repeats=1),
     ]
     return launch(sharding_worker, 4, (4, find_free_port(), jobs), timeout_s=240)
 
@@ -184,6 +291,19 @@ def test_2d_equals_one_process_with_a_quarter_of_the_parameters(four_ranks):
     assert two_d.extra["bytes_per_rank"] == [(param_bytes_2d(SPEC, 2, 2),) * 2] * 4
 
 
+def test_fixed_cost_pipelines_record_every_piece_of_work(four_ranks):
+    for timing, stages_per_rank in ((four_ranks[6], 1), (four_ranks[7], 2)):
+        (events,) = timing.events
+        assert timing.n_ranks == 4 and timing.n_microbatches == [4]
+        for rank in range(4):
+            mine = [e for e in events if e[0] == rank]
+            # F, I and W once per microbatch on each of the rank's stages
+            assert len(mine) == 3 * 4 * stages_per_rank
+            assert {e[1] for e in mine} == {rank + 4 * k for k in range(stages_per_rank)}
+        assert 0 < timing.idle_fraction[0] < 1
+        assert 0 <= timing.bubble_fraction[0] <= timing.idle_fraction[0]
+
+
 @pytest.mark.parametrize("make, name", [
     (lambda: ModelSpec(width="64"), "width"),
     (lambda: ModelSpec(hidden=None), "hidden"),
@@ -199,6 +319,9 @@ def test_2d_equals_one_process_with_a_quarter_of_the_parameters(four_ranks):
     (lambda: BubbleRun(n_microbatches=None), "n_microbatches"),
     (lambda: BubbleRun(microbatch_size=None), "microbatch_size"),
     (lambda: BubbleRun(repeats="5"), "repeats"),
+    (lambda: FixedCostRun(n_microbatches=None), "n_microbatches"),
+    (lambda: FixedCostRun(unit_s=0), "unit_s"),
+    (lambda: FixedCostRun(repeats=0), "repeats"),
     (lambda: split_table(width=1024), "params"),
     (lambda: split_table(params="7e9", width=1, layers=1, tokens=1), "params"),
     (lambda: split_table(params=7e9, width=1.5, layers=1, tokens=1), "width"),
