@@ -70,13 +70,17 @@ __all__ = [
     "TraceSummary",
     "AblationSettings",
     "QUICK_COMPILE_SKIP",
+    "QUICK_FUSED_SKIP",
     "ablation_data",
     "ablation_plan",
     "ablation_settings",
     "capture_training_step",
     "compare_compile_modes",
     "explain_graph_breaks",
+    "BANDWIDTH_TOLERANCE",
     "SPEED_MARGIN",
+    "bandwidth_verdict",
+    "paired_multiply_add_ratio",
     "ablation_verdict",
     "fresh_compile",
     "previous_ran",
@@ -792,6 +796,46 @@ def measure_stream_bandwidth(
     return gbps(12 * numel, seconds)
 
 
+#: Two elementwise kernels of the same kind move bytes alike when their counted GB/s are
+#: within this share of each other.
+BANDWIDTH_TOLERANCE = 0.25
+
+
+def bandwidth_verdict(ratio: float, tolerance: float = BANDWIDTH_TOLERANCE) -> str:
+    """The verdict on ``ratio``, one kernel's counted GB/s over a reference kernel's (the
+    large multiply over the add): "as fast as the add (within 25%)" for tolerance 0.25,
+    else "slower than the add" or "faster than the add"."""
+    check_positive_float("ratio", ratio)
+    check_positive_float("tolerance", tolerance)
+    if ratio < 1 - tolerance:
+        return "slower than the add"
+    if ratio > 1 + tolerance:
+        return "faster than the add"
+    return f"as fast as the add (within {tolerance:.0%})"
+
+
+def paired_multiply_add_ratio(
+    device: torch.device | str, numel: int, *, repeats: int = 15
+) -> float:
+    """A multiply's counted GB/s over an add's, both out of place on two ``numel``-float
+    tensors (12 bytes per element each): the median over ``repeats`` pairs of the add's
+    time over the multiply's, timed back to back. Each pair ran within milliseconds, so
+    other work on the machine slows both of a pair alike and the median keeps the pairs
+    that it did not split."""
+    device = as_device(device)
+    check_positive_int("numel", numel)
+    check_positive_int("repeats", repeats)
+    a = torch.randn(numel, device=device)
+    b = torch.randn(numel, device=device)
+    out = torch.empty_like(a)
+    ratios = []
+    for _ in range(repeats):
+        add = _best_seconds(lambda: torch.add(a, b, out=out), device, warmup=1, repeats=1)
+        mul = _best_seconds(lambda: torch.mul(a, b, out=out), device, warmup=1, repeats=1)
+        ratios.append(add / mul)
+    return statistics.median(ratios)
+
+
 def measure_roofline(
     device: torch.device | str, matmul_n: int, *, repeats: int = 5,
     dtype: torch.dtype | None = None, stream_numel: int | None = None,
@@ -1131,15 +1175,19 @@ class AblationSettings:
 QUICK_COMPILE_SKIP = "quick mode: compiling takes about a minute on a CPU"
 
 
+#: Why quick mode leaves the fused optimizer's row out (chapter 7 checks fused SGD itself).
+QUICK_FUSED_SKIP = "quick mode: one row fewer; section 5.5 checks fused SGD"
+
+
 def ablation_settings(chosen: str | None = None) -> AblationSettings:
     """The ablation's size for a workload (:func:`d2lgpu.workload`; None: this process's).
 
     ``full`` (a GPU): ResNet-18 on all of Fashion-MNIST, the d2l recipe's batch 256.
     ``cpu``: the small CNN on 6,400 training images, batch 64, minutes in all.
-    ``quick``: the small CNN on the quick subset, batch 32, torch.compile left out.
-    ``full`` and ``cpu`` run every row twice, interleaved, 3 epochs each: 4 epochs after
-    the first per row, whose spread says whether a difference is more than noise.
-    ``quick`` runs each row once for 2 epochs: a speed, but no spread to judge it by.
+    ``quick``: the small CNN on the quick subset, batch 32, torch.compile and the fused
+    optimizer left out. ``full`` and ``cpu`` run every row twice, interleaved, 3 epochs
+    each: 4 paired epochs per row against the row before (:func:`speed_ratios`).
+    ``quick`` runs each row once for 2 epochs: one paired epoch, numbers for checking.
     """
     if chosen is not None and not isinstance(chosen, str):
         raise TypeError(f"chosen must be 'quick', 'cpu', 'full' or None (this process's "
@@ -1151,7 +1199,8 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
         return AblationSettings("small_cnn", 64, 3, 0.1, 6400, 2000, repeats=2)
     if chosen == "quick":
         return AblationSettings("small_cnn", 32, 2, 0.1, None, None,
-                                {"compile": QUICK_COMPILE_SKIP})
+                                {"compile": QUICK_COMPILE_SKIP,
+                                 "fused_optimizer": QUICK_FUSED_SKIP})
     raise ValueError(f"unknown workload {chosen!r}: choose quick, cpu or full")
 
 
@@ -1445,13 +1494,13 @@ def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Call
 
     Dynamo keeps compiled code per Python function (a module's ``forward``, shared by
     every instance of the class), up to ``torch._dynamo.config.recompile_limit`` entries
-    (8 in torch 2.9 and 2.15); a new shape, a train/eval switch, autocast or another
+    (8 in torch 2.15); a new shape, a train/eval switch, autocast or another
     memory format adds one. Past the limit it runs the function eagerly with only a log
     warning, so a comparison of compiled models would time eager code under a compiled
     label. The reset empties the caches (every earlier compiled wrapper recompiles on its
     next call); ``fullgraph=True`` makes a graph break, or the limit reached anyway, an
     error instead of a silent fallback. A whole training step has a graph break at
-    ``loss.backward()`` (torch 2.9 and 2.15), so it compiles with ``fullgraph=False``."""
+    ``loss.backward()`` (torch 2.15), so it compiles with ``fullgraph=False``."""
     if not callable(model):
         raise TypeError(f"model must be a module or function to compile, got "
                         f"{type(model).__name__}")

@@ -73,6 +73,7 @@ __all__ = [
     "Techniques",
     "as_device_loader",
     "compile_model",
+    "fused_sgd_device_types",
     "evaluate_accuracy",
     "init_weights",
     "make_sgd",
@@ -196,7 +197,8 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
     without its compiler toolchain; a fused SGD this torch lacks for the device type),
     or it buys nothing there: precision "auto" where the device's fast format is fp32,
     and channels-last on a CPU (cuDNN's Tensor Core layout). Fused SGD runs on CPUs too
-    (torch 2.9 and 2.15), so the fast path uses it there.
+    where torch lists them (:func:`fused_sgd_device_types`; torch 2.15 does), so the fast
+    path uses it there.
     """
     if technique not in TECHNIQUES:
         raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
@@ -239,8 +241,8 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
 
 
 def fused_sgd_device_types() -> tuple[str, ...]:
-    """The device types whose ``torch.optim.SGD(fused=True)`` this torch runs: CUDA and, in
-    torch 2.9 as in 2.15, the CPU too (``torch.utils._foreach_utils``); ``()`` without a
+    """The device types whose ``torch.optim.SGD(fused=True)`` this torch runs, as torch lists
+    them (``torch.utils._foreach_utils``; torch 2.15 lists CUDA and the CPU); ``()`` without a
     ``fused`` argument."""
     if "fused" not in inspect.signature(torch.optim.SGD).parameters:
         return ()
@@ -347,7 +349,7 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
             ("max-autotune", True): "max-autotune",
         }
         # fullgraph=True: a graph break, or a model past dynamo's recompile limit (8 cache
-        # entries per function, torch 2.9 and 2.15), raises instead of running eager code
+        # entries per function in torch 2.15), raises instead of running eager code
         # under a compiled label.
         return torch.compile(net, mode=modes[techniques.compile_mode, techniques.cuda_graphs],
                              fullgraph=True)
