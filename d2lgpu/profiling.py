@@ -1172,7 +1172,7 @@ class AblationSettings:
 
 
 #: Why quick mode leaves torch.compile out of the ablation.
-QUICK_COMPILE_SKIP = "quick mode: compiling takes about a minute on a CPU"
+QUICK_COMPILE_SKIP = "quick mode: compiling takes tens of seconds or more on a CPU"
 
 
 #: Why quick mode leaves the fused optimizer's row out (chapter 7 checks fused SGD itself).
