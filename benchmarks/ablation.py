@@ -8,10 +8,13 @@ fused optimizer, ``torch.compile``, CUDA graphs. A technique that does not apply
 row that says why (``d2lgpu.technique_skip_reason``) and stays off below it.
 
 Printed per row: the median images per second of the epochs after the first (the first
-pays one-off costs such as compiling) over ``--repeats`` interleaved runs, their spread,
-speed-up over the baseline and whether it is more than noise, MFU (the counted matmul
-and convolution FLOPs per second over the device's data-sheet peak; n/a on a CPU),
-first-epoch seconds and final test accuracy. Chapter 7 runs the same ablation.
+pays one-off costs such as compiling) over ``--repeats`` interleaved runs; "x prev", the
+median of the epoch-by-epoch ratios to the row before (what this row's technique did) and
+the verdict on it (faster, slower, or the same speed within 10%); "x base", the median over
+the baseline's; MFU (the counted matmul and convolution FLOPs per second over the device's
+data-sheet peak; n/a on a CPU), first-epoch seconds and final test accuracy. Compiled rows
+start from an emptied dynamo cache and compile with fullgraph=True. Chapter 7 runs the same
+ablation.
 
     python benchmarks/ablation.py                 # this machine's workload: full on a GPU
     python benchmarks/ablation.py --workload cpu  # the CPU size: small CNN, 6,400 images

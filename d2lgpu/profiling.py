@@ -70,14 +70,22 @@ __all__ = [
     "TraceSummary",
     "AblationSettings",
     "QUICK_COMPILE_SKIP",
+    "QUICK_FUSED_SKIP",
     "ablation_data",
     "ablation_plan",
     "ablation_settings",
     "capture_training_step",
     "compare_compile_modes",
     "explain_graph_breaks",
-    "MAX_SPREAD",
+    "BANDWIDTH_TOLERANCE",
+    "SPEED_MARGIN",
+    "bandwidth_verdict",
+    "paired_multiply_add_ratio",
     "ablation_verdict",
+    "fresh_compile",
+    "previous_ran",
+    "speed_ratios",
+    "speed_verdict",
     "format_ablation_table",
     "idle_gaps",
     "measure_roofline",
@@ -754,19 +762,25 @@ def _matmul_dtype(device: torch.device) -> torch.dtype:
     return precision.precision_policy(device, "auto").dtype or torch.float32
 
 
-def _event_seconds(fn: Callable[[], object], *, warmup: int, repeats: int) -> float:
-    """The best of ``repeats`` timings of ``fn()`` on the current CUDA stream, each a pair
-    of CUDA events around it: the GPU's own clock, with no host wake-up in it."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in ms
+def _event_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int,
+                   repeats: int) -> float:
+    """The best of ``repeats`` timings of ``fn()`` on ``device``'s current CUDA stream, each
+    a pair of CUDA events recorded on that stream: the GPU's own clock, with no host
+    wake-up in it. ``fn`` runs with ``device`` as the current device, so its kernels go
+    to that stream even when another GPU is the process's current one."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in ms
     return min(times)
 
 
@@ -775,7 +789,7 @@ def _best_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int
     """The best of ``repeats`` timings: CUDA events on a GPU, :func:`d2lgpu.time_fn`'s
     host clock elsewhere (CPU operators finish before they return)."""
     if device.type == "cuda":
-        return _event_seconds(fn, warmup=warmup, repeats=repeats)
+        return _event_seconds(fn, device, warmup=warmup, repeats=repeats)
     return time_fn(fn, device, warmup=warmup, repeats=repeats).min
 
 
@@ -787,9 +801,11 @@ def measure_stream_bandwidth(
     one), best of ``repeats``. ``numel`` None: the buffer of
     :func:`d2lgpu.measure_copy_bandwidth`, far beyond the caches.
 
-    On a CPU every written cache line is first read in (write-allocate), so a copy
-    really moves 3 tensor sizes while counted as 2, and this add 4 while counted as 3:
-    counted the same way, the add reads about (3/4) / (2/3) = 1.125x the copy's GB/s.
+    Counted bytes are not always the bytes that move: on a CPU a kernel whose stores go
+    through the caches first reads every line it writes (write-allocate), one whose
+    stores bypass them (non-temporal stores, as large copies often use) does not. Which
+    a kernel does is not visible from PyTorch, so the course measures the add, which
+    writes the way the other elementwise operations do, beside the copy.
     Streaming elementwise operations are measured against this roof."""
     device = as_device(device)
     if numel is None:
@@ -801,6 +817,46 @@ def measure_stream_bandwidth(
     out = torch.empty_like(a)
     seconds = _best_seconds(lambda: torch.add(a, b, out=out), device, warmup=1, repeats=repeats)
     return gbps(12 * numel, seconds)
+
+
+#: Two elementwise kernels of the same kind move bytes alike when their counted GB/s are
+#: within this share of each other.
+BANDWIDTH_TOLERANCE = 0.25
+
+
+def bandwidth_verdict(ratio: float, tolerance: float = BANDWIDTH_TOLERANCE) -> str:
+    """The verdict on ``ratio``, one kernel's counted GB/s over a reference kernel's (the
+    large multiply over the add): "as fast as the add (within 25%)" for tolerance 0.25,
+    else "slower than the add" or "faster than the add"."""
+    check_positive_float("ratio", ratio)
+    check_positive_float("tolerance", tolerance)
+    if ratio < 1 - tolerance:
+        return "slower than the add"
+    if ratio > 1 + tolerance:
+        return "faster than the add"
+    return f"as fast as the add (within {tolerance:.0%})"
+
+
+def paired_multiply_add_ratio(
+    device: torch.device | str, numel: int, *, repeats: int = 15
+) -> float:
+    """A multiply's counted GB/s over an add's, both out of place on two ``numel``-float
+    tensors (12 bytes per element each): the median over ``repeats`` pairs of the add's
+    time over the multiply's, timed back to back. Each pair ran within milliseconds, so
+    other work on the machine slows both of a pair alike and the median keeps the pairs
+    that it did not split."""
+    device = as_device(device)
+    check_positive_int("numel", numel)
+    check_positive_int("repeats", repeats)
+    a = torch.randn(numel, device=device)
+    b = torch.randn(numel, device=device)
+    out = torch.empty_like(a)
+    ratios = []
+    for _ in range(repeats):
+        add = _best_seconds(lambda: torch.add(a, b, out=out), device, warmup=1, repeats=1)
+        mul = _best_seconds(lambda: torch.mul(a, b, out=out), device, warmup=1, repeats=1)
+        ratios.append(add / mul)
+    return statistics.median(ratios)
 
 
 def measure_roofline(
@@ -991,6 +1047,9 @@ class AblationRow:
     images_per_second: float | None = None  # median of the epochs after the first
     mfu: float | None = None  # achieved FLOP/s over the device's peak
     speeds: tuple[float, ...] = ()
+    # Per run (round), the images/s of its epochs after the first: rows of the same
+    # round ran one after the other, so their epochs pair up (see speed_ratios).
+    round_speeds: tuple[tuple[float, ...], ...] = ()
 
     @property
     def label(self) -> str:
@@ -1034,31 +1093,66 @@ def steady_images_per_second(history: History) -> float:
     return statistics.median(speeds[1:] or speeds)
 
 
-#: A row whose epochs spread wider than this (relative to their median) is not judged.
-MAX_SPREAD = 0.5
+#: A technique changes the speed when the median of its paired ratios lies beyond
+#: 1 + SPEED_MARGIN (faster) or 1 / (1 + SPEED_MARGIN) (slower).
+SPEED_MARGIN = 0.10
 
 
-def ablation_verdict(row: AblationRow, base: AblationRow) -> str:
-    """What ``row``'s speed says against the baseline ``base``: "faster" or "slower"
-    when every one of its epochs (after the first) is faster, or slower, than every
-    epoch of the baseline; "within the noise" when they overlap; "spread too wide"
-    when either row's epochs differ by more than :data:`MAX_SPREAD` of their median
-    (the machine was too busy to judge); "too few epochs" with one epoch each."""
-    if not (isinstance(row, AblationRow) and isinstance(base, AblationRow)):
+def speed_ratios(row: AblationRow, before: AblationRow) -> tuple[float, ...]:
+    """``row``'s speed over ``before``'s, epoch by epoch: epoch k after the first of run r
+    of ``row`` over epoch k of run r of ``before``. The runs are interleaved, so the two
+    epochs of a pair ran minutes apart at most, and a busy spell of the machine that
+    slows both cancels in their ratio."""
+    if not (isinstance(row, AblationRow) and isinstance(before, AblationRow)):
+        raise TypeError("speed_ratios compares two AblationRow s of run_ablation")
+    return tuple(
+        mine / theirs
+        for run, run_before in zip(row.round_speeds, before.round_speeds, strict=False)
+        for mine, theirs in zip(run, run_before, strict=False)
+    )
+
+
+def speed_verdict(ratios: Sequence[float], margin: float = SPEED_MARGIN) -> str:
+    """The verdict of paired speed ratios (row over reference): "faster" when their median
+    is at least ``1 + margin``, "slower" when it is at most ``1 / (1 + margin)``, else
+    "same speed (within 10%)" for margin 0.1. The median of paired ratios: one epoch that
+    other work slowed moves it little, and a slow spell that hit both epochs of a pair
+    cancels."""
+    ratios = check_sequence("ratios", ratios, of="speed ratios (positive numbers)")
+    for r in ratios:
+        check_positive_float("ratio", r)
+    check_positive_float("margin", margin)
+    middle = statistics.median(ratios)
+    if middle >= 1 + margin:
+        return "faster"
+    if middle <= 1 / (1 + margin):
+        return "slower"
+    return f"same speed (within {margin:.0%})"
+
+
+def ablation_verdict(row: AblationRow, before: AblationRow) -> str:
+    """What ``row``'s technique did to the speed against ``before``, the row that ran
+    just before it (``row`` itself: "baseline"): :func:`speed_verdict` of
+    :func:`speed_ratios`. "skipped" for a row that did not run."""
+    if not (isinstance(row, AblationRow) and isinstance(before, AblationRow)):
         raise TypeError("ablation_verdict compares two AblationRow s of run_ablation")
     if not row.ran:
         return "skipped"
-    if row is base:
+    if row is before:
         return "baseline"
-    if len(row.speeds) < 2 or len(base.speeds) < 2:
-        return "too few epochs"
-    if max(row.spread, base.spread) > MAX_SPREAD:
-        return "spread too wide"
-    if min(row.speeds) > max(base.speeds):
-        return "faster"
-    if max(row.speeds) < min(base.speeds):
-        return "slower"
-    return "within the noise"
+    ratios = speed_ratios(row, before)
+    if not ratios:
+        raise ValueError(f"{row.label!r} and {before.label!r} have no epochs to pair: "
+                         "run_ablation's rows carry them")
+    return speed_verdict(ratios)
+
+
+def previous_ran(rows: Sequence[AblationRow], row: AblationRow) -> AblationRow:
+    """The row that ran last before ``row`` (``row`` itself for the first that ran): the
+    reference of ``row``'s technique, since every row adds one technique to it."""
+    rows = list(rows)
+    before = [r for r in rows[: rows.index(row)] if r.ran]
+    return before[-1] if before else row
 
 
 def mfu_note(device: torch.device | str, peak: float | None) -> str:
@@ -1101,7 +1195,11 @@ class AblationSettings:
 
 
 #: Why quick mode leaves torch.compile out of the ablation.
-QUICK_COMPILE_SKIP = "quick mode: compiling takes about a minute on a CPU"
+QUICK_COMPILE_SKIP = "quick mode: compiling takes tens of seconds or more on a CPU"
+
+
+#: Why quick mode leaves the fused optimizer's row out (chapter 7 checks fused SGD itself).
+QUICK_FUSED_SKIP = "quick mode: one row fewer; section 5.5 checks fused SGD"
 
 
 def ablation_settings(chosen: str | None = None) -> AblationSettings:
@@ -1109,10 +1207,10 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
 
     ``full`` (a GPU): ResNet-18 on all of Fashion-MNIST, the d2l recipe's batch 256.
     ``cpu``: the small CNN on 6,400 training images, batch 64, minutes in all.
-    ``quick``: the small CNN on the quick subset, batch 32, torch.compile left out.
-    ``full`` and ``cpu`` run every row twice, interleaved, 3 epochs each: 4 epochs after
-    the first per row, whose spread says whether a difference is more than noise.
-    ``quick`` runs each row once for 2 epochs: a speed, but no spread to judge it by.
+    ``quick``: the small CNN on the quick subset, batch 32, torch.compile and the fused
+    optimizer left out. ``full`` and ``cpu`` run every row twice, interleaved, 3 epochs
+    each: 4 paired epochs per row against the row before (:func:`speed_ratios`).
+    ``quick`` runs each row once for 2 epochs: one paired epoch, numbers for checking.
     """
     if chosen is not None and not isinstance(chosen, str):
         raise TypeError(f"chosen must be 'quick', 'cpu', 'full' or None (this process's "
@@ -1124,7 +1222,8 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
         return AblationSettings("small_cnn", 64, 3, 0.1, 6400, 2000, repeats=2)
     if chosen == "quick":
         return AblationSettings("small_cnn", 32, 2, 0.1, None, None,
-                                {"compile": QUICK_COMPILE_SKIP})
+                                {"compile": QUICK_COMPILE_SKIP,
+                                 "fused_optimizer": QUICK_FUSED_SKIP})
     raise ValueError(f"unknown workload {chosen!r}: choose quick, cpu or full")
 
 
@@ -1218,6 +1317,12 @@ def run_ablation(
             if step.skip_reason is None:
                 train_iter, test_iter = (device_loaders if step.techniques.device_data
                                          else dataloaders)
+                if step.techniques.compile or step.techniques.cuda_graphs:
+                    # Every run compiles a fresh model: without emptying dynamo's caches
+                    # the 8th entry (recompile_limit) would be the last compiled one.
+                    # compile_model compiles with fullgraph=True, so that limit reached
+                    # anyway is an error, not eager code timed as compiled.
+                    torch._dynamo.reset()
                 histories[i].append(train(
                     make_model(), train_iter, test_iter, num_epochs, lr, device, seed=seed,
                     techniques=step.techniques, progress=False, plot=False,
@@ -1233,51 +1338,49 @@ def _ablation_row(step: AblationStep, runs: Sequence[History],
                   flops_per_example: float | None, peak: float | None) -> AblationRow:
     if not runs:
         return AblationRow(step)
-    speeds = tuple(v for h in runs for v in (h.examples_per_second[1:] or
-                                             h.examples_per_second))
+    round_speeds = tuple(tuple(h.examples_per_second[1:] or h.examples_per_second)
+                         for h in runs)
+    speeds = tuple(v for run in round_speeds for v in run)
     speed = statistics.median(speeds)
     mfu = None
     if peak is not None and flops_per_example is not None:
         mfu = speed * flops_per_example / (peak * 1e12)
-    return AblationRow(step, runs[0], speed, mfu, speeds)
+    return AblationRow(step, runs[0], speed, mfu, speeds, round_speeds)
 
 
 def format_ablation_table(rows: Sequence[AblationRow]) -> str:
     """The ablation as a text table (lines of at most 100 characters): the median
-    images/s of the epochs after the first, their spread (fastest - slowest over the
-    median), speed-up over the baseline, MFU, first-epoch seconds (compiling included),
-    test accuracy and :func:`ablation_verdict`; skipped rows give their reason."""
+    images/s of the epochs after the first; "x prev", the median of the paired ratios
+    against the row before (:func:`speed_ratios`: what this row's technique did);
+    "x base", the median images/s over the baseline's (everything so far); MFU;
+    first-epoch seconds (compiling included); test accuracy; and the verdict on the
+    technique against the row before (:func:`ablation_verdict`). Skipped rows give
+    their reason."""
     rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
                           allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
         raise TypeError("format_ablation_table takes the AblationRow s of run_ablation")
     base_row = next((r for r in rows if r.ran), None)
     width = max(len(r.label) for r in rows)
-    header = (f"{'step':<{width}}  {'img/s':>7}  {'spread':>6}  {'vs base':>7}  {'MFU':>6}  "
-              f"{'epoch 1 s':>9}  {'test acc':>8}  verdict")
+    header = (f"{'step':<{width}}  {'img/s':>7}  {'x prev':>6}  {'x base':>6}  {'MFU':>6}  "
+              f"{'epoch1 s':>8}  {'test acc':>8}  verdict (vs prev)")
     lines = [header, "-" * len(header)]
-    verdicts = set()
     for r in rows:
         if not r.ran:
             lines.append(f"{r.label:<{width}}  skipped: {r.step.skip_reason}")
             continue
+        before = previous_ran(rows, r)
         mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
-        spread = "n/a" if r.spread is None else f"{100 * r.spread:.0f}%"
-        verdict = ablation_verdict(r, base_row)
-        verdicts.add(verdict)
+        prev = "" if before is r else f"{statistics.median(speed_ratios(r, before)):.2f}x"
+        verdict = ablation_verdict(r, before)
         lines.append(
-            f"{r.label:<{width}}  {r.images_per_second:>7,.0f}  {spread:>6}  "
-            f"{r.images_per_second / base_row.images_per_second:>6.2f}x  {mfu:>6}  "
-            f"{r.first_epoch_seconds:>9.2f}  {r.test_acc:>8.3f}  {verdict}"
+            f"{r.label:<{width}}  {r.images_per_second:>7,.0f}  {prev:>6}  "
+            f"{r.images_per_second / base_row.images_per_second:>5.2f}x  {mfu:>6}  "
+            f"{r.first_epoch_seconds:>8.2f}  {r.test_acc:>8.3f}  {verdict}"
         )
-    notes = {
-        "within the noise": "within the noise: its epochs overlap the baseline's; this run "
-                            "cannot tell the two apart",
-        "spread too wide": f"spread too wide: epochs differ by more than {MAX_SPREAD:.0%}; "
-                           "the machine was too busy to judge",
-        "too few epochs": "too few epochs: one epoch after the first gives no spread to judge by",
-    }
-    lines += [note for key, note in notes.items() if key in verdicts]
+    lines.append("x prev: median of the epoch-by-epoch ratios to the row before (this row's "
+                 "technique);")
+    lines.append("x base: median img/s over the baseline's (every technique so far)")
     return "\n".join(lines)
 
 
@@ -1286,9 +1389,10 @@ _VERDICT_COLOURS = {"baseline": "tab:blue", "faster": "tab:green", "slower": "ta
 
 def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = None):
     """Median images/s per row as horizontal bars, baseline on top, with a line from the
-    slowest to the fastest epoch. Green: faster than the baseline beyond the noise, red:
-    slower, grey: not judged (:func:`ablation_verdict`). Skipped rows are marked as
-    such; each bar carries its speed-up, verdict and MFU. Returns the axes."""
+    slowest to the fastest epoch. The colour is the verdict on the row's technique
+    against the row before (:func:`ablation_verdict`): green faster, red slower, grey
+    the same speed. Each bar carries its paired ratio to the row before ("x prev") and
+    its MFU. Skipped rows are marked as such. Returns the axes."""
     import matplotlib.pyplot as plt
 
     rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
@@ -1297,25 +1401,25 @@ def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = N
         raise TypeError("plot_ablation takes the AblationRow s of run_ablation")
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-    base_row = next((r for r in rows if r.ran), None)
     top = max((max(r.speeds or (r.images_per_second,)) for r in rows if r.ran), default=1.0)
     for i, r in enumerate(rows):
         if not r.ran:
             ax.text(0, i, "  skipped (see the table)", va="center", fontsize="small",
                     color="grey")
             continue
-        verdict = ablation_verdict(r, base_row)
+        before = previous_ran(rows, r)
+        verdict = ablation_verdict(r, before)
         ax.barh(i, r.images_per_second, color=_VERDICT_COLOURS.get(verdict, "tab:gray"))
         if len(r.speeds) > 1:
             ax.plot([min(r.speeds), max(r.speeds)], [i, i], color="black", linewidth=1.2)
         mfu = "" if r.mfu is None else f", MFU {100 * r.mfu:.1f}%"
-        ratio = r.images_per_second / base_row.images_per_second
-        note = "" if verdict == "baseline" else f" ({verdict})"
+        note = ("baseline" if before is r else
+                f"{statistics.median(speed_ratios(r, before)):.2f}x prev ({verdict})")
         ax.text(max(r.speeds or (r.images_per_second,)) + 0.01 * top, i,
-                f"{ratio:.2f}x{note}{mfu}", va="center", fontsize="small")
+                f"{note}{mfu}", va="center", fontsize="small")
     ax.set_yticks(range(len(rows)), [r.label for r in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, top * 1.45)
+    ax.set_xlim(0, top * 1.6)
     ax.set_xlabel("training images per second: median of the epochs after the first "
                   "(line: slowest to fastest)", fontsize="small")
     if title:
@@ -1408,6 +1512,25 @@ class CompileModeRow:
     loss: float
 
 
+def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Callable:
+    """``torch.compile(model, fullgraph=fullgraph, **options)`` after ``torch._dynamo.reset()``.
+
+    Dynamo keeps compiled code per Python function (a module's ``forward``, shared by
+    every instance of the class), up to ``torch._dynamo.config.recompile_limit`` entries
+    (8 in torch 2.15); a new shape, a train/eval switch, autocast or another
+    memory format adds one. Past the limit it runs the function eagerly with only a log
+    warning, so a comparison of compiled models would time eager code under a compiled
+    label. The reset empties the caches (every earlier compiled wrapper recompiles on its
+    next call); ``fullgraph=True`` makes a graph break, or the limit reached anyway, an
+    error instead of a silent fallback. A whole training step has a graph break at
+    ``loss.backward()`` (torch 2.15), so it compiles with ``fullgraph=False``."""
+    if not callable(model):
+        raise TypeError(f"model must be a module or function to compile, got "
+                        f"{type(model).__name__}")
+    torch._dynamo.reset()
+    return torch.compile(model, fullgraph=fullgraph, **options)
+
+
 def compare_compile_modes(
     make_model: Callable[[], nn.Module],
     batch: tuple[torch.Tensor, torch.Tensor],
@@ -1416,33 +1539,47 @@ def compare_compile_modes(
     *,
     repeats: int = 20,
     seed: int = 0,
+    backend: str = "inductor",
 ) -> list[CompileModeRow]:
     """Time one SGD training step of a fresh ``make_model()`` (seeded with ``seed``) per
     ``torch.compile`` mode ("eager": not compiled) on ``batch``; the first call
-    includes the compilation. Modes with CUDA graphs mark each step's start."""
+    includes the compilation. Each mode compiles the *whole step function*, forward,
+    backward and the optimizer's update, with :func:`fresh_compile` (dynamo's caches
+    emptied, ``fullgraph=True``), so no mode runs past the recompile limit. Modes with
+    CUDA graphs mark each step's start (``torch.compiler.cudagraph_mark_step_begin``).
+    ``backend`` is inductor's; tests pass "eager" (dynamo's graph, run as is)."""
     device = as_device(device)
     X, y = (t.to(device) for t in batch)
     rows = []
     for mode in modes:
         torch.manual_seed(seed)
         net = make_model().to(device)
-        model = net if mode == "eager" else torch.compile(
-            net, mode=None if mode == "default" else mode)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-        graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
 
-        def step(model=model, optimizer=optimizer, graphs=graphs) -> torch.Tensor:
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
+        def step(net=net, optimizer=optimizer) -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(X), y)
+            loss = nn.functional.cross_entropy(net(X), y)
             loss.backward()
             optimizer.step()
             return loss
 
-        first = time_fn(step, device, warmup=0, repeats=1).median
-        timing = time_fn(step, device, warmup=2, repeats=repeats)
-        rows.append(CompileModeRow(mode, first, timing.median, step().item()))
+        if mode == "eager":
+            run = step
+        else:
+            options = {} if mode == "default" else {"mode": mode}
+            # The step breaks at loss.backward(): forward and loss are one graph (their
+            # backward generated with it), the optimizer's update another.
+            compiled = fresh_compile(step, fullgraph=False, backend=backend, **options)
+            graphs = mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+
+            def run(compiled=compiled, graphs=graphs) -> torch.Tensor:
+                if graphs:  # a new step: the previous replay's outputs may be overwritten
+                    torch.compiler.cudagraph_mark_step_begin()
+                return compiled()
+
+        first = time_fn(run, device, warmup=0, repeats=1).median
+        timing = time_fn(run, device, warmup=2, repeats=repeats)
+        rows.append(CompileModeRow(mode, first, timing.median, run().item()))
     return rows
 
 
@@ -1483,22 +1620,27 @@ def capture_training_step(
             f"CUDA graphs record CUDA kernels; the example batch is on {X0.device}. "
             "Move the model and the batch to a GPU first"
         )
+    device = X0.device
     static_X, static_y = X0.clone(), y0.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup_steps):
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(static_X), static_y).backward()
-            optimizer.step()
-    torch.cuda.current_stream().wait_stream(side)
+    # Everything on the example's GPU: its streams, and it as the current device while
+    # recording (torch.cuda.graph captures on the current device's stream).
+    with torch.cuda.device(device):
+        main = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(warmup_steps):
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(static_X), static_y).backward()
+                optimizer.step()
+        main.wait_stream(side)
 
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = loss_fn(model(static_X), static_y)
-        static_loss.backward()
-        optimizer.step()
+        graph = torch.cuda.CUDAGraph()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            static_loss = loss_fn(model(static_X), static_y)
+            static_loss.backward()
+            optimizer.step()
 
     def step(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if X.shape != static_X.shape or y.shape != static_y.shape:
@@ -1509,7 +1651,8 @@ def capture_training_step(
             )
         static_X.copy_(X)
         static_y.copy_(y)
-        graph.replay()
+        with torch.cuda.device(device):
+            graph.replay()
         return static_loss
 
     return step

@@ -20,16 +20,23 @@
   pay off on the device. :func:`train_fast` is that, with the data given as tensors.
 
 The body of one epoch is :func:`train_epoch`, so that other training paths can reuse
-it or replace it without copying the set-up in :func:`train`. The building blocks of
-the techniques live in :mod:`d2lgpu.fast`, which does not import this module.
+it or replace it without copying the set-up in :func:`train`. The switches and their
+building blocks (:class:`Techniques`, :func:`technique_skip_reason`, :func:`make_sgd`,
+:func:`compile_model`) live here, beside the loop that runs them; chapter 7 teaches them
+one at a time, and its module :mod:`d2lgpu.fast` names them for that chapter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
+import logging
 import math
 import random
+import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -48,26 +55,308 @@ from d2lgpu.checks import (
     check_positive_float,
     check_positive_int,
     check_seed,
+    check_sequence,
     check_training_loss,
     find_non_finite_batch,
 )
 from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import as_device, resolve_devices, try_gpu
 from d2lgpu.estimate import training_estimate
-from d2lgpu.fast import Techniques, as_device_loader, compile_model, make_sgd
 from d2lgpu.plotting import LivePlot, in_notebook
 from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
 
 __all__ = [
+    "COMPILE_MODES",
+    "TECHNIQUES",
     "History",
     "SGDRecipe",
+    "Techniques",
+    "as_device_loader",
+    "compile_model",
+    "fused_sgd_device_types",
     "evaluate_accuracy",
     "init_weights",
+    "make_sgd",
     "set_seed",
+    "technique_skip_reason",
     "train",
     "train_epoch",
     "train_fast",
 ]
+
+# --------------------------------------------------------------------------- #
+# The fast path's switches (chapter 7 teaches them one at a time; train runs them)
+# --------------------------------------------------------------------------- #
+
+#: The techniques of the fast path, in the order chapter 7's ablation adds them.
+TECHNIQUES = (
+    "device_data", "no_sync", "precision", "channels_last", "fused_optimizer", "compile",
+    "cuda_graphs",
+)
+
+#: The techniques that are on/off switches (``precision`` is a word of PRECISIONS).
+SWITCHES = tuple(name for name in TECHNIQUES if name != "precision")
+
+#: ``Techniques.compile_mode`` values; CUDA graphs are a switch of their own.
+COMPILE_MODES = ("default", "max-autotune")
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """Which speed techniques :func:`d2lgpu.train` uses: one switch per technique.
+
+    ``Techniques()`` is the plain loop of :func:`d2lgpu.train` (``no_sync`` only, in
+    strict fp32); :meth:`d2l_style` switches that off too, :meth:`fast` is the fast
+    path. The module docstring says what each switch does. ``precision`` is a word of
+    :data:`d2lgpu.precision.PRECISIONS`, on when it is not ``"fp32"``. ``compile_mode`` is the
+    ``torch.compile`` mode when ``compile`` is on: ``"default"``, or
+    ``"max-autotune"`` (tries several kernels per operation: far longer compiles).
+    """
+
+    device_data: bool = False
+    no_sync: bool = True
+    precision: str = "fp32"
+    channels_last: bool = False
+    fused_optimizer: bool = False
+    compile: bool = False
+    cuda_graphs: bool = False
+    compile_mode: str = "default"
+
+    def __new__(cls, *args: object, **kwargs: object) -> Techniques:
+        # Older chapter texts switched autocast on; there is one precision word now.
+        if "autocast" in kwargs:
+            raise TypeError(
+                "Techniques has no autocast switch: write precision='auto' (the device's "
+                "fast format) or another word of d2lgpu.precision.PRECISIONS; 'fp32' is off"
+            )
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, "Techniques.precision")
+        for name in SWITCHES:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"Techniques.{name} is a switch: True or False, got {value!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            hint = (
+                " (that is compile=True with cuda_graphs=True)"
+                if self.compile_mode == "reduce-overhead" else ""
+            )
+            raise ValueError(
+                f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}{hint}"
+            )
+
+    @classmethod
+    def d2l_style(cls) -> Techniques:
+        """None of them: d2l's loop, which reads loss and accuracy after every step."""
+        return cls(no_sync=False)
+
+    @classmethod
+    def fast(
+        cls, device: torch.device | str, *, compile: bool = False, cuda_graphs: bool = False
+    ) -> Techniques:
+        """The fast path on ``device``: every technique up to the optimizer that pays off
+        there (see :func:`technique_skip_reason`; precision ``"auto"`` where the device
+        has a faster format than fp32), plus ``compile``/``cuda_graphs`` when asked for
+        (they cost compile time up front)."""
+        device = as_device(device)
+        basic = TECHNIQUES[: TECHNIQUES.index("fused_optimizer") + 1]
+        pays = {name: technique_skip_reason(name, device) is None for name in basic}
+        pays["precision"] = "auto" if pays["precision"] else "fp32"
+        return cls(**pays, compile=compile, cuda_graphs=cuda_graphs)
+
+    def replace(self, **changes: bool | str) -> Techniques:
+        """A copy with some fields changed, e.g. ``techniques.replace(compile=True)``."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def enabled(self) -> tuple[str, ...]:
+        """The names of the techniques that are on (precision: not "fp32"), in
+        :data:`TECHNIQUES` order."""
+        return tuple(name for name in TECHNIQUES if getattr(self, name) not in (False, "fp32"))
+
+    def __str__(self) -> str:
+        names = list(self.enabled)
+        if self.compile and self.compile_mode != "default":
+            names[names.index("compile")] = f"compile ({self.compile_mode})"
+        if "precision" in names:
+            names[names.index("precision")] = f"precision {self.precision}"
+        return " + ".join(names) if names else "none (d2l-style)"
+
+
+def _has_cxx_compiler() -> bool:
+    names = ("cl",) if sys.platform == "win32" else ("c++", "g++", "clang++")
+    return any(shutil.which(name) for name in names)
+
+
+def technique_skip_reason(technique: str, device: torch.device | str) -> str | None:
+    """Why the fast path leaves ``technique`` out on ``device`` (one line of at most 64
+    characters), or None when it uses it.
+
+    Either the technique cannot run there (CUDA graphs on a CPU; ``torch.compile``
+    without its compiler toolchain; a fused SGD this torch lacks for the device type),
+    or it buys nothing there: precision "auto" where the device's fast format is fp32,
+    and channels-last on a CPU (cuDNN's Tensor Core layout). Fused SGD runs on CPUs too
+    where torch lists them (:func:`fused_sgd_device_types`; torch 2.15 does), so the fast
+    path uses it there.
+    """
+    if technique not in TECHNIQUES:
+        raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
+    device = as_device(device)
+    on_cuda = device.type == "cuda"
+    if technique == "precision":
+        if precision_policy(device, "auto").dtype is not None:
+            return None
+        if device.type == "cpu":
+            return "no native bf16 here: emulated bf16 is slower, 'auto' is fp32"
+        return f"no fast reduced format on {device}: 'auto' is fp32"
+    if technique == "channels_last" and not on_cuda:
+        return "cuDNN's Tensor Core layout; mixed results on CPUs (RESULTS.md)"
+    if technique == "fused_optimizer" and device.type not in fused_sgd_device_types():
+        return f"this torch has no fused SGD for {device.type}"
+    if technique == "cuda_graphs" and not on_cuda:
+        return "CUDA graphs replay CUDA kernels; a CPU runs none"
+    if technique == "compile":
+        if not torch._dynamo.is_dynamo_supported():
+            return "torch.compile does not support this Python and torch"
+        if on_cuda:
+            from torch.utils._triton import has_triton
+
+            # Inductor generates Triton kernels, and Triton supports compute capability
+            # 7.0 and up (torch's GPUTooOldForTriton, in torch 2.9 as in 2.15); below it
+            # has_triton() is False even with triton installed, so ask the GPU first.
+            major, minor = torch.cuda.get_device_capability(device)
+            if torch.version.hip is None and major < 7:
+                return f"this GPU (sm{major}{minor}) is too old for Triton: it needs sm70+"
+            if not has_triton():
+                return "torch.compile on a GPU needs Triton (pip install triton)"
+        elif not _has_cxx_compiler():
+            return "torch.compile on a CPU needs a C++ compiler (g++ or clang++)"
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# What the switches use
+# --------------------------------------------------------------------------- #
+
+
+def fused_sgd_device_types() -> tuple[str, ...]:
+    """The device types whose ``torch.optim.SGD(fused=True)`` this torch runs, as torch lists
+    them (``torch.utils._foreach_utils``; torch 2.15 lists CUDA and the CPU); ``()`` without a
+    ``fused`` argument."""
+    if "fused" not in inspect.signature(torch.optim.SGD).parameters:
+        return ()
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # older torch: fused SGD existed for CUDA only
+        return ("cuda",)
+    return tuple(_get_fused_kernels_supported_devices())
+
+
+def make_sgd(
+    params, lr: float, device: torch.device | str, *, momentum: float = 0.0,
+    weight_decay: float = 0.0,
+) -> torch.optim.SGD:
+    """SGD with the fastest step this torch offers on ``device``: fused, else foreach.
+
+    The for-loop implementation launches kernels for each of the model's parameter
+    tensors (76 for ResNet-18); ``foreach`` (torch's default on CUDA) groups them into
+    a few multi-tensor kernels; ``fused`` does the whole update in one pass and can
+    take GradScaler's scale and inf flag as device tensors, so loss scaling needs no
+    host round trip. Fused SGD exists on CUDA and CPU in recent torch; where it does
+    not, ``foreach`` is used.
+    """
+    params = check_sequence("params", params, of="parameters, e.g. net.parameters()")
+    for p in params:
+        if not isinstance(p, (torch.Tensor, dict)):
+            raise TypeError(f"params must hold tensors (or parameter-group dicts), got "
+                            f"{type(p).__name__} {p!r} among them: pass net.parameters()")
+    lr = check_positive_float("lr", lr)
+    momentum = check_finite_float("momentum", momentum, minimum=0.0)
+    weight_decay = check_finite_float("weight_decay", weight_decay, minimum=0.0)
+    device = as_device(device)
+    kwargs = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if device.type in fused_sgd_device_types():
+        return torch.optim.SGD(params, fused=True, **kwargs)
+    return torch.optim.SGD(params, foreach=True, **kwargs)
+
+
+def as_device_loader(
+    data: object,
+    name: str,
+    device: torch.device,
+    *,
+    batch_size: int | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    channels_last: bool = False,
+) -> DeviceLoader:
+    """``data`` as a :class:`DeviceLoader` on ``device``: a DeviceLoader already there, or,
+    when ``batch_size`` is given, a pair (uint8 images, labels) put there now with the
+    other arguments. Anything else is an error that names the fix."""
+    if isinstance(data, DeviceLoader):
+        if data.device != device:
+            raise ValueError(
+                f"{name} lives on {data.device} but training runs on {device}: build the "
+                f"loader on {device} (e.g. d2lgpu.fashion_mnist_on_device(..., device))"
+            )
+        return data
+    is_pair = isinstance(data, (tuple, list)) and len(data) == 2 and all(
+        isinstance(t, torch.Tensor) for t in data
+    )
+    if is_pair and batch_size is not None:
+        return DeviceLoader(
+            data[0], data[1], batch_size, device=device, shuffle=shuffle, seed=seed,
+            channels_last=channels_last,
+        )
+    accepted = "a d2lgpu.DeviceLoader" + (
+        " or a pair (uint8 images, labels)" if batch_size is not None else ""
+    )
+    raise TypeError(
+        f"{name} must be {accepted}, got {type(data).__name__}. The fast path keeps the "
+        "data set on the device instead of reading a DataLoader: use "
+        "d2lgpu.fashion_mnist_on_device(batch_size, device) (or d2lgpu.train_fast with "
+        "tensor pairs), or switch device_data off (plain d2lgpu.Techniques()) to read a DataLoader."
+    )
+
+
+def compile_model(net: nn.Module, techniques: Techniques, device: torch.device | str) -> nn.Module:
+    """``net`` as ``techniques`` asks: itself, or a ``torch.compile`` wrapper sharing its weights.
+
+    ``compile`` uses the inductor compiler (mode ``"default"`` or
+    ``"max-autotune-no-cudagraphs"``). ``cuda_graphs`` with ``compile`` is mode
+    ``"reduce-overhead"`` (or ``"max-autotune"``), inductor's kernels replayed as CUDA
+    graphs; ``cuda_graphs`` alone is the ``"cudagraphs"`` backend, which records the
+    eager kernels of the forward and backward passes as graphs. Either way torch
+    re-records a graph for each new input shape (e.g. a smaller last batch). A
+    technique that cannot run on ``device`` is an error that says why.
+    """
+    device = as_device(device)
+    for name in ("compile", "cuda_graphs"):
+        if getattr(techniques, name):
+            reason = technique_skip_reason(name, device)
+            if reason is not None:
+                raise ValueError(f"{name}=True cannot run on {device}: {reason}")
+    if techniques.compile and device.type == "cpu":
+        # Inductor's C++ backend loads torch.utils.cpp_extension, which warns on a machine
+        # without CUDA that it found no CUDA runtime: true, and irrelevant to CPU kernels.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    if techniques.compile:
+        modes = {
+            ("default", False): None,
+            ("default", True): "reduce-overhead",
+            ("max-autotune", False): "max-autotune-no-cudagraphs",
+            ("max-autotune", True): "max-autotune",
+        }
+        # fullgraph=True: a graph break, or a model past dynamo's recompile limit (8 cache
+        # entries per function in torch 2.15), raises instead of running eager code
+        # under a compiled label.
+        return torch.compile(net, mode=modes[techniques.compile_mode, techniques.cuda_graphs],
+                             fullgraph=True)
+    if techniques.cuda_graphs:
+        return torch.compile(net, backend="cudagraphs", fullgraph=True)
+    return net
+
 
 #: What :func:`d2lgpu.train` does without being told: loss and accuracy read once per epoch.
 PLAIN = Techniques()

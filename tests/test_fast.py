@@ -478,7 +478,13 @@ def test_the_old_autocast_switch_names_the_precision_word(old):
 def test_fast_techniques_follow_the_skip_reasons_of_the_device():
     fast = Techniques.fast(CPU)
     assert fast.device_data and fast.no_sync
-    assert not (fast.channels_last or fast.fused_optimizer or fast.compile or fast.cuda_graphs)
+    assert not (fast.channels_last or fast.compile or fast.cuda_graphs)
+    # Fused SGD joins the fast path wherever this torch has a fused kernel for the device
+    # type (the CPU in torch 2.15); elsewhere the skip reason says so.
+    fused_here = "cpu" in d2lgpu.fast.fused_sgd_device_types()
+    assert fast.fused_optimizer == fused_here
+    reason = d2lgpu.technique_skip_reason("fused_optimizer", CPU)
+    assert (reason is None) == fused_here and (fused_here or "fused SGD" in reason)
     for name in d2lgpu.fast.TECHNIQUES:
         reason = d2lgpu.technique_skip_reason(name, CPU)
         assert reason is None or len(reason) <= 64, (name, reason)

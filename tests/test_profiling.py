@@ -3,6 +3,7 @@ the ablation, graph breaks, and CUDA graphs by hand."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -378,15 +379,18 @@ def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
     assert [step.label for step in plan] == list(P.ABLATION_LABELS.values())
     assert plan[0].techniques == Techniques.d2l_style()
     skipped = {step.technique: step.skip_reason for step in plan if step.skip_reason}
-    assert set(skipped) == {"precision", "channels_last", "fused_optimizer", "compile",
-                            "cuda_graphs"}
+    # Fused SGD runs on a CPU where torch has the kernel (2.15 does), and its row trains there.
+    fused_here = "cpu" in d2lgpu.fast.fused_sgd_device_types()
+    assert set(skipped) == {"precision", "channels_last", "compile", "cuda_graphs"} | (
+        set() if fused_here else {"fused_optimizer"})
     assert skipped["compile"] == "not today"
     assert all(len(reason) <= 64 for reason in skipped.values())
     # Each row that runs adds its technique to the previous row's; skipped ones add none.
     for before, step in zip(plan, plan[1:], strict=False):
         added = set(step.techniques.enabled) - set(before.techniques.enabled)
         assert added == (set() if step.skip_reason else {step.technique})
-    assert plan[-1].techniques == Techniques(device_data=True, no_sync=True)
+    assert plan[-1].techniques == Techniques(device_data=True, no_sync=True,
+                                             fused_optimizer=fused_here)
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     with_bf16 = P.ablation_plan(CPU)
@@ -599,38 +603,115 @@ def test_op_table_and_read_trace_refuse_what_they_cannot_read(tmp_path):
         P.read_trace(tmp_path)
 
 
-class _FakeEvent:
-    """Stands in for torch.cuda.Event: its clock advances 2 ms per record, 3 ms for the
-    first timing, so the best timing is known."""
+class _FakeCuda:
+    """Stands in for the parts of torch.cuda that the GPU timers and the CUDA-graph capture
+    use, and records which device each call named. Its events' clock advances 2 ms per
+    record, 3 ms for the first timing, so the best timing is known."""
 
-    clock = 0.0
-    created = 0
+    def __init__(self, monkeypatch):
+        self.clock, self.created, self.log = 0.0, 0, []
+        self.current = 0  # the process's current GPU
+        cuda = self
 
-    def __init__(self, enable_timing=False):
-        assert enable_timing
-        _FakeEvent.created += 1
-        self.t = None
+        class Stream:
+            def __init__(self, device=None):
+                self.device = torch.device(device) if device is not None else \
+                    torch.device("cuda", cuda.current)
+                cuda.log.append(("Stream", self.device))
 
-    def record(self):
-        _FakeEvent.clock += 3.0 if _FakeEvent.created <= 2 else 2.0
-        self.t = _FakeEvent.clock
+            def wait_stream(self, other):
+                assert other.device == self.device, "a stream waits on another GPU's stream"
 
-    def synchronize(self):
-        assert self.t is not None
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                cuda.created += 1
+                self.t = None
 
-    def elapsed_time(self, end):
-        return end.t - self.t
+            def record(self, stream=None):
+                cuda.log.append(("record", stream.device if stream else cuda.current))
+                cuda.clock += 3.0 if cuda.created <= 2 else 2.0
+                self.t = cuda.clock
+
+            def synchronize(self):
+                assert self.t is not None
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+
+        @contextlib.contextmanager
+        def device(d):
+            before, cuda.current = cuda.current, torch.device(d).index
+            cuda.log.append(("device", cuda.current))
+            try:
+                yield
+            finally:
+                cuda.current = before
+
+        def current_stream(device=None):
+            d = torch.device("cuda", cuda.current) if device is None else torch.device(device)
+            cuda.log.append(("current_stream", d))
+            return Stream(d)
+
+        @contextlib.contextmanager
+        def stream(s):
+            assert s.device.index == cuda.current, "a stream of another GPU made current"
+            yield
+
+        class CUDAGraph:
+            def replay(self):
+                cuda.log.append(("replay", cuda.current))
+
+        @contextlib.contextmanager
+        def graph(g):
+            cuda.log.append(("graph", cuda.current))
+            yield
+
+        self.Stream = Stream
+        for name, value in (("Event", Event), ("Stream", Stream), ("device", device),
+                            ("current_stream", current_stream), ("stream", stream),
+                            ("CUDAGraph", CUDAGraph), ("graph", graph)):
+            monkeypatch.setattr(torch.cuda, name, value)
 
 
-def test_gpu_timings_come_from_cuda_events(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+def test_gpu_timings_come_from_cuda_events_on_the_given_device(monkeypatch):
+    cuda = _FakeCuda(monkeypatch)
     monkeypatch.setattr(P, "time_fn", lambda *a, **k: pytest.fail("host clock used on a GPU"))
-    _FakeEvent.clock, _FakeEvent.created = 0.0, 0
     calls = []
-    seconds = P._best_seconds(lambda: calls.append(1), torch.device("cuda", 0), warmup=2,
-                              repeats=3)
-    assert len(calls) == 5 and _FakeEvent.created == 6
+    seconds = P._best_seconds(lambda: calls.append(cuda.current), torch.device("cuda", 1),
+                              warmup=2, repeats=3)
+    assert len(calls) == 5 and cuda.created == 6
     assert seconds == pytest.approx(2e-3)  # the best pair, in seconds
+    # The work ran with GPU 1 current, and the events were recorded on GPU 1's stream,
+    # although GPU 0 is the process's current device.
+    assert calls == [1] * 5 and cuda.current == 0
+    assert ("current_stream", torch.device("cuda", 1)) in cuda.log
+    assert {d for what, d in cuda.log if what == "record"} == {torch.device("cuda", 1)}
+
+
+def test_captured_step_uses_the_streams_of_the_batchs_gpu(monkeypatch):
+    cuda = _FakeCuda(monkeypatch)
+    gpu1 = torch.device("cuda", 1)
+
+    class OnGpu1(torch.Tensor):  # a CPU tensor that says it lives on cuda:1
+        @property
+        def device(self):
+            return gpu1
+
+        def clone(self, *args, **kwargs):
+            return torch.Tensor.clone(self).as_subclass(OnGpu1)
+
+    X = torch.randn(4, 1, 8, 8).as_subclass(OnGpu1)
+    y = (torch.arange(4) % 4).as_subclass(OnGpu1)
+    net = tiny_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    step = P.capture_training_step(net, nn.functional.cross_entropy, opt, (X, y),
+                                   warmup_steps=1)
+    step(X, y)
+    streams = [d for what, d in cuda.log if what == "Stream"]
+    assert streams and set(streams) == {gpu1}  # the side stream and the main one: GPU 1's
+    assert ("graph", 1) in cuda.log and ("replay", 1) in cuda.log
+    assert cuda.current == 0
 
 
 def test_stream_bandwidth_counts_three_passes():
@@ -644,48 +725,76 @@ def test_stream_bandwidth_counts_three_passes():
         P.measure_stream_bandwidth(CPU, 0)
 
 
-def _row(label_index, speeds, ran=True):
+def _row(label_index, speeds, ran=True, runs=2):
+    """A row whose ``speeds`` (epochs after the first) came from ``runs`` interleaved runs."""
+    import statistics
+
     plan = P.ablation_plan(CPU, skip={"compile": "not here"})
     step = plan[label_index]
     if not ran:
         return P.AblationRow(step)
     history = d2lgpu.History(examples_per_second=[1.0, *speeds], test_acc=[0.8] * 5,
                              epoch_seconds=[1.0] * 5)
-    import statistics
+    per_run = len(speeds) // runs
+    rounds = tuple(tuple(speeds[i * per_run:(i + 1) * per_run]) for i in range(runs))
+    return P.AblationRow(step, history, statistics.median(speeds), None, tuple(speeds), rounds)
 
-    return P.AblationRow(step, history, statistics.median(speeds), None, tuple(speeds))
+
+@pytest.mark.parametrize("ratios, verdict", [
+    ([1.10, 1.12, 1.5], "faster"),  # median 1.12, just past 1 + 10 %
+    ([1.09, 1.08, 2.0], "same speed (within 10%)"),  # median just short of it
+    ([0.90, 0.85, 0.5], "slower"),  # median 0.85 < 1 / 1.1
+    ([0.92, 0.95, 0.1], "same speed (within 10%)"),  # median 0.92 > 1 / 1.1 = 0.909
+    ([1.0], "same speed (within 10%)"),
+])
+def test_speed_verdict_on_both_sides_of_its_margins(ratios, verdict):
+    assert P.speed_verdict(ratios) == verdict
 
 
-def test_ablation_verdicts_follow_the_spread():
-    base = _row(0, [100, 104, 98, 102])
+def test_speed_verdict_margin_and_checks():
+    assert P.speed_verdict([1.06], margin=0.05) == "faster"
+    assert P.speed_verdict([1.04], margin=0.05) == "same speed (within 5%)"
+    with pytest.raises(ValueError):
+        P.speed_verdict([])
+    with pytest.raises(ValueError):
+        P.speed_verdict([1.0, -1.0])
+
+
+def test_ablation_verdicts_pair_epochs_of_the_same_run():
+    base = _row(0, [100, 104, 50, 52])  # run 2 of everything hit a busy spell
     assert P.ablation_verdict(base, base) == "baseline"
-    assert P.ablation_verdict(_row(1, [150, 160, 155, 149]), base) == "faster"
-    assert P.ablation_verdict(_row(1, [50, 55, 52, 51]), base) == "slower"
-    assert P.ablation_verdict(_row(1, [101, 120, 99, 103]), base) == "within the noise"
-    # One uncontended epoch (10x its neighbours) must not make a verdict:
-    wild = _row(0, [700, 7168, 690, 720])
-    assert P.ablation_verdict(_row(1, [900, 950, 920, 940]), wild) == "spread too wide"
-    assert P.ablation_verdict(_row(1, [150]), _row(0, [100])) == "too few epochs"
+    # Faster epoch by epoch, though its slow run is slower than the baseline's fast one:
+    faster = _row(1, [150, 160, 75, 77])
+    assert P.speed_ratios(faster, base) == pytest.approx((1.5, 160 / 104, 1.5, 77 / 52))
+    assert P.ablation_verdict(faster, base) == "faster"
+    assert P.ablation_verdict(_row(1, [60, 62, 30, 31]), base) == "slower"
+    assert P.ablation_verdict(_row(1, [103, 101, 51, 53]), base) == "same speed (within 10%)"
     assert P.ablation_verdict(_row(1, [], ran=False), base) == "skipped"
-    assert base.spread == pytest.approx(6 / 101)
+    with pytest.raises(TypeError):
+        P.ablation_verdict(base, None)
 
 
-def test_ablation_table_and_plot_show_the_verdicts():
+def test_ablation_table_and_plot_compare_each_row_with_the_one_before():
     import matplotlib
 
     matplotlib.use("Agg")
-    rows = [_row(0, [100, 104, 98, 102]), _row(1, [150, 160, 155, 149]),
-            _row(2, [101, 120, 99, 103]), _row(3, [], ran=False)]
+    rows = [_row(0, [100, 100, 100, 100]), _row(1, [150, 160, 150, 150]),
+            _row(2, [150, 158, 152, 151]), _row(3, [], ran=False),
+            _row(4, [120, 120, 120, 120])]
+    assert P.previous_ran(rows, rows[4]) is rows[2] and P.previous_ran(rows, rows[0]) is rows[0]
     table = P.format_ablation_table(rows)
     assert all(len(line) <= 100 for line in table.splitlines())
-    body = table.splitlines()[2:6]
+    body = table.splitlines()[2:7]
     assert body[0].endswith("baseline") and body[1].endswith("faster")
-    assert body[2].endswith("within the noise") and "skipped" in body[3]
-    assert "cannot tell the two apart" in table
+    assert body[2].endswith("same speed (within 10%)") and "skipped" in body[3]
+    assert body[4].endswith("slower")  # against row 2 (row 3 skipped), not the baseline
+    assert " 1.50x " in body[1] and " 1.20x " in body[4]  # x base of the last row
+    notes = table.splitlines()[-2:]
+    assert notes[0].startswith("x prev") and notes[1].startswith("x base")
     ax = P.plot_ablation(rows)
     colours = [matplotlib.colors.to_hex(p.get_facecolor()) for p in ax.patches]
     assert colours == [matplotlib.colors.to_hex(c) for c in ("tab:blue", "tab:green",
-                                                             "tab:gray")]
+                                                             "tab:gray", "tab:red")]
     with pytest.raises(TypeError):
         P.format_ablation_table(None)
 
@@ -707,6 +816,7 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
     assert order == labels + labels  # round 1 of every row, then round 2
     assert seen == rows
     assert rows[0].speeds == (10.0, 10.0, 40.0, 40.0) and rows[0].images_per_second == 25.0
+    assert rows[0].round_speeds == ((10.0, 10.0), (40.0, 40.0))
     with pytest.raises(ValueError, match="repeats"):
         P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU, repeats=0)
 
@@ -769,3 +879,96 @@ def test_memory_timeline_roofline_plot_and_gaps_name_a_bad_argument(call, name):
 def test_timeline_plot_cuda_graph_and_explain_name_a_bad_argument(call, name):
     with pytest.raises(TypeError, match=name):
         call()
+
+
+# --------------------------------------------------------------------------- #
+# Compiled comparisons stay compiled: dynamo's recompile limit
+# --------------------------------------------------------------------------- #
+
+
+def _compiled_twice(compile_fn):
+    """Two fresh models through ``compile_fn``, on two batch sizes, with dynamo's recompile
+    limit at 1 (8 in torch): the cache of ``forward`` is shared by every instance, so the
+    second shape is one entry too many unless the caches were emptied."""
+    with torch._dynamo.config.patch(recompile_limit=1):
+        return [compile_fn(tiny_net())(torch.randn(n, 1, 8, 8)) for n in (2, 3)]
+
+
+def test_past_the_recompile_limit_fullgraph_raises_instead_of_running_eager():
+    torch._dynamo.reset()
+    # Without fullgraph, the second model silently runs eagerly; with it, an error.
+    _compiled_twice(lambda net: torch.compile(net, backend="eager", dynamic=False))
+    torch._dynamo.reset()
+    with pytest.raises(getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", Exception)):
+        _compiled_twice(lambda net: torch.compile(net, backend="eager", dynamic=False,
+                                                  fullgraph=True))
+    # fresh_compile empties the caches first: every model gets compiled.
+    outs = _compiled_twice(lambda net: P.fresh_compile(net, backend="eager", dynamic=False))
+    assert [o.shape[0] for o in outs] == [2, 3]
+    torch._dynamo.reset()
+    with pytest.raises(TypeError):
+        P.fresh_compile(7)
+
+
+def test_compile_modes_compile_the_whole_step_after_a_reset(monkeypatch):
+    resets = []
+    real_reset = torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: (resets.append(1), real_reset()))
+    X, y = torch.randn(8, 1, 8, 8), torch.arange(8) % 4
+    rows = P.compare_compile_modes(tiny_net, (X, y), CPU, modes=("eager", "default"),
+                                   repeats=2, backend="eager")
+    assert [r.mode for r in rows] == ["eager", "default"] and len(resets) == 1
+    # Same seed and steps: the compiled step (optimizer update included) computes the eager one.
+    assert rows[1].loss == pytest.approx(rows[0].loss, rel=1e-5)
+
+
+def test_run_ablation_resets_dynamo_before_every_compiled_run(monkeypatch):
+    events = []
+
+    def fake_train(net, train_iter, test_iter, num_epochs, lr, device, *, techniques, **kw):
+        events.append("compiled" if techniques.compile else "eager")
+        return d2lgpu.History(examples_per_second=[1.0, 2.0], test_acc=[0.9] * 2,
+                              epoch_seconds=[1.0] * 2)
+
+    monkeypatch.setattr(P, "train", fake_train)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+    plan = [s for s in P.ablation_plan(CPU) if s.technique in (None, "compile")]
+    if plan[-1].skip_reason:
+        pytest.skip(f"no torch.compile here: {plan[-1].skip_reason}")
+    P.run_ablation(tiny_net, plan, (None, None), (None, None), 2, 0.1, CPU, repeats=2)
+    assert events == ["eager", "reset", "compiled"] * 2
+
+
+def test_compile_model_compiles_with_fullgraph(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda net, **kw: seen.update(kw) or net)
+    from d2lgpu.training import compile_model
+
+    if d2lgpu.technique_skip_reason("compile", CPU):
+        pytest.skip("no torch.compile here")
+    compile_model(tiny_net(), Techniques(compile=True), CPU)
+    assert seen.get("fullgraph") is True
+
+
+@pytest.mark.parametrize("ratio, verdict", [
+    (0.76, "as fast as the add (within 25%)"), (0.74, "slower than the add"),
+    (1.24, "as fast as the add (within 25%)"), (1.26, "faster than the add"),
+])
+def test_bandwidth_verdict_on_both_sides_of_its_tolerance(ratio, verdict):
+    assert P.bandwidth_verdict(ratio) == verdict
+
+
+def test_bandwidth_verdict_refuses_nonsense():
+    with pytest.raises(ValueError):
+        P.bandwidth_verdict(0.0)
+    assert P.bandwidth_verdict(1.1, tolerance=0.05) == "faster than the add"
+
+
+def test_paired_multiply_add_ratio_is_a_positive_median(monkeypatch):
+    times = iter([2.0, 1.0, 3.0, 3.0, 1.0, 2.0])  # add, multiply, add, multiply, ...
+    monkeypatch.setattr(P, "_best_seconds", lambda fn, device, **kw: next(times))
+    assert P.paired_multiply_add_ratio(CPU, 8, repeats=3) == pytest.approx(1.0)
+    monkeypatch.undo()
+    assert P.paired_multiply_add_ratio(CPU, 1 << 12, repeats=3) > 0
+    with pytest.raises(ValueError):
+        P.paired_multiply_add_ratio(CPU, 0)
