@@ -294,6 +294,10 @@ def as_device_loader(
     """``data`` as a :class:`DeviceLoader` on ``device``: a DeviceLoader already there, or,
     when ``batch_size`` is given, a pair (uint8 images, labels) put there now with the
     other arguments. Anything else is an error that names the fix."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be the argument's name (a str, e.g. 'train_data'), "
+                        f"got {name!r}")
+    device = as_device(device)
     if isinstance(data, DeviceLoader):
         if data.device != device:
             raise ValueError(
@@ -331,6 +335,10 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
     re-records a graph for each new input shape (e.g. a smaller last batch). A
     technique that cannot run on ``device`` is an error that says why.
     """
+    check_module("net", net)
+    if not isinstance(techniques, Techniques):
+        raise TypeError(f"techniques must be a d2lgpu.Techniques (e.g. Techniques(compile=True)), "
+                        f"got {type(techniques).__name__} {techniques!r}")
     device = as_device(device)
     for name in ("compile", "cuda_graphs"):
         if getattr(techniques, name):

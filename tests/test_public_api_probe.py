@@ -97,6 +97,12 @@ VALID = {
         net=_linear(), train_iter=_loader(), loss_fn=nn.CrossEntropyLoss(),
         optimizer=torch.optim.SGD(_linear().parameters(), lr=0.1), device=CPU,
         policy=precision_policy(CPU, "fp32"), scaler=precision_policy(CPU, "fp32").make_scaler()),
+    training.technique_skip_reason: lambda: dict(technique="channels_last", device=CPU),
+    training.make_sgd: lambda: dict(params=list(_linear().parameters()), lr=0.1, device=CPU),
+    training.compile_model: lambda: dict(net=_linear(), techniques=training.Techniques(),
+                                         device=CPU),
+    training.as_device_loader: lambda: dict(data=_uint8_pair(), name="train_data", device=CPU,
+                                            batch_size=10),
     training.train_fast: lambda: dict(
         net=_linear(), train_data=_uint8_pair(), test_data=_uint8_pair(), num_epochs=1, lr=0.1,
         device=CPU, batch_size=10, progress=False, init=True),
@@ -124,10 +130,11 @@ def test_every_public_name_of_the_core_modules_is_probed():
                      if callable(getattr(module, name)) and name.islower() or
                      inspect.isclass(getattr(module, name))}
         probed = {f.__name__ for f in VALID if f.__module__ == module.__name__}
-        # ChapterClock and its helpers have their own tests; History is a plain record;
-        # the other two take nothing, or None as a meaning (all GPUs).
+        # ChapterClock and its helpers have their own tests; History and Techniques are
+        # plain records (Techniques' switches are tested in test_fast); the others take
+        # nothing, or None as a meaning (all GPUs).
         exempt = {"ChapterClock", "start_chapter", "calibration_seconds", "History",
-                  "resolve_devices", "in_notebook"}
+                  "Techniques", "resolve_devices", "in_notebook", "fused_sgd_device_types"}
         assert callables - probed - exempt == set(), module.__name__
 
 
