@@ -60,7 +60,7 @@ from d2lgpu.checks import (
     positive_int_flag,
     positive_number_flag,
 )
-from d2lgpu.devices import num_gpus
+from d2lgpu.devices import apply_nccl_p2p_decision, num_gpus
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -1155,13 +1155,17 @@ def _check_launch(
 
 
 def _rank_environment() -> dict[str, str]:
-    """The ranks' environment: this process's, plus the loopback interface for gloo.
+    """The ranks' environment: this process's, plus the loopback interface for gloo and
+    the NCCL peer-to-peer decision of :func:`d2lgpu.devices.apply_nccl_p2p_decision`.
 
     Set for the ranks only, not in this process, whose later children inherit it.
     """
     environment = dict(os.environ)
     if "GLOO_SOCKET_IFNAME" not in environment and _loopback_interface():
         environment["GLOO_SOCKET_IFNAME"] = _loopback_interface() or ""
+    # NCCL_P2P_DISABLE=1 where peer copies between the GPUs are broken (Kaggle's T4s);
+    # a value the user set stays. A no-op with fewer than two GPUs.
+    apply_nccl_p2p_decision(environment)
     return environment
 
 
