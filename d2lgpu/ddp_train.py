@@ -4,11 +4,18 @@ One machine, two processes (GPUs when there are two, CPU and gloo otherwise)::
 
     torchrun --standalone --nproc_per_node=2 -m d2lgpu.ddp_train --epochs 2
 
-Two machines (run the same line on both, with ``--node-rank`` 0 and 1, and the
-address of machine 0 in ``--rdzv-endpoint``)::
+Two machines, with the c10d rendezvous: the same line on both (torchrun numbers the
+machines itself and ignores ``--node-rank`` here), with the address of machine 0 in
+``--rdzv-endpoint``::
 
-    torchrun --nnodes=2 --node-rank=0 --nproc_per_node=1 \\
-        --rdzv-backend=c10d --rdzv-endpoint=HOST0:29400 -m d2lgpu.ddp_train
+    torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST0:29400 --rdzv-id=job1 -m d2lgpu.ddp_train
+
+or with the static rendezvous, numbering the machines yourself (``R`` = 0 on HOST0, 1 on
+the other)::
+
+    torchrun --nnodes=2 --node-rank=R --nproc_per_node=1 \\
+        --master-addr=HOST0 --master-port=29500 -m d2lgpu.ddp_train
 
 What every rank does, top to bottom in :func:`train_ddp`: same seed, same
 initial model (DDP also broadcasts rank 0's weights); a ``DistributedSampler``

@@ -17,14 +17,21 @@ of distinct devices a training loop runs on.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+import os
+import subprocess
+import sys
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "P2PDecision",
+    "apply_nccl_p2p_decision",
     "as_device",
     "cpu",
     "gpu",
+    "nccl_p2p_decision",
     "num_gpus",
     "require_cuda_device",
     "resolve_devices",
@@ -193,3 +200,132 @@ def resolve_devices(
         if len({d.index for d in resolved}) != len(resolved):
             raise ValueError(f"devices repeats a GPU: {[str(d) for d in resolved]}")
     return resolved
+
+
+@dataclass(frozen=True)
+class P2PDecision:
+    """Whether NCCL should copy between GPUs through host memory (``NCCL_P2P_DISABLE=1``).
+
+    ``disable``: the variable is (to be) set to 1; ``reason``: one line saying why;
+    ``user_set``: the environment already held a value, which is left as it is.
+    """
+
+    disable: bool
+    reason: str
+    user_set: bool = False
+
+    def __str__(self) -> str:
+        verdict = "NCCL_P2P_DISABLE=1" if self.disable else "NCCL peer-to-peer left on"
+        return f"{verdict}: {self.reason}"
+
+
+#: Run in a fresh interpreter, so that the caller's process creates no CUDA context on
+#: every GPU and a copy that hangs cannot hang the caller: copy 1 Mi known floats
+#: from GPU i to GPU j for every pair that reports peer access; print the pairs that
+#: came out wrong.
+_PEER_COPY_CHECK = """
+import torch
+n = torch.cuda.device_count()
+bad = []
+for i in range(n):
+    for j in range(n):
+        if i != j and torch.cuda.can_device_access_peer(i, j):
+            x = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{i}")
+            y = x.to(f"cuda:{j}")
+            torch.cuda.synchronize(j)
+            if not torch.equal(y.cpu(), torch.arange(1 << 20, dtype=torch.float32)):
+                bad.append(f"{i}->{j}")
+print("BAD " + " ".join(bad) if bad else "OK")
+"""
+
+
+def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool, str]:
+    """(True, '') when every peer copy between this machine's GPUs arrives intact;
+    (False, what went wrong) when one comes out wrong, hangs or crashes."""
+    try:
+        run = subprocess.run([sys.executable, "-c", _PEER_COPY_CHECK], capture_output=True,
+                             text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"a peer copy did not finish within {timeout_s:g} s"
+    lines = run.stdout.strip().splitlines()
+    if run.returncode != 0 or not lines:
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"the peer copy check failed (exit {run.returncode}: {tail})"
+    if lines[-1] != "OK":
+        return False, f"peer copies arrived wrong ({lines[-1][4:]})"
+    return True, ""
+
+
+def _nvlink_active(index: int) -> bool | None:
+    """Whether GPU ``index`` has an active NVLink, from NVML; None when NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        return True
+                except pynvml.NVMLError:
+                    break  # no such link: the links of this GPU are counted
+            return False
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, or a GPU NVML does not know: cannot say
+        return None
+
+
+def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
+    """Decide whether NCCL's direct GPU-to-GPU copies (P2P) should be switched off here.
+
+    Some machines, Kaggle's two T4s among them, report peer access between their
+    GPUs that does not work: NCCL then hangs or returns wrong sums. The rules, in order:
+
+    1. ``NCCL_P2P_DISABLE`` already in ``environ`` (default ``os.environ``): the user's
+       value stands.
+    2. Fewer than two GPUs: NCCL has no peer to copy to; nothing to set.
+    3. Two T4s without NVLink (T4 boards have no NVLink connector; NVML is asked where
+       it answers): set it. Their PCIe peer path is the one known to fail.
+    4. No pair of GPUs reports peer access (``torch.cuda.can_device_access_peer``):
+       NCCL does not use P2P anyway; nothing to set.
+    5. Peer access is reported: copy a known tensor between every such pair, in a
+       child process with a time limit. A copy that arrives wrong, hangs or crashes:
+       set it. All intact: leave P2P on, it is the fast path.
+    """
+    environ = os.environ if environ is None else environ
+    if "NCCL_P2P_DISABLE" in environ:
+        value = environ["NCCL_P2P_DISABLE"]
+        return P2PDecision(value.strip() not in ("", "0"),
+                           f"NCCL_P2P_DISABLE={value} was already set, and is kept", True)
+    count = num_gpus()
+    if count < 2:
+        return P2PDecision(False, f"{count} GPU(s) here: no peer for NCCL to copy to")
+    names = [torch.cuda.get_device_name(i) for i in range(count)]
+    t4s = [i for i, name in enumerate(names) if "T4" in name.split()]
+    if len(t4s) >= 2 and not any(_nvlink_active(i) for i in t4s):
+        return P2PDecision(True, f"{len(t4s)} T4s without NVLink: their PCIe peer copies "
+                           "are known to hang or sum wrong (as on Kaggle)")
+    pairs = [(i, j) for i in range(count) for j in range(count)
+             if i != j and torch.cuda.can_device_access_peer(i, j)]
+    if not pairs:
+        return P2PDecision(False, "no pair of GPUs reports peer access: NCCL copies through "
+                           "host memory already")
+    ok, problem = _peer_copies_correct()
+    if not ok:
+        return P2PDecision(True, f"peer access is reported, but {problem}")
+    return P2PDecision(False, f"peer copies between all {count} GPUs arrive intact")
+
+
+def apply_nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
+    """:func:`nccl_p2p_decision`, and ``environ["NCCL_P2P_DISABLE"] = "1"`` where it says so.
+
+    Call it where the ranks' environment is built (before any process group starts);
+    it never overwrites a value that is already there. Returns the decision.
+    """
+    environ = os.environ if environ is None else environ
+    decision = nccl_p2p_decision(environ)
+    if decision.disable and not decision.user_set:
+        environ["NCCL_P2P_DISABLE"] = "1"
+    return decision

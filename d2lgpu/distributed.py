@@ -62,7 +62,7 @@ from d2lgpu.checks import (
     positive_int_flag,
     positive_number_flag,
 )
-from d2lgpu.devices import num_gpus
+from d2lgpu.devices import apply_nccl_p2p_decision, num_gpus
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -72,7 +72,10 @@ __all__ = [
     "RankError",
     "add_job_flags",
     "all_reduce_sum",
+    "busiest_gpu_bytes",
     "choose_backend",
+    "dp_or_ddp_speed_verdict",
+    "dp_or_ddp_traffic_verdict",
     "end_process",
     "faulty_worker",
     "find_free_port",
@@ -1350,13 +1353,17 @@ def _check_launch(
 
 
 def _rank_environment() -> dict[str, str]:
-    """The ranks' environment: this process's, plus the loopback interface for gloo.
+    """The ranks' environment: this process's, plus the loopback interface for gloo and
+    the NCCL peer-to-peer decision of :func:`d2lgpu.devices.apply_nccl_p2p_decision`.
 
     Set for the ranks only, not in this process, whose later children inherit it.
     """
     environment = dict(os.environ)
     if "GLOO_SOCKET_IFNAME" not in environment and _loopback_interface():
         environment["GLOO_SOCKET_IFNAME"] = _loopback_interface() or ""
+    # NCCL_P2P_DISABLE=1 where peer copies between the GPUs are broken (Kaggle's T4s);
+    # a value the user set stays. A no-op with fewer than two GPUs.
+    apply_nccl_p2p_decision(environment)
     return environment
 
 
@@ -1700,3 +1707,57 @@ def run_together(
         CommandResult(tuple(command), process.returncode, output)
         for command, process, output in zip(commands, processes, outputs, strict=True)
     ]
+
+
+# --- DataParallel against DDP, counted: the bytes through the busiest GPU of one step ----
+
+
+def busiest_gpu_bytes(
+    param_bytes: int, world_size: int, input_bytes: int = 0, output_bytes: int = 0
+) -> dict[str, float]:
+    """Bytes in and out of the busiest GPU in one training step, for both wrappers.
+
+    ``DataParallel``: GPU 0 sends a copy of every parameter to the other ``N - 1`` GPUs
+    (replicate), scatters ``(N - 1)/N`` of the input batch, gathers ``(N - 1)/N`` of the
+    outputs, and receives every other GPU's gradients (their sum is made on GPU 0).
+    ``DDP``: every rank loads its own share of the batch and sends and receives
+    ``2 (N - 1)/N`` of the gradient bytes in the ring all-reduce; no rank is busier.
+    """
+    check_positive_int("world_size", world_size)
+    for name, value in (("param_bytes", param_bytes), ("input_bytes", input_bytes),
+                        ("output_bytes", output_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number of bytes, 0 or more, got {value!r}")
+    n = world_size
+    share = (n - 1) / n
+    return {
+        "DataParallel": 2 * (n - 1) * param_bytes + share * (input_bytes + output_bytes),
+        "DDP": 2 * 2 * share * param_bytes,  # sent plus received
+    }
+
+
+def dp_or_ddp_traffic_verdict(dp_bytes: float, ddp_bytes: float, margin: float = 1.2) -> str:
+    """Which wrapper moves fewer bytes through its busiest GPU, from the two counts.
+
+    A count has no noise; ``margin`` only keeps a near tie from being called a win.
+    """
+    check_positive_float("margin", margin)
+    if dp_bytes < 0 or ddp_bytes < 0:
+        raise ValueError(f"byte counts must be 0 or more, got {dp_bytes!r} and {ddp_bytes!r}")
+    if dp_bytes > margin * ddp_bytes:
+        return f"DDP: its busiest GPU moves {dp_bytes / ddp_bytes:.1f}x fewer bytes"
+    if ddp_bytes > margin * dp_bytes:
+        return f"DataParallel: its busiest GPU moves {ddp_bytes / dp_bytes:.1f}x fewer bytes"
+    return f"a tie: within {margin:g}x of each other"
+
+
+def dp_or_ddp_speed_verdict(dp_rate: float, ddp_rate: float, margin: float = 1.1) -> str:
+    """Which wrapper trained faster, from two throughputs (examples/s) of the same job."""
+    check_positive_float("margin", margin)
+    if not (dp_rate > 0 and ddp_rate > 0):
+        raise ValueError(f"throughputs must be positive, got {dp_rate!r} and {ddp_rate!r}")
+    if ddp_rate > margin * dp_rate:
+        return f"DDP, {ddp_rate / dp_rate:.2f}x the throughput of DataParallel"
+    if dp_rate > margin * ddp_rate:
+        return f"DataParallel, {dp_rate / ddp_rate:.2f}x the throughput of DDP"
+    return f"a tie: within {margin:g}x of each other"

@@ -1,5 +1,7 @@
 """Tests of d2lgpu.devices: naming the CPU and GPUs, and refusing bad indices."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -178,3 +180,114 @@ def test_require_cuda_device_names_the_spellings_of_a_bad_device():
 def test_a_misspelt_device_gets_one_error_everywhere(call):
     with pytest.raises(ValueError, match=r"'cuda0' is not a device PyTorch understands; use 'cpu'"):
         call("cuda0")
+
+
+# --- NCCL_P2P_DISABLE: the peer-to-peer decision, with faked GPUs ---------------------
+
+from d2lgpu import devices as devices_module  # noqa: E402
+
+
+def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
+    """Pretend this machine has GPUs called ``names``; record whether the copy check ran."""
+    ran = []
+    monkeypatch.setattr(devices_module, "num_gpus", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: peer)
+    monkeypatch.setattr(devices_module, "_nvlink_active", lambda i: nvlink)
+
+    def copy_check():
+        ran.append(True)
+        return (True, "") if copy_ok else (False, "peer copies arrived wrong (0->1)")
+
+    monkeypatch.setattr(devices_module, "_peer_copies_correct", copy_check)
+    return ran
+
+
+def test_p2p_user_value_is_kept(monkeypatch):
+    _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"])
+    for value, disabled in (("0", False), ("1", True)):
+        env = {"NCCL_P2P_DISABLE": value}
+        decision = devices_module.apply_nccl_p2p_decision(env)
+        assert env == {"NCCL_P2P_DISABLE": value}
+        assert decision.user_set and decision.disable is disabled
+        assert "already set" in decision.reason
+
+
+@pytest.mark.parametrize("count", [0, 1])
+def test_p2p_fewer_than_two_gpus_sets_nothing(monkeypatch, count):
+    ran = _fake_gpus(monkeypatch, ["Tesla T4"] * count)
+    env = {}
+    decision = devices_module.apply_nccl_p2p_decision(env)
+    assert not decision.disable and env == {} and not ran
+
+
+def test_p2p_two_t4s_without_nvlink_disable(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"], nvlink=None)
+    env = {}
+    decision = devices_module.apply_nccl_p2p_decision(env)
+    assert decision.disable and env == {"NCCL_P2P_DISABLE": "1"}
+    assert "T4" in decision.reason and "\n" not in decision.reason
+    assert not ran  # decided from the names, without copying
+    assert str(decision).startswith("NCCL_P2P_DISABLE=1: ")
+
+
+def test_p2p_t4s_with_nvlink_go_to_the_copy_check(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"], nvlink=True)
+    assert not devices_module.apply_nccl_p2p_decision({}).disable
+    assert ran
+
+
+def test_p2p_broken_copy_disables(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-40GB"] * 2, peer=True, copy_ok=False)
+    env = {}
+    decision = devices_module.apply_nccl_p2p_decision(env)
+    assert ran and decision.disable and env == {"NCCL_P2P_DISABLE": "1"}
+    assert "peer access is reported" in decision.reason
+
+
+def test_p2p_working_copy_keeps_p2p(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 4, peer=True, copy_ok=True)
+    env = {}
+    decision = devices_module.apply_nccl_p2p_decision(env)
+    assert ran and not decision.disable and env == {}
+    assert "intact" in decision.reason
+
+
+def test_p2p_no_peer_access_needs_no_check(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["NVIDIA L4", "NVIDIA L4"], peer=False)
+    decision = devices_module.apply_nccl_p2p_decision({})
+    assert not decision.disable and not ran and "no pair" in decision.reason
+
+
+def test_p2p_copy_check_reads_the_child(monkeypatch):
+    # The child's verdicts, faked: wrong copies, a crash, a hang.
+    class Run:
+        def __init__(self, out, rc=0, err=""):
+            self.stdout, self.returncode, self.stderr = out, rc, err
+
+    monkeypatch.setattr(devices_module.subprocess, "run", lambda *a, **k: Run("OK\n"))
+    assert devices_module._peer_copies_correct() == (True, "")
+    monkeypatch.setattr(devices_module.subprocess, "run", lambda *a, **k: Run("BAD 0->1\n"))
+    assert devices_module._peer_copies_correct() == (False, "peer copies arrived wrong (0->1)")
+    monkeypatch.setattr(devices_module.subprocess, "run",
+                        lambda *a, **k: Run("", 1, "RuntimeError: CUDA error"))
+    ok, why = devices_module._peer_copies_correct()
+    assert not ok and "CUDA error" in why
+
+    def hang(*a, **k):
+        raise devices_module.subprocess.TimeoutExpired("python", 1)
+
+    monkeypatch.setattr(devices_module.subprocess, "run", hang)
+    ok, why = devices_module._peer_copies_correct(timeout_s=1)
+    assert not ok and "did not finish" in why
+
+
+def test_launcher_rank_environment_applies_the_decision(monkeypatch):
+    from d2lgpu import distributed
+
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"])
+    assert distributed._rank_environment()["NCCL_P2P_DISABLE"] == "1"
+    assert "NCCL_P2P_DISABLE" not in os.environ  # the ranks' copy only
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    assert distributed._rank_environment()["NCCL_P2P_DISABLE"] == "0"

@@ -259,3 +259,37 @@ def test_torchrun_on_two_nodes_trains_one_job_that_only_global_rank_0_reports(tm
     saved = read_snapshot(snapshot)
     assert saved["epochs_done"] == 2 and len(saved["history"]["train_loss"]) == 2
     assert saved["config"]["model"] == "small_cnn"  # quick mode picks the small model
+
+
+# --- DataParallel against DDP: the counts and the verdicts on them ----------------------
+
+def test_busiest_gpu_bytes_counts_both_wrappers():
+    from d2lgpu.distributed import busiest_gpu_bytes
+
+    counts = busiest_gpu_bytes(1000, 4, input_bytes=400, output_bytes=40)
+    assert counts["DataParallel"] == 2 * 3 * 1000 + 0.75 * 440
+    assert counts["DDP"] == 4 * 0.75 * 1000
+    one = busiest_gpu_bytes(1000, 1)
+    assert one == {"DataParallel": 0, "DDP": 0}
+    with pytest.raises(ValueError, match="whole number"):
+        busiest_gpu_bytes(-1, 2)
+
+
+def test_traffic_verdict_on_both_sides_of_its_margin():
+    from d2lgpu.distributed import dp_or_ddp_traffic_verdict
+
+    assert dp_or_ddp_traffic_verdict(130, 100).startswith("DDP")
+    assert dp_or_ddp_traffic_verdict(110, 100).startswith("a tie")
+    assert dp_or_ddp_traffic_verdict(100, 110).startswith("a tie")
+    assert dp_or_ddp_traffic_verdict(100, 130).startswith("DataParallel")
+
+
+def test_speed_verdict_on_both_sides_of_its_margin():
+    from d2lgpu.distributed import dp_or_ddp_speed_verdict
+
+    assert dp_or_ddp_speed_verdict(100, 115).startswith("DDP")
+    assert dp_or_ddp_speed_verdict(100, 105).startswith("a tie")
+    assert dp_or_ddp_speed_verdict(105, 100).startswith("a tie")
+    assert dp_or_ddp_speed_verdict(115, 100).startswith("DataParallel")
+    with pytest.raises(ValueError):
+        dp_or_ddp_speed_verdict(0, 100)
