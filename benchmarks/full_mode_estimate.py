@@ -375,7 +375,9 @@ class Chapter:
 
 CHAPTERS: tuple[Chapter, ...] = (
     Chapter(1, "fresh Python processes; a 3 s busy GPU for NVML", (
-        Fixed("5 fresh Python processes (CUDA_VISIBLE_DEVICES, d2lgpu info)", process_starts=5),
+        Fixed("6 fresh Python processes (CUDA_VISIBLE_DEVICES, PCI order, d2lgpu info)",
+              process_starts=6),
+        Fixed("nvidia-smi", seconds=1.0),
         Fixed("read_nvml_while_busy: 3 s of queued 8192^2 matmuls, NVML read after 1 s",
               seconds=4.0),
     )),
@@ -416,24 +418,32 @@ CHAPTERS: tuple[Chapter, ...] = (
               3_000, 32, epochs=4, runs=15, eval_examples=2_000, loader="tensor"),
     )),
     Chapter(5, "DDP on 2 gloo ranks on the CPU (one GPU: no NCCL); torchrun --full", (
-        Fixed("torchrun + mp.spawn lesson scripts, 2 ranks", process_starts=4),
-        Train("launch + one process: 20 epochs of the 500-image subset, twice", "small_cnn",
-              (1, 28, 28), 500, 32, epochs=20, runs=2, eval_examples=200, on="cpu", processes=2),
-        Fixed("launch x3 (DDP, batch norm, a failing rank) and the 2-node healthcheck",
-              process_starts=6),
+        # 500 training images (the quick subset in every mode), batch 16 over 2 ranks:
+        # the script under torchrun and under mp.spawn, the package in one process, each
+        # 12 epochs; 2 more epochs in one process; 2 epochs with batch norm, 2 ranks and 1.
+        Train("lesson script x2 and the package: 12 epochs of the 500-image subset, x3",
+              "small_cnn", (1, 28, 28), 500, 16, epochs=12, runs=3, eval_examples=200,
+              on="cpu", processes=2),
+        Train("2 more epochs; batch norm: 2 epochs on 2 ranks and on 1", "small_cnn",
+              (1, 28, 28), 500, 16, epochs=2, runs=3, eval_examples=200, on="cpu",
+              processes=2),
         Train("torchrun ddp_train --full: 3 epochs of 60,000 (one restart)", "small_cnn",
               (1, 28, 28), 60_000, 32, epochs=3, eval_examples=10_000, on="cpu", processes=2),
-        Fixed("torchrun agent, workers, restarted workers; hogwild x2", process_starts=5),
+        # One start after another: torchrun's agent then its workers (2 each for the lesson
+        # script and ddp_details.py, 3 for ddp_train with its restart), python then
+        # mp.spawn's children (2), launch for batch norm and for the failing rank (2), the
+        # 2-node healthcheck (2), hogwild.py and its children (2), hogwild_train (1).
+        Fixed("16 process starts, one after another", process_starts=16),
     )),
     Chapter(6, "precision sweeps: an MLP of width 4096 and ResNet-18 at 96x96", (
         # Every mode of d2lgpu.PRECISION_MODES; a T4 (compute capability 7.5) skips tf32
         # and bf16 (mode_unavailable_reason). "fp32" is strict: TF32 off in matmuls and cuDNN.
-        *(Train(f"MLP sweep, {mode}, batch {b}: 3 x (3 + 10) steps", "sweep_mlp 4096x8",
-                (1, 28, 28), b, b, runs=39, precision=mode, kind="gemm", check_memory=True,
+        *(Train(f"MLP sweep, {mode}, batch {b}: 5 x (3 + 10) steps", "sweep_mlp 4096x8",
+                (1, 28, 28), b, b, runs=65, precision=mode, kind="gemm", check_memory=True,
                 skip_on=SKIPPED_ON[mode])
           for mode in SWEEP_MODES for b in (256, 1024, 4096, 16384, 65536)),
-        *(Train(f"ResNet-18 sweep, {mode}, batch {b}: 3 x (3 + 10) steps", "resnet18",
-                (1, 96, 96), b, b, runs=39, precision=mode, check_memory=True,
+        *(Train(f"ResNet-18 sweep, {mode}, batch {b}: 5 x (3 + 10) steps", "resnet18",
+                (1, 96, 96), b, b, runs=65, precision=mode, check_memory=True,
                 skip_on=SKIPPED_ON[mode])
           for mode in SWEEP_MODES for b in (32, 128, 512, 1024, 2048)),
         # estimate_sweep_seconds probes each mode at its largest fitting and its smallest
@@ -476,6 +486,9 @@ CHAPTERS: tuple[Chapter, ...] = (
         Train("two halves of an MLP 2048/8192/8: 6 steps of 32, 5 timed of 256",
               "mlp blocks 2048/8192/8", (2048,), 1472, 1472, precision="fp32", kind="gemm"),
         Fixed("torchrun lesson (4 ranks), launch 2 and 4 ranks", process_starts=4),
+        # Fixed-cost stages sleep 3 x 0.04 s per microbatch: a step of m microbatches on
+        # 2 stages lasts about 0.12 (m + 1) s; m = 2, 4, 8, 2 repeats, 3 schedules.
+        Fixed("fixed-cost pipeline schedules", seconds=3 * 2 * 0.12 * (3 + 5 + 9)),
         # The bubble: microbatches of 8 x 16 tokens through 4 blocks of 256/1024, 2 stages,
         # m = 2..32 (62 in all), 7 repeats, each step timed again stage by stage.
         Train("bubble: 7 x 62 microbatches of 128 tokens, timed twice", "mlp blocks 256/1024/4",
