@@ -75,7 +75,7 @@ T4 = Chip(
     # 65 TFLOPS (Tensor Cores, dense: Turing has no sparsity), GDDR6 320+ GB/s, 16 GB; the
     # same 65 and 320 GB/s as d2lgpu.chips.PEAK_TFLOPS and GPU_DATASHEETS. No TF32 and no
     # native bf16 (compute capability 7.5): "tf32" runs as fp32, bf16 is not used.
-    tflops={"fp32": 8.1, "tf32": 8.1, "fp16": 65.0, "fp64": 0.25},
+    tflops={"fp32": 8.1, "tf32": 8.1, "fp16": 65.0},
     gbps=320.0,
     memory_gib=14.7,  # torch reports 14.7 GiB of the 16 GB (ECC and the driver take some)
     pcie_gbps=6.0,  # PCIe 3.0 x16 on Colab: about 12 pinned, 3 to 6 pageable
@@ -96,10 +96,10 @@ T4 = Chip(
 H100 = Chip(
     "H100",
     # "NVIDIA H100 Tensor Core GPU" datasheet, SXM: FP32 67 TFLOPS (CUDA cores), TF32 Tensor
-    # Core 989 and BF16/FP16 1,979 TFLOPS *with sparsity*, i.e. 495 and 989 dense; FP64 34;
+    # Core 989 and BF16/FP16 1,979 TFLOPS *with sparsity*, i.e. 495 and 989 dense;
     # 3.35 TB/s (the whitepaper's 3352 GB/s, as in d2lgpu.chips.GPU_DATASHEETS); 80 GB.
     # 989 is d2lgpu.chips.PEAK_TFLOPS[("h100", "sxm5")].
-    tflops={"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0, "fp64": 34.0},
+    tflops={"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0},
     gbps=3352.0,
     memory_gib=79.1,
     pcie_gbps=20.0,  # PCIe 5.0 x16: about 50 pinned, less pageable
@@ -133,7 +133,6 @@ UTILISATION: dict[tuple[str, str, str], float] = {
     ("T4", "fp32", "conv"): 0.25,  # chapter 4's own assumption, also 25 %
     ("T4", "tf32", "conv"): 0.25,
     ("T4", "fp16", "conv"): 0.10,
-    ("T4", "fp64", "conv"): 0.5,
     ("T4", "fp32", "gemm"): 0.55,
     ("T4", "tf32", "gemm"): 0.55,
     ("T4", "fp16", "gemm"): 0.35,
@@ -141,7 +140,6 @@ UTILISATION: dict[tuple[str, str, str], float] = {
     ("H100", "tf32", "conv"): 0.06,
     ("H100", "bf16", "conv"): 0.05,
     ("H100", "fp16", "conv"): 0.05,
-    ("H100", "fp64", "conv"): 0.5,
     ("H100", "fp32", "gemm"): 0.60,
     ("H100", "tf32", "gemm"): 0.50,
     ("H100", "bf16", "gemm"): 0.50,
@@ -456,17 +454,20 @@ CHAPTERS: tuple[Chapter, ...] = (
               256, 256, runs=8, precision="fp32"),
     )),
     Chapter(7, "the ablation: ResNet-18, 8 rows x 2 repeats x 3 epochs", (
+        # Rows without the precision technique train in strict fp32 (Techniques.precision
+        # "fp32": d2lgpu.train turns TF32 off for matmuls and cuDNN).
         Train("ablation, d2l-style row (DataLoader): 2 x 3 epochs", "resnet18", (1, 28, 28),
-              60_000, 256, epochs=3, runs=2, eval_examples=10_000, loader="pil"),
+              60_000, 256, epochs=3, runs=2, precision="fp32", eval_examples=10_000,
+              loader="pil"),
         Train("ablation, 2 fp32 rows on device data: 2 x 3 epochs each", "resnet18", (1, 28, 28),
-              60_000, 256, epochs=3, runs=4, eval_examples=10_000),
+              60_000, 256, epochs=3, runs=4, precision="fp32", eval_examples=10_000),
         Train("ablation, 5 autocast rows: 2 x 3 epochs each", "resnet18", (1, 28, 28), 60_000,
               256, epochs=3, runs=10, precision="amp", eval_examples=10_000),
         Fixed("compile and CUDA-graph rows: ResNet-18 compiled 4 times", compiles=4),
         Fixed("small CNN compiled: first call, then default, reduce-overhead, max-autotune",
               small_compiles=3, autotunes=1),
-        Matmuls("roofline: 6 matmuls 8192^2 (fp32 on a T4, bf16 on an H100)", 2 * 8192**3, 6,
-                precision="amp"),
+        Matmuls("roofline: 6 matmuls 8192^2, autocast's format (T4 fp16, H100 bf16)",
+                2 * 8192**3, 6, precision="amp"),
         Traffic("roofline: copies and adds of 2**27 floats", 12 * 2**27, 30),
         Train("CUDA graphs and memory snapshot: small CNN, 3 passes over 60,000", "small_cnn",
               (1, 28, 28), 60_000, 256, epochs=3),
@@ -540,6 +541,10 @@ def fits(seconds: float, budget: float = BUDGET_SECONDS) -> str:
 
 
 def _minutes(seconds: float) -> str:
+    if seconds == 0:
+        return "-"
+    if seconds < 1:
+        return "<1 s"
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
@@ -549,12 +554,15 @@ def _flops(flops: float) -> str:
 
 
 def table(estimates: dict[int, dict[str, ChapterEstimate]]) -> str:
-    rows = ["| ch | dominant work | GPU FLOPs | T4: GPU work at peak | T4 estimate "
+    rows = ["| ch | dominant work | GPU FLOPs, T4 / H100 | T4: GPU work at peak | T4 estimate "
             "| H100: GPU work at peak | H100 estimate | fits 30 min on a T4 |",
             "|---|---|---|---|---|---|---|---|"]
     for number, by_chip in estimates.items():
         t4, h100 = by_chip["T4"], by_chip["H100"]
-        rows.append(f"| {number} | {t4.chapter.dominant} | {_flops(t4.gpu_flops)} "
+        flops = _flops(t4.gpu_flops)
+        if _flops(h100.gpu_flops) != flops:  # the H100 runs sweep rows a T4 skips
+            flops += f" / {_flops(h100.gpu_flops)}"
+        rows.append(f"| {number} | {t4.chapter.dominant} | {flops} "
                     f"| {_minutes(t4.at_peak)} | {_minutes(t4.seconds)} "
                     f"| {_minutes(h100.at_peak)} | {_minutes(h100.seconds)} "
                     f"| {fits(t4.seconds)} |")
