@@ -4,10 +4,11 @@ Full mode is what a chapter runs by default on a CUDA GPU (``d2lgpu.pick(full=..
 Its workloads are written below as data, per chapter, from the ``pick(full=...)`` values
 in the notebooks and the package functions they call (the notebooks as of 2026-11-25:
 chapters 1 and 3 at commit ba03ec2, 5 at 6b1715b, 6 at f6054cd, 7 at f706881, 9 at
-32fe467, the others at 1685919). When a chapter's sizes change, change its entry. For each workload the script counts
-the work (FLOPs with :func:`d2lgpu.chips.training_flops_per_example`, which runs torch's
-``FlopCounterMode`` over one forward and backward pass on the CPU; bytes by hand where the
-work is memory-bound) and turns it into seconds with data-sheet peaks, a stated share of
+32fe467, the others at 1685919). When a chapter's sizes change, change its entry.
+For each workload the script counts the work (FLOPs with
+:func:`d2lgpu.chips.training_flops_per_example`, which runs torch's ``FlopCounterMode``
+over one forward and backward pass on the CPU; bytes by hand where the work is
+memory-bound) and turns it into seconds with data-sheet peaks, a stated share of
 each peak, and stated host-side costs (kernel launches, data loading, process starts,
 compiling). Nothing here runs on a GPU: these are estimates, not measurements.
 
