@@ -460,11 +460,11 @@ CHAPTERS: tuple[Chapter, ...] = (
         # Rows without the precision technique train in strict fp32 (Techniques.precision
         # "fp32": d2lgpu.train turns TF32 off for matmuls and cuDNN).
         Train("ablation, d2l-style row (DataLoader): 2 x 3 epochs", "resnet18", (1, 28, 28),
-              60_000, 256, epochs=3, runs=2, precision="fp32", eval_examples=10_000,
+              15_000, 256, epochs=3, runs=2, precision="fp32", eval_examples=10_000,
               loader="pil"),
         Train("ablation, 2 fp32 rows on device data: 2 x 3 epochs each", "resnet18", (1, 28, 28),
-              60_000, 256, epochs=3, runs=4, precision="fp32", eval_examples=10_000),
-        Train("ablation, 5 autocast rows: 2 x 3 epochs each", "resnet18", (1, 28, 28), 60_000,
+              15_000, 256, epochs=3, runs=4, precision="fp32", eval_examples=10_000),
+        Train("ablation, 5 autocast rows: 2 x 3 epochs each", "resnet18", (1, 28, 28), 15_000,
               256, epochs=3, runs=10, precision="amp", eval_examples=10_000),
         Fixed("compile and CUDA-graph rows: ResNet-18 compiled 4 times", compiles=4),
         Fixed("small CNN compiled: first call, then default, reduce-overhead, max-autotune",
