@@ -327,12 +327,33 @@ def test_the_ranks_that_did_not_time_out_are_found_within_the_gather_time(monkey
     assert time.monotonic() - start < 0.3  # everyone noted: no wait
 
 
-@pytest.mark.parametrize("ranks, claimed", [([0, 0], 0), ([0, 1, 1], 1)])
-def test_two_processes_with_one_rank_are_named_as_such(ranks, claimed):
-    with pytest.raises((RuntimeError, ValueError),
-                       match=rf"two processes claim rank {claimed}\b.*own rank, 0 to world_size-1"):
-        launch(workers.claim_rank, len(ranks), (ranks, len(ranks), find_free_port()),
-               timeout_s=60)
+def test_two_processes_that_claim_rank_0_are_named_as_such():
+    # The second rank 0 finds the port taken and asks the store there who serves it.
+    with pytest.raises(RuntimeError, match=r"two processes claim rank 0\b.*own rank, 0 to "
+                                           r"world_size-1"):
+        launch(workers.claim_rank, 2, ([0, 0], 2, find_free_port()), timeout_s=60)
+
+
+def test_a_second_claim_of_any_rank_is_named_and_reported_to_the_ranks_waiting(monkeypatch):
+    # The claims of the rendezvous, with two processes faked in this one (no process starts).
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    monkeypatch.setattr(distributed, "_this_process", lambda: "process 1 on a")
+    with pytest.raises(TimeoutError):  # rank 1 claimed; ranks 0 and 2 never come
+        distributed._meet(store, 1, 3, timeout_s=0.2)
+    monkeypatch.setattr(distributed, "_this_process", lambda: "process 2 on a")
+    with pytest.raises(ValueError, match=r"two processes claim rank 1: process 1 on a joined "
+                                         r"as rank 1 first, then process 2 on a"):
+        distributed._meet(store, 1, 3, timeout_s=0.2)
+    # A rank still waiting for the others then says that a rank was claimed twice.
+    monkeypatch.setattr(distributed, "_this_process", lambda: "process 3 on a")
+    with pytest.raises(TimeoutError, match=r"only 2 of 3 ranks arrived.*never came: 2; a "
+                                           r"second process also claimed rank 1"):
+        distributed._meet(store, 0, 3, timeout_s=0.2)
 
 
 def test_fewer_processes_than_the_world_size_says_how_many_arrived():

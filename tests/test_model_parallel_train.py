@@ -184,20 +184,17 @@ def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, one_rank
 
 
 @needs_fsdp2_on_cpu
-@pytest.mark.parametrize("damage, words", [
-    (lambda d: (d / "extra.json").write_text(""), "file extra.json is empty"),
-    (lambda d: (d / "extra.json").unlink(), "file extra.json is missing"),
-])
-def test_a_damaged_extra_json_is_named_with_the_step_to_resume_from(
-    tmp_path, one_rank, damage, words
-):
+def test_a_damaged_extra_json_is_named_with_the_step_to_resume_from(tmp_path, one_rank):
     # Damage is checked before the settings: never "does not record the settings".
     base = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=3, lr=LR)
     ResumableTwoDRun(base, str(tmp_path), save_every=1).run(one_rank)
-    damage(tmp_path / "step-000003")
-    with pytest.raises(CheckpointError, match=words) as info:
-        ResumableTwoDRun(replace(base, steps=4), str(tmp_path), save_every=1).run(one_rank)
-    assert "Delete " in str(info.value) and "resume from step-000002" in str(info.value)
+    extra = tmp_path / "step-000003" / "extra.json"
+    for damage, words in ((lambda: extra.write_text(""), "file extra.json is empty"),
+                          (extra.unlink, "file extra.json is missing")):
+        damage()
+        with pytest.raises(CheckpointError, match=words) as info:
+            ResumableTwoDRun(replace(base, steps=4), str(tmp_path), save_every=1).run(one_rank)
+        assert "Delete " in str(info.value) and "resume from step-000002" in str(info.value)
 
 
 @needs_fsdp2_on_cpu
