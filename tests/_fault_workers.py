@@ -117,9 +117,3 @@ def claim_rank(rank: int, ranks: list[int], world_size: int, master_port: int) -
     """Process ``rank`` joins the group as rank ``ranks[rank]``: two processes may claim one."""
     with process_group(ranks[rank], world_size, master_port=master_port, timeout_s=5):
         pass
-
-
-def join_a_bigger_world(rank: int, world_size: int, master_port: int) -> None:
-    """Every process is told the world has ``world_size`` ranks (more than were started)."""
-    with process_group(rank, world_size, master_port=master_port, timeout_s=3):
-        pass
