@@ -97,3 +97,26 @@ def test_nothing_imports_in_a_circle():
     for m in MODULES:
         if m not in state:
             visit(m, [])
+
+
+EXERCISE_CHECKS = sorted((PACKAGE / "exercises").glob("ch[0-9][0-9].py"))
+
+
+def test_every_chapter_has_its_exercise_checks_and_nothing_imports_them():
+    assert [p.stem for p in EXERCISE_CHECKS] == [f"ch{n:02d}" for n in range(1, 10)]
+    for module in MODULES:
+        assert "exercises" not in imports_of(PACKAGE / f"{module}.py"), (
+            f"d2lgpu.{module} imports d2lgpu.exercises: the checks sit on top of the package")
+
+
+@pytest.mark.parametrize("path", EXERCISE_CHECKS, ids=lambda p: p.stem)
+def test_a_chapters_exercise_checks_import_only_what_it_and_earlier_chapters_teach(path):
+    chapters = module_chapters()
+    shared = moved_down()
+    own = int(path.stem[2:])
+    for imported in imports_of(path) - {"exercises"}:
+        theirs = SHARED if imported in shared else chapters[imported]
+        later = theirs != SHARED and theirs > own
+        if later and not (imported in EXCEPTIONS and own >= EXCEPTIONS[imported]):
+            pytest.fail(f"d2lgpu.exercises.{path.stem} imports d2lgpu.{imported}, taught in "
+                        f"chapter {theirs}: an exercise may use only what its chapter has taught")

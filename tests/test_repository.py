@@ -15,7 +15,8 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli", reason="on Python 3.10 reading TOML needs tomli")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb")) + sorted(
+    (REPO_ROOT / "notebooks" / "solutions").glob("*.ipynb"))
 PYPROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
 # The first code cell of every notebook, character for character.
@@ -144,6 +145,11 @@ def test_notebook_has_no_errors_and_enough_checked_outputs(path):
             continue
         outputs = cell.get("outputs", [])
         errors = [o for o in outputs if o.get("output_type") == "error"]
+        # The one error a chapter shows: an exercise's check on its unchanged stub
+        # (tests/test_exercises.py), tagged so that nbval expects it.
+        expected = "raises-exception" in cell.get("metadata", {}).get("tags", [])
+        if expected and [e["ename"] for e in errors] == ["ExerciseNotDone"]:
+            errors = []
         assert not errors, f"{path.name}, cell {index}: committed with an error output {errors[0]}"
         if outputs and IGNORE_OUTPUT_TAG not in cell.get("metadata", {}).get("tags", []):
             checked += 1

@@ -1,0 +1,105 @@
+"""Checks for the exercises at the end of every chapter.
+
+A checkable exercise gives the learner a stub, a function whose body is
+``raise NotImplementedError``, and right after it a check cell::
+
+    from d2lgpu.exercises import ch09 as check
+    check.bubble_fraction(bubble_fraction)
+
+The check calls the learner's function on small inputs and compares what comes
+back with the chapter's own reference. While the stub is unchanged it raises
+:class:`ExerciseNotDone`, which says what to write; a wrong answer raises
+:class:`ExerciseWrong`, which says what differed and for which input; a right
+one prints a line that starts with "Exercise N.K passed".
+
+``chNN`` holds chapter NN's checks. It imports only what that chapter and the
+chapters before it teach, so a check never depends on a later lesson.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "ExerciseCheckFailed",
+    "ExerciseNotDone",
+    "ExerciseWrong",
+    "attempt",
+    "expect",
+    "expect_close",
+    "passed",
+]
+
+
+class ExerciseCheckFailed(AssertionError):
+    """A check cell found the exercise unfinished or wrong; the message says what to do."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing the traceback: the frames of the check
+        # itself would only hide the one line that says what to do.
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+class ExerciseNotDone(ExerciseCheckFailed):
+    """The stub is unchanged: it still raises ``NotImplementedError``."""
+
+
+class ExerciseWrong(ExerciseCheckFailed):
+    """The learner's code ran but gave a wrong result."""
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def attempt(exercise: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call the learner's ``fn(*args, **kwargs)`` for exercise ``exercise`` ("9.2").
+
+    A stub's ``NotImplementedError`` becomes :class:`ExerciseNotDone` without the
+    stub's traceback, and a function that returns nothing is caught here too,
+    since a forgotten ``return`` is the commonest slip.
+    """
+    if not callable(fn):
+        raise ExerciseWrong(
+            f"Exercise {exercise}: the check takes your function itself, got a "
+            f"{type(fn).__name__}; pass the name without calling it, e.g. check.x(my_function)."
+        )
+    try:
+        result = fn(*args, **kwargs)
+    except NotImplementedError:
+        raise ExerciseNotDone(
+            f"Exercise {exercise} is not done yet: `{_name(fn)}` still raises "
+            "NotImplementedError. Write its body in the cell above, run that cell, "
+            "then run this check again."
+        ) from None
+    if result is None:
+        raise ExerciseWrong(
+            f"Exercise {exercise}: `{_name(fn)}` returned None; does it end with `return`?"
+        )
+    return result
+
+
+def expect(exercise: str, condition: bool, message: str) -> None:
+    """Raise :class:`ExerciseWrong` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise ExerciseWrong(f"Exercise {exercise}: {message}")
+
+
+def expect_close(exercise: str, got: float, want: float, what: str,
+                 rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> None:
+    """Raise :class:`ExerciseWrong` unless the number ``got`` is close to ``want``."""
+    if hasattr(got, "item") and getattr(got, "ndim", 0) == 0:
+        got = got.item()  # a 0-d tensor or NumPy scalar
+    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+        raise ExerciseWrong(f"Exercise {exercise}: {what} should be a number, got {got!r}")
+    value = float(got)
+    expect(exercise, math.isclose(value, want, rel_tol=rel_tol, abs_tol=abs_tol),
+           f"{what} is {value:.6g}, expected {want:.6g}")
+
+
+def passed(exercise: str, what: str) -> None:
+    """Print the line a passing check ends with."""
+    print(f"Exercise {exercise} passed: {what}")

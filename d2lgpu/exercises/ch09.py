@@ -1,0 +1,128 @@
+"""Checks for chapter 9's exercises (model parallelism)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from d2lgpu.exercises import ExerciseWrong, attempt, expect, expect_close, passed
+from d2lgpu.model_parallel import bubble_formula, schedule_bubble_formula
+from d2lgpu.models import MLPBlock
+
+
+def interleaved_bubble(fn: Callable[[int, int, int], float]) -> None:
+    """Exercise 9.1: ``fn(p, m, v)`` is the idle fraction with ``v`` stages per rank."""
+    ex = "9.1"
+    for p, m in ((2, 1), (2, 4), (4, 4), (4, 16), (8, 32)):
+        expect_close(ex, attempt(ex, fn, p, m, 1), bubble_formula(p, m),
+                     f"interleaved_bubble(p={p}, m={m}, v=1), one stage per rank (GPipe's),")
+        expect_close(ex, attempt(ex, fn, p, m, 2),
+                     schedule_bubble_formula("interleaved-1f1b", p, m),
+                     f"interleaved_bubble(p={p}, m={m}, v=2)")
+    expect_close(ex, attempt(ex, fn, 1, 4, 1), 0.0,
+                 "interleaved_bubble(p=1, m=4, v=1), one stage alone,")
+    passed(ex, "4 stages and 4 microbatches leave 3/7 = 43% of the step idle; two stages "
+               "per rank, 3/11 = 27%")
+
+
+def _blocks(depth: int, width: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[MLPBlock(width, 2 * width) for _ in range(depth)])
+
+
+def split_into_stages(fn: Callable[[nn.Sequential, int], list[nn.Sequential]]) -> None:
+    """Exercise 9.2: ``fn(model, p)`` splits any depth into ``p`` stages, the first ones longer."""
+    ex = "9.2"
+    for depth, p in ((8, 2), (6, 3), (7, 3), (5, 4), (3, 3)):
+        model = _blocks(depth)
+        stages = attempt(ex, fn, model, p)
+        expect(ex, isinstance(stages, (list, tuple)),
+               f"return a list of stages, got {type(stages).__name__}")
+        expect(ex, len(stages) == p,
+               f"{depth} blocks into {p} stages gave {len(stages)} stages")
+        sizes = [len(stage) for stage in stages]
+        want = [depth // p + (1 if s < depth % p else 0) for s in range(p)]
+        expect(ex, sizes == want,
+               f"{depth} blocks into {p} stages gave stage sizes {sizes}; sizes differ by at "
+               f"most one, the longer stages first: {want}")
+        modules = [block for stage in stages for block in stage]
+        same = len(modules) == depth and all(
+            a is b for a, b in zip(modules, model, strict=True))
+        expect(ex, same,
+               "the stages must hold the model's own blocks, in order (no copies): "
+               "slice the nn.Sequential, model[i:j]")
+        x = torch.randn(4, 8)
+        out = x
+        for stage in stages:
+            out = stage(out)
+        expect(ex, torch.allclose(out, model(x)),
+               "running the stages one after the other does not give the model's output")
+    try:
+        attempt(ex, fn, _blocks(2), 3)
+    except ExerciseWrong:
+        raise
+    except ValueError:
+        pass
+    else:
+        raise ExerciseWrong(f"Exercise {ex}: 2 blocks into 3 stages leaves a stage empty; "
+                            "raise a ValueError that says so")
+    passed(ex, "7 blocks on 3 ranks run as stages of 3, 2 and 2 blocks, and give the "
+               "model's output")
+
+
+def tensor_parallel_mlp(fn: Callable[[MLPBlock, torch.Tensor, int], torch.Tensor]) -> None:
+    """Exercise 9.3: ``fn(block, x, n)`` computes ``block(x)`` as ``n`` tensor-parallel ranks."""
+    ex = "9.3"
+    torch.manual_seed(0)
+    block = MLPBlock(16, 64)
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        want = block(x)
+        for n in (1, 2, 4, 8):
+            got = attempt(ex, fn, block, x, n)
+            expect(ex, isinstance(got, torch.Tensor) and got.shape == want.shape,
+                   f"with n={n}, expected a tensor of shape {tuple(want.shape)}, got "
+                   f"{getattr(got, 'shape', type(got).__name__)}")
+            err = (got - want).abs().max().item()
+            expect(ex, err < 1e-5,
+                   f"with n={n} ranks the output differs from block(x) by up to {err:.2e}: "
+                   "each rank takes rows of fc1 (its share of the hidden units) and the same "
+                   "columns of fc2, and the partial outputs are summed; fc2's bias is added once")
+    try:
+        with torch.no_grad():
+            attempt(ex, fn, block, x, 3)
+    except ExerciseWrong:
+        raise
+    except ValueError:
+        pass
+    else:
+        raise ExerciseWrong(f"Exercise {ex}: 64 hidden units do not split over 3 ranks; "
+                            "raise a ValueError that says so")
+    passed(ex, "fc1 split by rows and fc2 by columns over 1, 2, 4 and 8 ranks, one sum at the "
+               "end: the block's output")
+
+
+def activations_held(fn: Callable[[str, int, int, int], int]) -> None:
+    """Exercise 9.4: ``fn(schedule, p, m, stage)``, microbatches of activations a stage keeps."""
+    ex = "9.4"
+    for p, m in ((2, 4), (4, 4), (4, 16), (4, 2)):
+        for stage in range(p):
+            got = attempt(ex, fn, "gpipe", p, m, stage)
+            expect(ex, got == m, f"GPipe, p={p}, m={m}, stage {stage}: {got}, expected {m}")
+            want = min(m, p - stage)
+            got = attempt(ex, fn, "1f1b", p, m, stage)
+            expect(ex, got == want,
+                   f"1F1B, p={p}, m={m}, stage {stage}: {got}, expected {want} (the chapter "
+                   "measured it: stage s starts p - s forwards before its first backward)")
+    try:
+        attempt(ex, fn, "zigzag", 2, 4, 0)
+    except ExerciseWrong:
+        raise
+    except ValueError:
+        pass
+    else:
+        raise ExerciseWrong(f"Exercise {ex}: an unknown schedule name ('zigzag') must raise a "
+                            "ValueError naming the known ones")
+    passed(ex, "with m = 16 and p = 4, 1F1B's first stage keeps 4 microbatches, GPipe's 16")
