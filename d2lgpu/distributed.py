@@ -1317,17 +1317,25 @@ def _check_times(timeout_s: float | None, grace_s: float, poll_s: float) -> None
     check_positive_float("poll_s", poll_s)
 
 
-def _rank_start_method() -> str:
+def _rank_start_method(fn: Callable[..., Any]) -> str:
     """How :func:`launch` starts ranks: *forkserver* where the platform has it, else *spawn*.
 
     Both are safe with CUDA: neither copies a process that has used it. spawn starts
     a fresh interpreter per rank, which imports torch again (seconds each); the
-    forkserver imports torch once, in a server process that never touches CUDA, and
-    forks every later rank from it, ready in a fraction of a second.
+    forkserver imports once, in a server process that never touches CUDA, and forks
+    every later rank from it, ready in a fraction of a second. What it imports: torch;
+    ``torch._dynamo``, which the first optimizer of a process imports (an optimizer's
+    ``add_param_group`` is wrapped by ``torch._disable_dynamo``: about 5 s of CPU, in
+    every rank without this); and the module of the first launched function.
+    The server starts at the first launch and keeps that list for the whole process.
     """
     if "forkserver" not in mp.get_all_start_methods():  # Windows
         return "spawn"
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "d2lgpu.distributed"])
+    preload = ["torch", "torch._dynamo", "d2lgpu.distributed"]
+    module = getattr(fn, "__module__", None)
+    if module and module != "__main__" and module not in preload:
+        preload.append(module)
+    mp.get_context("forkserver").set_forkserver_preload(preload)
     return "forkserver"
 
 
@@ -1477,7 +1485,7 @@ def launch(
             args=(fn, args, str(workdir), nprocs, threads, _rank_environment()),
             nprocs=nprocs,
             join=False,
-            start_method=_rank_start_method(),
+            start_method=_rank_start_method(fn),
         ).processes
         # Watch them; whatever happens (KeyboardInterrupt too: the stop button), leave
         # no orphans behind.
