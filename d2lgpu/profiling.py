@@ -28,7 +28,9 @@ what the step was made of:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
+import itertools
 import json
 import logging
 import math
@@ -1050,6 +1052,9 @@ class AblationRow:
     # Per run (round), the images/s of its epochs after the first: rows of the same
     # round ran one after the other, so their epochs pair up (see speed_ratios).
     round_speeds: tuple[tuple[float, ...], ...] = ()
+    # On a CPU, for the techniques of COUNTED_ON_CPU: what the technique changes,
+    # counted on this row's model and data (count_technique_effect); the verdict.
+    counted: str | None = None
 
     @property
     def label(self) -> str:
@@ -1133,13 +1138,17 @@ def speed_verdict(ratios: Sequence[float], margin: float = SPEED_MARGIN) -> str:
 def ablation_verdict(row: AblationRow, before: AblationRow) -> str:
     """What ``row``'s technique did to the speed against ``before``, the row that ran
     just before it (``row`` itself: "baseline"): :func:`speed_verdict` of
-    :func:`speed_ratios`. "skipped" for a row that did not run."""
+    :func:`speed_ratios`. "skipped" for a row that did not run. A row that carries a
+    count (on a CPU, the techniques of :data:`COUNTED_ON_CPU`) is judged by it:
+    "counted: ..." with what the technique changed."""
     if not (isinstance(row, AblationRow) and isinstance(before, AblationRow)):
         raise TypeError("ablation_verdict compares two AblationRow s of run_ablation")
     if not row.ran:
         return "skipped"
     if row is before:
         return "baseline"
+    if row.counted is not None:
+        return f"counted: {row.counted}"
     ratios = speed_ratios(row, before)
     if not ratios:
         raise ValueError(f"{row.label!r} and {before.label!r} have no epochs to pair: "
@@ -1275,6 +1284,95 @@ def ablation_data(
     return (loaders[0], loaders[1]), (resident[0], resident[1])
 
 
+#: The techniques whose gain on a GPU comes from something a CPU does not have: host
+#: reads that stall a GPU's queue (``no_sync``), Tensor Cores (``precision``), kernel
+#: launches (``fused_optimizer``). On a CPU their rows change the speed by about 10% or
+#: less, up or down with the CPU model and with whatever else runs, so a timed verdict
+#: there would flip from run to run. Their CPU verdict is what they change, counted.
+COUNTED_ON_CPU = ("no_sync", "precision", "fused_optimizer")
+
+
+def _host_reads(fn: Callable[[], Any]) -> int:
+    """How many times ``fn()`` copies a scalar from a tensor to Python (``.item()``,
+    ``float(t)``, ...): the profiler's ``aten::_local_scalar_dense`` events."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
+
+
+def _top_level_ops(fn: Callable[[], Any]) -> int:
+    """How many ATen operators ``fn()`` calls directly (not those they call in turn): on
+    a GPU, about one kernel launch each."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")
+               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+
+
+def count_technique_effect(
+    technique: str,
+    make_model: Callable[[], nn.Module],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    device: torch.device | str,
+    before: Techniques,
+) -> str:
+    """What switching ``technique`` on (on top of ``before``) changes, counted, in a
+    few words for the ablation's verdict column. ``batches``: training batches on
+    ``device`` (the row's own loader; the first 4 are used).
+
+    * ``no_sync``: host reads (``.item()``) per training step, from epochs of 2 and 4
+      of ``batches`` (at least 4); on a GPU each one waits for everything queued;
+    * ``precision``: bytes autograd saves for backward in one step (activations),
+      under ``before``'s precision and under "auto";
+    * ``fused_optimizer``: ATen operators one ``optimizer.step()`` calls, torch's
+      default SGD against :func:`d2lgpu.fast.make_sgd`'s.
+    """
+    from d2lgpu.fast import make_sgd
+    from d2lgpu.precision import precision_policy, saved_activation_bytes
+
+    device = as_device(device)
+    batches = list(itertools.islice(iter(batches), 4))
+    if not batches:
+        raise ValueError("count_technique_effect needs at least one batch")
+    if technique == "no_sync":
+        if len(batches) < 4:
+            raise ValueError("counting the reads of a step needs 4 batches")
+
+        def reads_per_step(no_sync: bool) -> float:
+            # An epoch of 4 steps less one of 2: what the epoch's ends read cancels.
+            # The batches as a list: where they come from does not change the reads.
+            switches = before.replace(no_sync=no_sync, device_data=False)
+            reads = [_host_reads(lambda n=n: train(
+                make_model().to(device), batches[:n], batches[:1], 1, lr, device, seed=0,
+                techniques=switches, progress=False, plot=False)) for n in (2, 4)]
+            return (reads[1] - reads[0]) / 2
+
+        per_step = [reads_per_step(flag) for flag in (False, True)]
+        return f".item() {per_step[0]:g} -> {per_step[1]:g} a step"
+    if technique == "precision":
+        X, y = batches[0]
+        saved = []
+        for precision in (before.precision, "auto"):
+            torch.manual_seed(0)
+            saved.append(saved_activation_bytes(make_model().to(device), X, y,
+                                                precision_policy(device, precision)))
+        unit, size = ("MiB", 2**20) if max(saved) >= 2**20 else ("KiB", 2**10)
+        return f"saved {saved[0] / size:.2f} -> {saved[1] / size:.2f} {unit} a step"
+    if technique == "fused_optimizer":
+        ops = []
+        for make in (lambda ps: torch.optim.SGD(ps, lr=lr), lambda ps: make_sgd(ps, lr, device)):
+            torch.manual_seed(0)
+            net = make_model().to(device)
+            optimizer = make(net.parameters())
+            X, y = batches[0]
+            nn.functional.cross_entropy(net(X), y).backward()
+            optimizer.step()  # the first step creates state; count the second
+            ops.append(_top_level_ops(optimizer.step))
+        return f"{ops[0]} -> {ops[1]} ops an optimizer step"
+    raise ValueError(f"technique must be one of {COUNTED_ON_CPU} to be counted, got {technique!r}")
+
+
 def run_ablation(
     make_model: Callable[[], nn.Module],
     plan: Sequence[AblationStep],
@@ -1310,6 +1408,7 @@ def run_ablation(
         raise TypeError("plan must be a non-empty list of AblationStep s: use ablation_plan()")
     check_positive_int("num_epochs", num_epochs)
     check_positive_int("repeats", repeats)
+    device = as_device(device)
     if on_row is not None and not callable(on_row):
         raise TypeError(f"on_row must be a function of one AblationRow, got {on_row!r}")
     histories: list[list[History]] = [[] for _ in plan]
@@ -1330,7 +1429,12 @@ def run_ablation(
                     techniques=step.techniques, progress=False, plot=False,
                 ))
             if round_ == repeats - 1:  # the row is complete: report it
-                rows.append(_ablation_row(step, histories[i], flops_per_example, peak))
+                row = _ablation_row(step, histories[i], flops_per_example, peak)
+                if row.ran and device.type == "cpu" and step.technique in COUNTED_ON_CPU:
+                    before = next(r for r in reversed(rows) if r.ran).step.techniques
+                    row = dataclasses.replace(row, counted=count_technique_effect(
+                        step.technique, make_model, device_loaders[0], lr, device, before))
+                rows.append(row)
                 if on_row is not None:
                     on_row(rows[-1])
     return rows
@@ -1357,7 +1461,7 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
     "x base", the median images/s over the baseline's (everything so far); MFU;
     first-epoch seconds (compiling included); test accuracy; and the verdict on the
     technique against the row before (:func:`ablation_verdict`). Skipped rows give
-    their reason."""
+    their reason; counted rows (:data:`COUNTED_ON_CPU`) get their counts under the table."""
     rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
                           allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
@@ -1374,7 +1478,7 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
         before = previous_ran(rows, r)
         mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
         prev = "" if before is r else f"{statistics.median(speed_ratios(r, before)):.2f}x"
-        verdict = ablation_verdict(r, before)
+        verdict = "counted (below)" if r.counted is not None else ablation_verdict(r, before)
         lines.append(
             f"{r.label:<{width}}  {r.images_per_second:>7,.0f}  {prev:>6}  "
             f"{r.images_per_second / base_row.images_per_second:>5.2f}x  {mfu:>6}  "
@@ -1383,6 +1487,11 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
     lines.append("x prev: median of the epoch-by-epoch ratios to the row before (this row's "
                  "technique);")
     lines.append("x base: median img/s over the baseline's (every technique so far)")
+    counted = [r for r in rows if r.ran and r.counted is not None]
+    if counted:
+        lines.append("counted, not timed (what the technique saves on a GPU, which a CPU's "
+                     "clock does not show):")
+        lines.extend(f"  {r.label}: {r.counted}" for r in counted)
     return "\n".join(lines)
 
 

@@ -808,6 +808,7 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
                               test_acc=[0.9] * num_epochs, epoch_seconds=[1.0] * num_epochs)
 
     monkeypatch.setattr(P, "train", fake_train)
+    monkeypatch.setattr(P, "count_technique_effect", lambda *args: "counted")  # no data here
     plan = P.ablation_plan(CPU, skip={"compile": "not here"})[:3]
     seen = []
     rows = P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU,
@@ -972,3 +973,41 @@ def test_paired_multiply_add_ratio_is_a_positive_median(monkeypatch):
     assert P.paired_multiply_add_ratio(CPU, 1 << 12, repeats=3) > 0
     with pytest.raises(ValueError):
         P.paired_multiply_add_ratio(CPU, 0)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_on_a_cpu_the_gpu_techniques_are_counted_not_timed(monkeypatch, native_bf16):
+    import itertools
+    import re
+
+    from d2lgpu import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
+    dataloaders, resident = tiny_loaders(n=64, batch=16)
+    batches = list(itertools.islice(iter(resident[0]), 4))
+    before = Techniques.d2l_style().replace(device_data=True)
+    count = P.count_technique_effect
+    # d2l's loop reads the loss and the correct count after every step; no_sync, neither.
+    assert count("no_sync", tiny_net, batches, 0.1, CPU, before) == ".item() 2 -> 0 a step"
+    # torch's default SGD on a CPU: one add_ per parameter tensor; the fused one: one call.
+    ops = re.fullmatch(r"(\d+) -> (\d+) ops an optimizer step",
+                       count("fused_optimizer", tiny_net, batches, 0.1, CPU, before))
+    assert ops and (int(ops[1]), int(ops[2])) == (len(list(tiny_net().parameters())), 1)
+    # "auto" is bf16 only where the CPU computes it natively; bf16 activations take half.
+    saved = re.fullmatch(r"saved ([\d.]+) -> ([\d.]+) KiB a step",
+                         count("precision", tiny_net, batches, 0.1, CPU, before))
+    fp32, auto = float(saved[1]), float(saved[2])
+    assert (auto < 0.75 * fp32) if native_bf16 else (auto == fp32)
+    with pytest.raises(ValueError, match="to be counted"):
+        count("compile", tiny_net, batches, 0.1, CPU, before)
+    with pytest.raises(ValueError, match="needs 4 batches"):
+        count("no_sync", tiny_net, batches[:3], 0.1, CPU, before)
+
+    plan = P.ablation_plan(CPU, skip={"compile": "slow in tests"})[:3]
+    rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU)
+    assert rows[1].counted is None and rows[2].counted == ".item() 2 -> 0 a step"
+    assert P.ablation_verdict(rows[2], rows[1]) == "counted: .item() 2 -> 0 a step"
+    table = P.format_ablation_table(rows).splitlines()
+    assert "counted (below)" in table[4]
+    assert table[-1] == "  + no per-step sync: .item() 2 -> 0 a step"
+    assert all(len(line) <= 100 for line in table)
