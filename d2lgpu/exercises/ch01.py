@@ -1,0 +1,184 @@
+"""Checks for chapter 1's exercises (CUDA checks)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from d2lgpu.chips import GPU_DATASHEETS
+from d2lgpu.exercises import (
+    ExerciseCheckFailed,
+    ExerciseWrong,
+    attempt,
+    expect,
+    expect_close,
+    passed,
+)
+from d2lgpu.report import parse_cuda_visible_devices
+
+MiB = 2**20
+
+
+def _expect_value_error(ex: str, fn: Callable[..., object], args: tuple, why: str) -> None:
+    """The learner's ``fn(*args)`` must raise ValueError; ``why`` says what is wrong with args."""
+    try:
+        attempt(ex, fn, *args)
+    except ExerciseCheckFailed:
+        raise
+    except ValueError:
+        return
+    except Exception as err:  # an IndexError from list[i], a KeyError, ...
+        raise ExerciseWrong(f"Exercise {ex}: {why}, and your function raised "
+                            f"{type(err).__name__}: {err}; raise a ValueError that says "
+                            "so instead") from None
+    raise ExerciseWrong(f"Exercise {ex}: {why}; raise a ValueError that says so")
+
+
+def physical_gpu(fn: Callable[[str | None, int], int | str]) -> None:
+    """Exercise 1.1: ``fn(visible, i)`` is the physical GPU a process calls ``cuda:i`` when
+    ``CUDA_VISIBLE_DEVICES`` is ``visible`` (None: unset), as the chapter's parser reads it."""
+    ex = "1.1"
+    cases = [(None, 0), (None, 3), ("2,3", 0), ("2,3", 1), ("1,0", 0), ("3,1,2", 1),
+             ("1gpu,2", 1), ("0,,1", 0), ("GPU-8f3c,GPU-77a1", 1), ("MIG-5e6f", 0)]
+    for visible, index in cases:
+        parsed = parse_cuda_visible_devices(visible)
+        want = index if parsed is None else parsed[index]
+        got = attempt(ex, fn, visible, index)
+        expect(ex, type(got) is type(want) and got == want,
+               f"CUDA_VISIBLE_DEVICES={visible!r}, cuda:{index}: got {got!r}, expected "
+               f"{want!r} ({type(want).__name__}); "
+               + ("unset, the variable renumbers nothing" if visible is None else
+                  f"CUDA reads the value as {parsed}"))
+    missing = [("0,,1", 1, "'0,,1' leaves one GPU visible (CUDA stops at the empty entry)"),
+               ("0,0", 0, "'0,0' names a GPU twice, which hides every GPU"),
+               ("", 0, "'' hides every GPU"),
+               ("-1", 0, "'-1' hides every GPU"),
+               ("2,3", 2, "'2,3' leaves two GPUs visible, cuda:0 and cuda:1"),
+               ("GPU-8f3c,1", 1, "after a UUID an index ends the list: one GPU is visible"),
+               ("2,3", -1, "there is no cuda:-1 (a negative index is no GPU, even where a "
+                           "Python list would accept it)"),
+               (None, -1, "there is no cuda:-1, whatever the variable says")]
+    for visible, index, why in missing:
+        _expect_value_error(ex, fn, (visible, index),
+                            f"CUDA_VISIBLE_DEVICES={visible!r} has no cuda:{index}: {why}")
+    passed(ex, "under CUDA_VISIBLE_DEVICES='3,1,2' a process's cuda:1 is physical GPU 1, and "
+               "'0,,1' leaves it no cuda:1 at all")
+
+
+def storage_bytes(fn: Callable[[Sequence[torch.Tensor]], int]) -> None:
+    """Exercise 1.3: ``fn(tensors)``, the bytes of memory the tensors keep alive (each storage
+    counted once, whole)."""
+    ex = "1.3"
+    x = torch.arange(1000, dtype=torch.float32)
+    m = torch.zeros(30, 40)
+    cases = [
+        ("[x], x = torch.arange(1000, dtype=torch.float32)", [x], 4000),
+        ("[x[:10]]: a view keeps all of x's storage alive", [x[:10]], 4000),
+        ("[x, x[::2], x.view(2, 500)]: one storage, three tensors",
+         [x, x[::2], x.view(2, 500)], 4000),
+        ("[x, x.clone()]: a clone has a storage of its own", [x, x.clone()], 8000),
+        ("[x[:10].clone()]: the clone holds only its 10 floats", [x[:10].clone()], 40),
+        ("[x.to(torch.bfloat16)]: 2 bytes per element", [x.to(torch.bfloat16)], 2000),
+        ("[x.to(torch.int8)]: a new tensor of 1 byte per element", [x.to(torch.int8)], 1000),
+        ("[x.view(torch.int8)]: the same 4,000 bytes read as int8", [x.view(torch.int8)], 4000),
+        ("[x, x.view(torch.int8)]: still one storage", [x, x.view(torch.int8)], 4000),
+        ("[torch.zeros(3).expand(1000, 3)]: expand repeats 3 floats without copying",
+         [torch.zeros(3).expand(1000, 3)], 12),
+        ("[m.T, m[:, 0]], m = torch.zeros(30, 40)", [m.T, m[:, 0]], 4800),
+        ("[torch.empty(0)]", [torch.empty(0)], 0),
+        ("[] (no tensors)", [], 0),
+    ]
+    for what, tensors, want in cases:
+        got = attempt(ex, fn, tensors)
+        expect(ex, isinstance(got, int) and not isinstance(got, bool),
+               f"return the number of bytes as an int, got {type(got).__name__} {got!r} "
+               f"for {what}")
+        expect(ex, got == want,
+               f"{what}: {got:,} bytes, expected {want:,}. Count each tensor's whole storage "
+               "(t.untyped_storage().nbytes()), not its elements, and a storage shared by "
+               "several tensors once (t.untyped_storage().data_ptr() tells storages apart)")
+    passed(ex, "x[:10] keeps all 4,000 bytes of a 1,000-float x alive; x[:10].clone() "
+               "lets them go")
+
+
+def _footprint(nbytes: int) -> tuple[int, int]:
+    """(memory_allocated, memory_reserved) after one allocation of ``nbytes`` on an empty
+    caching allocator with the default settings, following c10/cuda/CUDACachingAllocator.cpp
+    (torch 2.9 to 2.15): round_size, get_allocation_size and should_split."""
+    if nbytes == 0:
+        return 0, 0  # no allocation at all: the tensor's data pointer is null
+    rounded = max(512, 512 * math.ceil(nbytes / 512))
+    if rounded <= MiB:
+        return rounded, 2 * MiB  # small pool: the rest of the segment is always split off
+    segment = 20 * MiB if rounded < 10 * MiB else 2 * MiB * math.ceil(rounded / (2 * MiB))
+    split = segment - rounded > MiB  # large pool: split only when more than 1 MiB remains
+    return (rounded if split else segment), segment
+
+
+def allocator_footprint(fn: Callable[[int], tuple[int, int]]) -> None:
+    """Exercise 1.4: ``fn(nbytes)``, (memory_allocated, memory_reserved) after one tensor of
+    ``nbytes`` bytes on an empty caching allocator."""
+    ex = "1.4"
+    sizes = [(1, ""), (4, "one float32"), (512, ""), (513, ""),
+             (4000, "1,000 float32"), (MiB, "1 MiB"), (MiB + 1, "1 MiB + 1 B"),
+             (3 * MiB, "3 MiB"), (10 * MiB - 1, "10 MiB - 1 B"), (10 * MiB + 1, "10 MiB + 1 B"),
+             (11 * MiB - 512, "11 MiB - 512 B"), (11 * MiB, "11 MiB"),
+             (256 * MiB, "256 MiB"), (0, "torch.empty(0)")]
+    for nbytes, what in sizes:
+        tensor = f"a tensor of {nbytes:,} byte{'' if nbytes == 1 else 's'}" + (
+            f" ({what})" if what else "")
+        got = attempt(ex, fn, nbytes)
+        expect(ex, isinstance(got, (tuple, list)) and len(got) == 2,
+               f"return a pair (allocated, reserved), got {got!r} for {tensor}")
+        want = _footprint(nbytes)
+        allocated, reserved = got
+        expect(ex, (allocated, reserved) == want,
+               f"{tensor}: got allocated {allocated:,}, reserved {reserved:,}; expected "
+               f"allocated {want[0]:,}, reserved {want[1]:,}. " + _footprint_hint(nbytes, want))
+    _expect_value_error(ex, fn, (-1,), "a tensor cannot have -1 bytes")
+    passed(ex, "one float32 on the GPU: 512 bytes allocated in a 2 MiB segment; 3 MiB "
+               "reserve 20 MiB, and 11 MiB take a whole 12 MiB segment")
+
+
+def _footprint_hint(nbytes: int, want: tuple[int, int]) -> str:
+    if nbytes == 0:
+        return "A tensor of 0 bytes asks the allocator for nothing."
+    rounded = max(512, 512 * math.ceil(nbytes / 512))
+    if rounded <= MiB:
+        return f"It rounds up to {rounded:,} bytes, cut from a 2 MiB segment."
+    if want[0] != rounded:
+        return (f"It rounds up to {rounded:,} bytes; its segment would keep only "
+                f"{want[1] - rounded:,} bytes free, not more than 1 MiB, so the tensor "
+                "takes the whole segment.")
+    return (f"It rounds up to {rounded:,} bytes, in a segment of {want[1] // MiB} MiB "
+            "(20 MiB below 10 MiB, else rounded up to 2 MiB).")
+
+
+def warp_waves(fn: Callable[[int, int, str], float]) -> None:
+    """Exercise 1.6: ``fn(blocks, threads_per_block, chip)``, how many times a kernel's warps
+    fill the resident warp slots of a chip of ``chips.GPU_DATASHEETS``."""
+    ex = "1.6"
+    cases = [(1, 1, "H100 SXM5"), (1000, 256, "H100 SXM5"), (1000, 256, "T4"),
+             (132 * 8, 256, "H100 SXM5"), (1000, 33, "T4"), (4096, 1024, "H100 SXM5"),
+             (40, 1024, "T4")]
+    for blocks, threads, chip in cases:
+        sheet = GPU_DATASHEETS[chip]
+        warp = int(sheet["warp size (threads)"])
+        slots = int(sheet["max threads per SM"]) // warp * int(sheet["SMs"])
+        want = blocks * math.ceil(threads / warp) / slots
+        got = attempt(ex, fn, blocks, threads, chip)
+        warps = math.ceil(threads / warp)
+        expect_close(ex, got, want,
+                     f"warp_waves({blocks}, {threads}, {chip!r}) ({slots:,} warp slots; a "
+                     f"block of {threads} thread{'' if threads == 1 else 's'} takes {warps} "
+                     f"whole warp{'' if warps == 1 else 's'})")
+    for blocks, threads, why in [(10, 0, "a block has at least 1 thread"),
+                                 (10, 1025, "a block has at most 1,024 threads on every "
+                                            "CUDA GPU"),
+                                 (0, 256, "a kernel launches at least one block")]:
+        _expect_value_error(ex, fn, (blocks, threads, "T4"),
+                            f"warp_waves({blocks}, {threads}, 'T4'): {why}")
+    passed(ex, "1,000 blocks of 256 threads fill 95% of an H100's warp slots, and a T4's "
+               "6.25 times over")
