@@ -1,0 +1,294 @@
+"""Checks for chapter 5's exercises (distributed data parallel).
+
+Everything runs in the notebook's own process: the sampler takes its rank and world size
+as arguments, the ranks of a gradient average are computed one after the other, and the
+one check that needs DistributedDataParallel itself builds it on a process group of world
+size 1 (gloo, with a ``HashStore``: no port, no second process), which it destroys again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from d2lgpu.exercises import ExerciseNotDone, ExerciseWrong, attempt, expect, expect_close, passed
+
+
+class _StandInTouched(Exception):
+    """A learner's function used one of the stand-ins: it is no longer the stub."""
+
+
+class _StandIn:
+    """An argument that stops any function that uses it (see :func:`_stub_first`)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise _StandInTouched(name)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        raise _StandInTouched("call")
+
+    def __iter__(self) -> Iterator[object]:
+        raise _StandInTouched("iter")
+
+    def __len__(self) -> int:
+        raise _StandInTouched("len")
+
+    def __getitem__(self, key: object) -> object:
+        raise _StandInTouched("getitem")
+
+
+def _stub_first(ex: str, fn: Callable[..., object], nargs: int) -> None:
+    """Raise :class:`ExerciseNotDone` for an unchanged stub before anything costly is built.
+
+    Building a ``DistributedDataParallel`` model imports torch's compiler stack (a second
+    or more); a stub needs none of it. ``fn`` is called on stand-ins: the stub raises
+    ``NotImplementedError`` at once, a real solution stops at the first stand-in it uses.
+    """
+    try:
+        attempt(ex, fn, *[_StandIn() for _ in range(nargs)])
+    except ExerciseNotDone:
+        raise
+    except ExerciseWrong:
+        if not callable(fn):
+            raise
+    except Exception:  # the function used a stand-in: the real check follows
+        pass
+
+
+def shard_indices(fn: Callable[..., list[int]]) -> None:
+    """Exercise 5.1: ``fn(n, world, rank, shuffle, seed, epoch, drop_last)`` is a rank's share.
+
+    Compared with what ``DistributedSampler(range(n), num_replicas=world, rank=rank, ...)``
+    yields after ``set_epoch(epoch)``: data sets that divide and that do not, fewer examples
+    than ranks, shuffled and not, with and without ``drop_last``.
+    """
+    ex = "5.1"
+    cases = [(n, world) for n in (8, 7, 10, 3) for world in (1, 2, 3, 4)] + [(3, 8), (1, 2)]
+    for n, world in cases:
+        for shuffle, seed, epoch in ((False, 0, 0), (True, 0, 0), (True, 0, 1), (True, 7, 2)):
+            for drop_last in (False, True):
+                for rank in range(world):
+                    sampler = DistributedSampler(range(n), num_replicas=world, rank=rank,
+                                                 shuffle=shuffle, seed=seed, drop_last=drop_last)
+                    sampler.set_epoch(epoch)
+                    want = list(sampler)
+                    got = attempt(ex, fn, n, world, rank, shuffle=shuffle, seed=seed,
+                                  epoch=epoch, drop_last=drop_last)
+                    call = (f"shard_indices(n={n}, world={world}, rank={rank}, shuffle={shuffle}, "
+                            f"seed={seed}, epoch={epoch}, drop_last={drop_last})")
+                    expect(ex, isinstance(got, (list, tuple)),
+                           f"{call} returned a {type(got).__name__}; return a list of ints")
+                    got = [int(i) for i in got]
+                    hint = ("every rank takes every world-th position of one list: the "
+                            "permutation (or range(n)), padded by repeating its start up to a "
+                            "multiple of world, or cut down to one when drop_last is set")
+                    if shuffle:
+                        hint += ("; the permutation is torch.randperm(n, generator=g) with "
+                                 "g = torch.Generator().manual_seed(seed + epoch), the same on "
+                                 "every rank")
+                    expect(ex, got == want, f"{call} gave {got}, DistributedSampler gives "
+                                            f"{want}: {hint}")
+    try:
+        attempt(ex, fn, 4, 2, 2, shuffle=False, seed=0, epoch=0, drop_last=False)
+    except ExerciseWrong:
+        raise
+    except ValueError:
+        pass
+    else:
+        raise ExerciseWrong(f"Exercise {ex}: rank 2 does not exist among 2 ranks (they are 0 "
+                            "and 1); raise a ValueError that says so, as DistributedSampler does")
+    passed(ex, "10 examples on 4 ranks: rank 3 gets [3, 7, 1], padded with example 1; with "
+               "drop_last, [3, 7]")
+
+
+def _small_classifier() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _examples(n: int, features: int = 6, classes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(n)
+    return (torch.randn(n, features, generator=generator),
+            torch.randint(0, classes, (n,), generator=generator))
+
+
+def _flat_gradient(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return torch.cat([g.flatten() for g in grads])
+
+
+def _ddp_reference(model: nn.Module, X: torch.Tensor, y: torch.Tensor, world: int) -> torch.Tensor:
+    """The gradient DDP leaves on every rank: the mean over ranks of each rank's mean loss."""
+    per_rank = []
+    for rank in range(world):
+        share = list(DistributedSampler(range(len(X)), num_replicas=world, rank=rank,
+                                        shuffle=False))
+        per_rank.append(_flat_gradient(model, F.cross_entropy(model(X[share]), y[share])))
+    return torch.stack(per_rank).mean(dim=0)
+
+
+def ddp_gradient(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]) -> None:
+    """Exercise 5.2: ``fn(model, features, labels, world)``, the gradient DDP's ranks agree on.
+
+    The batch is split as ``DistributedSampler(shuffle=False)`` splits it (padding included),
+    each rank's loss is the mean cross-entropy of its share, and the all-reduce averages the
+    ranks' gradients. Compared with that average, computed here rank by rank.
+    """
+    ex = "5.2"
+    model = _small_classifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    size = sum(p.numel() for p in model.parameters())
+    differs = {}
+    for n, world in ((8, 1), (8, 2), (8, 4), (7, 2), (7, 3), (5, 4)):
+        X, y = _examples(n)
+        want = _ddp_reference(model, X, y, world)
+        model.zero_grad(set_to_none=True)
+        got = attempt(ex, fn, model, X, y, world)
+        call = f"ddp_gradient(model, {n} examples, world={world})"
+        expect(ex, isinstance(got, torch.Tensor) and got.numel() == size,
+               f"{call}: return one flat tensor of all {size} gradient entries (torch.cat of "
+               f"each parameter's gradient, flattened, in model.parameters() order), got "
+               f"{getattr(got, 'shape', type(got).__name__)}")
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        expect(ex, unchanged, f"{call} changed the model's parameters: compute gradients only, "
+                              "no optimizer step")
+        got = got.detach().flatten().to(want.dtype)
+        whole = _flat_gradient(model, F.cross_entropy(model(X), y))
+        err = (got - want).abs().max().item()
+        if err > 1e-6 and torch.allclose(got, whole, atol=1e-6):
+            raise ExerciseWrong(
+                f"Exercise {ex}: {call} returned the whole batch's gradient; DDP averages the "
+                "ranks' gradients, and each rank's loss is the mean over its own share, "
+                "including the examples DistributedSampler repeats to even the shares out")
+        expect(ex, err < 1e-6,
+               f"{call} differs from DDP's average by up to {err:.2e}: split the examples "
+               "with DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False), "
+               "take each rank's gradient of F.cross_entropy on its share, and average them")
+        differs[n, world] = (want - whole).abs().max().item() > 1e-6
+    expect(ex, not differs[8, 2] and differs[7, 2],
+           "internal: the reference should equal the whole batch for 8 examples on 2 ranks")
+    passed(ex, "8 examples on 2 or 4 ranks give the whole batch's gradient; 7 on 2 do not "
+               "(example 0 counts twice)")
+
+
+def _count_all_reduces(state, bucket):
+    # The chapter's hook: DDP calls it once per bucket of gradients it all-reduces. (No
+    # annotations: DDP checks a hook's annotations, and this module's are strings.)
+    state["calls"] += 1
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+@contextlib.contextmanager
+def _one_rank_group(ex: str) -> Iterator[None]:
+    """A gloo process group of world size 1 in this process, destroyed afterwards."""
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        expect(ex, world == 1,
+               f"this kernel already has a process group of world size {world}; call "
+               "torch.distributed.destroy_process_group() first (or restart the kernel)")
+        yield  # the learner's own group of one rank: used, and left as it is
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _accumulation_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], float]) -> None:
+    """Exercise 5.3: ``fn(model, micro_batches)`` accumulates gradients with one all-reduce.
+
+    ``model`` is a DDP model on a gloo group of world size 1 built here; the chapter's
+    communication hook counts the all-reduces (one per bucket, and this model's gradients
+    fill one bucket). Compared: the count, the gradient (the whole batch's mean loss) and
+    the returned loss.
+    """
+    ex = "5.3"
+    _stub_first(ex, fn, 2)
+    with _one_rank_group(ex):
+        plain = DDP(_accumulation_model())
+        counted = {"calls": 0}
+        plain.register_comm_hook(counted, _count_all_reduces)
+        X, y = _examples(8, features=8)
+        F.cross_entropy(plain(X), y).backward()
+        per_backward = counted["calls"]
+        expect(ex, per_backward >= 1, "internal: the hook was not called by a plain backward")
+        for k in (1, 2, 4):
+            X, y = _examples(16, features=8)
+            model = DDP(_accumulation_model())
+            counted = {"calls": 0}
+            model.register_comm_hook(counted, _count_all_reduces)
+            micro_batches = list(zip(X.chunk(k), y.chunk(k), strict=True))
+            loss = attempt(ex, fn, model, micro_batches)
+            calls = counted["calls"] // per_backward
+            expect(ex, calls != k or k == 1,
+                   f"{k} micro-batches made {k} all-reduces, one per backward: run forward "
+                   "AND backward of all but the last micro-batch inside `with "
+                   "model.no_sync():` (DDP decides in forward whether the next backward "
+                   "all-reduces)")
+            batches = f"{k} micro-batch{'es' if k > 1 else ''}"
+            expect(ex, calls != 0,
+                   f"{batches} made no all-reduce at all: the last micro-batch runs outside "
+                   "no_sync, so that the ranks share the summed gradient")
+            expect(ex, calls == 1, f"{batches} made {calls} all-reduces, expected 1")
+            reference = _accumulation_model()
+            whole = _flat_gradient(reference, F.cross_entropy(reference(X), y))
+            expect(ex, all(p.grad is not None for p in model.module.parameters()),
+                   f"with {k} micro-batches some parameters have no gradient: call backward "
+                   "on every micro-batch's loss")
+            got = torch.cat([p.grad.flatten() for p in model.module.parameters()])
+            err = (got - whole).abs().max().item()
+            expect(ex, err < 1e-5,
+                   f"with {k} micro-batches the accumulated gradient differs from the whole "
+                   f"batch's by up to {err:.2e}: divide each micro-batch's mean loss by the "
+                   f"number of micro-batches ({k}) before backward, so the sum is the mean")
+            expect_close(ex, loss, F.cross_entropy(reference(X), y).item(),
+                         f"the loss returned for {k} micro-batches (the sum of the divided "
+                         "losses: the whole batch's mean)", rel_tol=1e-5, abs_tol=1e-6)
+    passed(ex, "4 micro-batches, 1 all-reduce, and the gradient of the whole batch")
+
+
+def ring_all_reduce_seconds(fn: Callable[[float, int, float, float], float]) -> None:
+    """Exercise 5.4: ``fn(nbytes, n, bandwidth, latency)``, the ring's time in a simple model.
+
+    The chapter's ring: 2(n - 1) steps, in each of which every rank sends one chunk of
+    ``nbytes / n`` to its neighbour, all at once; a step costs ``latency`` seconds plus the
+    chunk's bytes over ``bandwidth`` (bytes per second).
+    """
+    ex = "5.4"
+    for nbytes in (4e3, 1 << 20, 25 * (1 << 20), 1e9):
+        for n in (1, 2, 3, 8, 64):
+            for bandwidth, latency in ((25e9, 10e-6), (100e9, 5e-6), (1e9, 0.0)):
+                want = 2 * (n - 1) * (latency + nbytes / n / bandwidth)
+                got = attempt(ex, fn, nbytes, n, bandwidth, latency)
+                expect_close(ex, got, want,
+                             f"ring_all_reduce_seconds(nbytes={nbytes:g}, n={n}, "
+                             f"bandwidth={bandwidth:g}, latency={latency:g})", rel_tol=1e-9,
+                             abs_tol=1e-15)
+    try:
+        attempt(ex, fn, 1e6, 0, 25e9, 1e-5)
+    except ExerciseWrong:
+        raise
+    except ValueError:
+        pass
+    else:
+        raise ExerciseWrong(f"Exercise {ex}: a ring of 0 ranks does not exist; raise a "
+                            "ValueError that says so")
+    mib = 1 << 20
+    small = 2 * 63 * (10e-6 + mib / 64 / 25e9)
+    big = 2 * 63 * (10e-6 + 25 * mib / 64 / 25e9)
+    passed(ex, f"64 ranks, 25 GB/s, 10 us a step: 1 MiB takes {small * 1e3:.2f} ms, "
+               f"25 MiB {big * 1e3:.2f} ms: {big / small:.1f}x the time for 25x the bytes")
