@@ -95,31 +95,49 @@ def no_graph_break(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     passed(ex, "one graph, no break, the same results on both sides of the branch")
 
 
-def matmul_intensity(fn: Callable[[int, int, int, int], float]) -> None:
-    """Exercise 7.2: ``fn(m, k, n, bytes_per_element)``, FLOPs per byte of an (m,k)@(k,n) matmul."""
+def roofline_time(fn: Callable[[float, float, Roofline], tuple[float, str]]) -> None:
+    """Exercise 7.2: ``fn(flops, nbytes, roofline)``, the shortest time the roofline allows
+    an operation, and which roof sets it."""
     ex = "7.2"
-    shapes = [(64, 64, 64, 4), (1024, 1024, 1024, 4), (1, 4096, 4096, 2), (64, 4096, 4096, 2),
-              (512, 4096, 11008, 2), (8192, 8192, 8192, 2), (3, 5, 7, 1)]
-    for m, k, n, b in shapes:
-        want = 2 * m * k * n / (b * (m * k + k * n + m * n))
-        expect_close(ex, attempt(ex, fn, m, k, n, b), want,
-                     f"matmul_intensity(m={m}, k={k}, n={n}, bytes_per_element={b}) (2mkn FLOPs "
-                     "over the bytes of both inputs read once and the output written once)")
-    for bad in ((0, 4, 4, 4), (4, -1, 4, 4), (4, 4, 4, 0)):
+    peak, _ = PEAK_TFLOPS[("h100", "sxm5")]
+    bandwidth = float(str(GPU_DATASHEETS["H100 SXM5"]["memory bandwidth"]).split()[0])
+    rooflines = (Roofline(peak, bandwidth), Roofline(2.0, 50.0))
+    n, d = 2**24, 4096
+    operations = {
+        "an fp32 add of 2^24 elements": (n, 12 * n),
+        "a bf16 matmul of one token through a 4096x4096 weight": (
+            2 * d * d, 2 * (d + d * d + d)),
+        "a bf16 matmul of 8192 tokens through a 4096x4096 weight": (
+            2 * 8192 * d * d, 2 * (8192 * d + d * d + 8192 * d)),
+        "an operation that moves bytes and computes nothing": (0, 4096),
+    }
+    for roof in rooflines:
+        for what, (flops, nbytes) in operations.items():
+            got = attempt(ex, fn, flops, nbytes, roof)
+            expect(ex, isinstance(got, tuple) and len(got) == 2,
+                   f"return a pair (seconds, 'memory-bound' or 'compute-bound'), got {got!r}")
+            seconds, bound = got
+            intensity = flops / nbytes
+            want = (nbytes / (roof.bandwidth_gbps * 1e9) if flops == 0
+                    else flops / (roof.attainable_tflops(intensity) * 1e12))
+            where = (f"for {what} on a roofline of {roof.peak_tflops:g} TFLOP/s and "
+                     f"{roof.bandwidth_gbps:g} GB/s")
+            expect_close(ex, seconds, want, f"the time {where}", rel_tol=1e-9, abs_tol=0.0)
+            want_bound = "compute-bound" if intensity >= roof.ridge else "memory-bound"
+            expect(ex, bound == want_bound,
+                   f"{where}: {bound!r}, expected {want_bound!r} (intensity {intensity:.3g} "
+                   f"FLOP/B, ridge {roof.ridge:.3g})")
+    for bad in ((-1.0, 8.0), (8.0, 0.0), (8.0, -4.0)):
         try:
-            attempt(ex, fn, *bad)
+            attempt(ex, fn, *bad, rooflines[0])
         except ExerciseWrong:
             raise
         except ValueError:
             continue
-        raise ExerciseWrong(f"Exercise {ex}: matmul_intensity{bad} has no meaning; raise a "
-                            "ValueError that names the argument that must be positive")
-    peak, _ = PEAK_TFLOPS[("h100", "sxm5")]
-    bandwidth = float(str(GPU_DATASHEETS["H100 SXM5"]["memory bandwidth"]).split()[0])
-    ridge = Roofline(peak, bandwidth).ridge
-    passed(ex, f"an H100's ridge is at {ridge:.0f} FLOP/B (bf16); one token through a "
-               f"4096x4096 layer reaches {attempt(ex, fn, 1, 4096, 4096, 2):.1f} FLOP/B, 512 "
-               f"tokens {attempt(ex, fn, 512, 4096, 4096, 2):.0f}")
+        raise ExerciseWrong(f"Exercise {ex}: {bad[0]:g} FLOPs over {bad[1]:g} bytes is not an "
+                            "operation; raise a ValueError that names what must be positive")
+    passed(ex, "on an H100 one token through a 4096x4096 layer waits for memory; 8192 tokens "
+               "wait for the Tensor Cores")
 
 
 def copy_into_static(fn: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]],
