@@ -1,5 +1,8 @@
 """Execute a notebook in place and keep its outputs (``--timeout S`` per cell).
 
+Cells tagged ``raises-exception`` (the exercises' checks, which fail until the learner
+has written the stub above them) are run and left without output.
+
 Uses nbclient (installed by the ``dev`` extra), so a machine needs no full Jupyter to
 refresh a chapter's committed outputs. The outputs written so far are saved even when a
 cell fails, so the error can be read in the notebook.
@@ -35,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client.execute()
     finally:
+        for cell in nb.cells:
+            # An exercise's check cell (tagged raises-exception) fails until the learner
+            # writes the stub above it: the chapter is committed as the learner finds it,
+            # the check not yet run. tests/test_exercises.py runs it and expects the failure.
+            if "raises-exception" in cell.get("metadata", {}).get("tags", []):
+                cell.outputs, cell.execution_count = [], None
         nbformat.write(nb, args.notebook)
     print(f"executed {args.notebook} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
