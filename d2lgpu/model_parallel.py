@@ -624,6 +624,7 @@ FIXED_COST_SCHEDULES = {
     "gpipe": ("ScheduleGPipe", 1),
     "1f1b": ("Schedule1F1B", 1),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+    "interleaved-zero-bubble": ("ScheduleInterleavedZeroBubble", 2),
 }
 
 
@@ -644,7 +645,10 @@ def schedule_bubble_formula(name: str, n_ranks: int, n_microbatches: int) -> flo
 
     GPipe and 1F1B: (p - 1) / (m + p - 1). Interleaved 1F1B with v stages per rank, each
     1/v of the work: the warm-up and cool-down shrink to (p - 1) stage-times of 1/v,
-    so (p - 1) / (v m + p - 1).
+    so (p - 1) / (v m + p - 1). Interleaved zero-bubble, with forward (F), input gradient
+    (I) and weight gradient (W) of equal cost: the weight gradients, which nothing waits
+    for, fill the gaps, and the idle time is (p - 1)(F + I - W) instead of
+    (p - 1)(F + I + W) (Qi et al., 2024), a third: (p - 1) / (3 v m + p - 1).
     """
     check_positive_int("n_ranks", n_ranks)
     check_positive_int("n_microbatches", n_microbatches)
@@ -652,6 +656,8 @@ def schedule_bubble_formula(name: str, n_ranks: int, n_microbatches: int) -> flo
         raise ValueError(f"schedule must be one of {tuple(FIXED_COST_SCHEDULES)}, got {name!r}")
     p, m = n_ranks, n_microbatches
     v = FIXED_COST_SCHEDULES[name][1]
+    if name == "interleaved-zero-bubble":
+        return (p - 1) / (3 * v * m + p - 1)
     return (p - 1) / (v * m + p - 1)
 
 

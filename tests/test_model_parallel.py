@@ -164,6 +164,8 @@ def test_schedule_formulas():
     assert schedule_bubble_formula("1f1b", 4, 29) == pytest.approx(3 / 32)
     # Interleaved, two stages per rank: (p - 1) / (v m + p - 1).
     assert schedule_bubble_formula("interleaved-1f1b", 2, 4) == pytest.approx(1 / 9)
+    # Zero-bubble: W fills the gaps, a third of 1F1B's idle time: (p - 1) / (3 v m + p - 1).
+    assert schedule_bubble_formula("interleaved-zero-bubble", 2, 4) == pytest.approx(1 / 25)
     with pytest.raises(ValueError, match="schedule must be one of"):
         schedule_bubble_formula("zero", 2, 4)
     assert schedule_unavailable_reason("gpipe") is None
@@ -255,6 +257,8 @@ def four_ranks():
         TwoDRun(spec=SPEC, mesh_shape=(2, 2), batch_size=4, seq_len=8, steps=2),
         FixedCostRun(schedule="1f1b", n_microbatches=(4,), unit_s=0.004, repeats=1),
         FixedCostRun(schedule="interleaved-1f1b", n_microbatches=(4,), unit_s=0.004, repeats=1),
+        FixedCostRun(schedule="interleaved-zero-bubble", n_microbatches=(4,), unit_s=0.004,
+                     repeats=1),
     ]
     return launch(sharding_worker, 4, (4, find_free_port(), jobs), timeout_s=240)
 
@@ -292,7 +296,7 @@ def test_2d_equals_one_process_with_a_quarter_of_the_parameters(four_ranks):
 
 
 def test_fixed_cost_pipelines_record_every_piece_of_work(four_ranks):
-    for timing, stages_per_rank in ((four_ranks[6], 1), (four_ranks[7], 2)):
+    for timing, stages_per_rank in ((four_ranks[6], 1), (four_ranks[7], 2), (four_ranks[8], 2)):
         (events,) = timing.events
         assert timing.n_ranks == 4 and timing.n_microbatches == [4]
         for rank in range(4):
