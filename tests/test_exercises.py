@@ -184,3 +184,46 @@ def test_an_error_inside_the_learners_code_is_not_hidden():
 
     with pytest.raises(IndexError):
         attempt("1.2", wrong, [1, 2])
+
+
+def test_a_check_that_wants_a_value_error_names_what_came_instead():
+    from d2lgpu.exercises import expect_value_error
+
+    def refuses(x):
+        if x < 0:
+            raise ValueError("negative")
+        return x
+
+    expect_value_error("1.2", refuses, (-1,), "-1 is no size")  # refused: passes
+    with pytest.raises(ExerciseWrong, match=r"1 is no size; raise a ValueError that says so"):
+        expect_value_error("1.2", refuses, (1,), "1 is no size")
+    with pytest.raises(ExerciseWrong, match=r"raised IndexError: .*raise a ValueError"):
+        expect_value_error("1.2", lambda x: [][x], (3,), "3 is out of range")
+    with pytest.raises(ExerciseNotDone):
+        expect_value_error("1.2", lambda x: (_ for _ in ()).throw(NotImplementedError), (1,),
+                           "anything")
+
+
+def test_a_stub_is_refused_before_the_check_builds_anything():
+    from d2lgpu.exercises import refuse_stub_early
+
+    def stub(a, b):
+        raise NotImplementedError
+
+    with pytest.raises(ExerciseNotDone, match="Exercise 5.3 is not done yet: `stub`"):
+        refuse_stub_early("5.3", stub, 2)
+    refuse_stub_early("5.3", lambda a, b: a.step(b), 2)  # touches a stand-in: the check goes on
+    refuse_stub_early("5.3", lambda a, b: len(a) + b[0], 2)
+
+
+def test_a_tensor_check_names_the_case_the_shape_and_the_difference():
+    import torch
+
+    from d2lgpu.exercises import expect_tensor_close
+
+    want = torch.ones(2, 3)
+    expect_tensor_close("9.3", want + 1e-7, want, "with n=2", 1e-5, "hint")
+    with pytest.raises(ExerciseWrong, match=r"with n=2: expected a tensor of shape \(2, 3\)"):
+        expect_tensor_close("9.3", torch.ones(3, 2), want, "with n=2", 1e-5, "hint")
+    with pytest.raises(ExerciseWrong, match=r"differs by up to 0\.5; look at the bias"):
+        expect_tensor_close("9.3", want + 0.5, want, "with n=2", 1e-5, "look at the bias")

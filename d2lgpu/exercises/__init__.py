@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import torch
 
 __all__ = [
     "ExerciseCheckFailed",
@@ -30,7 +32,10 @@ __all__ = [
     "attempt",
     "expect",
     "expect_close",
+    "expect_tensor_close",
+    "expect_value_error",
     "passed",
+    "refuse_stub_early",
 ]
 
 
@@ -100,6 +105,75 @@ def expect_close(exercise: str, got: float, want: float, what: str,
            f"{what} is {value:.6g}, expected {want:.6g}")
 
 
+def expect_tensor_close(exercise: str, got: Any, want: torch.Tensor, what: str, atol: float,
+                        hint: str) -> None:
+    """``got`` must be a tensor of ``want``'s shape within ``atol`` of it everywhere; ``what``
+    names the case ("with n=4 ranks"), ``hint`` where to look when it is not."""
+    shape = getattr(got, "shape", type(got).__name__)
+    expect(exercise, isinstance(got, torch.Tensor) and got.shape == want.shape,
+           f"{what}: expected a tensor of shape {tuple(want.shape)}, got {shape}")
+    err = (got - want).abs().max().item()
+    expect(exercise, err < atol, f"{what}: the result differs by up to {err:.3g}; {hint}")
+
+
 def passed(exercise: str, what: str) -> None:
     """Print the line a passing check ends with."""
     print(f"Exercise {exercise} passed: {what}")
+
+
+def expect_value_error(exercise: str, fn: Callable[..., Any], args: tuple, why: str,
+                       kwargs: Mapping[str, Any] | None = None) -> None:
+    """The learner's ``fn(*args, **kwargs)`` must refuse its arguments with a ValueError;
+    ``why`` says what is wrong with them. Another exception (an IndexError from
+    ``list[i]``, say) is named, since a learner's function should say what is wrong."""
+    try:
+        attempt(exercise, fn, *args, **dict(kwargs or {}))
+    except ExerciseCheckFailed:
+        raise
+    except ValueError:
+        return
+    except Exception as err:
+        raise ExerciseWrong(f"Exercise {exercise}: {why}, and your function raised "
+                            f"{type(err).__name__}: {err}; raise a ValueError that says "
+                            "so instead") from None
+    raise ExerciseWrong(f"Exercise {exercise}: {why}; raise a ValueError that says so")
+
+
+class _StandInTouched(Exception):
+    """A learner's function used one of the stand-ins: it is no longer the stub."""
+
+
+class _StandIn:
+    """An argument that stops any function that uses it (see :func:`refuse_stub_early`)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise _StandInTouched(name)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        raise _StandInTouched("call")
+
+    def __iter__(self) -> Iterator[object]:
+        raise _StandInTouched("iter")
+
+    def __len__(self) -> int:
+        raise _StandInTouched("len")
+
+    def __getitem__(self, key: object) -> object:
+        raise _StandInTouched("getitem")
+
+
+def refuse_stub_early(exercise: str, fn: Callable[..., Any], nargs: int) -> None:
+    """Raise :class:`ExerciseNotDone` for an unchanged stub before a check builds anything
+    costly (a first optimizer or DDP model imports torch's compiler stack, seconds on a
+    small machine). ``fn`` is called on ``nargs`` stand-ins: the stub raises
+    ``NotImplementedError`` at once; a real solution stops at the first stand-in it uses,
+    and the check goes on."""
+    try:
+        attempt(exercise, fn, *[_StandIn() for _ in range(nargs)])
+    except ExerciseNotDone:
+        raise
+    except ExerciseWrong:
+        if not callable(fn):
+            raise
+    except Exception:  # the function used a stand-in: the real check follows
+        pass

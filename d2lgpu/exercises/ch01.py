@@ -9,31 +9,15 @@ import torch
 
 from d2lgpu.chips import GPU_DATASHEETS
 from d2lgpu.exercises import (
-    ExerciseCheckFailed,
-    ExerciseWrong,
     attempt,
     expect,
     expect_close,
+    expect_value_error,
     passed,
 )
 from d2lgpu.report import parse_cuda_visible_devices
 
 MiB = 2**20
-
-
-def _expect_value_error(ex: str, fn: Callable[..., object], args: tuple, why: str) -> None:
-    """The learner's ``fn(*args)`` must raise ValueError; ``why`` says what is wrong with args."""
-    try:
-        attempt(ex, fn, *args)
-    except ExerciseCheckFailed:
-        raise
-    except ValueError:
-        return
-    except Exception as err:  # an IndexError from list[i], a KeyError, ...
-        raise ExerciseWrong(f"Exercise {ex}: {why}, and your function raised "
-                            f"{type(err).__name__}: {err}; raise a ValueError that says "
-                            "so instead") from None
-    raise ExerciseWrong(f"Exercise {ex}: {why}; raise a ValueError that says so")
 
 
 def physical_gpu(fn: Callable[[str | None, int], int | str]) -> None:
@@ -61,7 +45,7 @@ def physical_gpu(fn: Callable[[str | None, int], int | str]) -> None:
                            "Python list would accept it)"),
                (None, -1, "there is no cuda:-1, whatever the variable says")]
     for visible, index, why in missing:
-        _expect_value_error(ex, fn, (visible, index),
+        expect_value_error(ex, fn, (visible, index),
                             f"CUDA_VISIBLE_DEVICES={visible!r} has no cuda:{index}: {why}")
     passed(ex, "under CUDA_VISIBLE_DEVICES='3,1,2' a process's cuda:1 is physical GPU 1, and "
                "'0,,1' leaves it no cuda:1 at all")
@@ -137,7 +121,7 @@ def allocator_footprint(fn: Callable[[int], tuple[int, int]]) -> None:
         expect(ex, (allocated, reserved) == want,
                f"{tensor}: got allocated {allocated:,}, reserved {reserved:,}; expected "
                f"allocated {want[0]:,}, reserved {want[1]:,}. " + _footprint_hint(nbytes, want))
-    _expect_value_error(ex, fn, (-1,), "a tensor cannot have -1 bytes")
+    expect_value_error(ex, fn, (-1,), "a tensor cannot have -1 bytes")
     passed(ex, "one float32 on the GPU: 512 bytes allocated in a 2 MiB segment; 3 MiB "
                "reserve 20 MiB, and 11 MiB take a whole 12 MiB segment")
 
@@ -178,7 +162,7 @@ def warp_waves(fn: Callable[[int, int, str], float]) -> None:
                                  (10, 1025, "a block has at most 1,024 threads on every "
                                             "CUDA GPU"),
                                  (0, 256, "a kernel launches at least one block")]:
-        _expect_value_error(ex, fn, (blocks, threads, "T4"),
+        expect_value_error(ex, fn, (blocks, threads, "T4"),
                             f"warp_waves({blocks}, {threads}, 'T4'): {why}")
     passed(ex, "1,000 blocks of 256 threads fill 95% of an H100's warp slots, and a T4's "
                "6.25 times over")

@@ -8,30 +8,14 @@ import torch
 
 from d2lgpu.benchmarking import count_traffic
 from d2lgpu.exercises import (
-    ExerciseCheckFailed,
     ExerciseWrong,
     attempt,
     expect,
     expect_close,
+    expect_value_error,
     passed,
 )
 from d2lgpu.timing import Timing
-
-
-def _expect_value_error(ex: str, fn: Callable[..., object], args: tuple, kwargs: dict,
-                        why: str) -> None:
-    """The learner's ``fn(*args, **kwargs)`` must raise ValueError; ``why`` says why."""
-    try:
-        attempt(ex, fn, *args, **kwargs)
-    except ExerciseCheckFailed:
-        raise
-    except ValueError:
-        return
-    except Exception as err:  # an IndexError from list[i], a KeyError, ...
-        raise ExerciseWrong(f"Exercise {ex}: {why}, and your function raised "
-                            f"{type(err).__name__}: {err}; raise a ValueError that says "
-                            "so instead") from None
-    raise ExerciseWrong(f"Exercise {ex}: {why}; raise a ValueError that says so")
 
 
 class _FakeDevice:
@@ -98,10 +82,11 @@ def timed_median(fn: Callable[..., float]) -> None:
                      f"(each call also costs the host {_FakeDevice.LAUNCH} s to launch), the "
                      "median (statistics.median of the timed calls only)", rel_tol=1e-9)
     noop = _FakeDevice([0.0] * 5)
-    _expect_value_error(ex, fn, (noop.fn, noop.synchronize), dict(warmup=1, repeats=0,
-                        clock=noop.clock), "repeats=0 leaves nothing to take the median of")
-    _expect_value_error(ex, fn, (noop.fn, noop.synchronize), dict(warmup=-1, repeats=3,
-                        clock=noop.clock), "warmup=-1 is no number of calls")
+    expect_value_error(ex, fn, (noop.fn, noop.synchronize),
+                       "repeats=0 leaves nothing to take the median of",
+                       dict(warmup=1, repeats=0, clock=noop.clock))
+    expect_value_error(ex, fn, (noop.fn, noop.synchronize), "warmup=-1 is no number of calls",
+                       dict(warmup=-1, repeats=3, clock=noop.clock))
     passed(ex, "the clock is read only after the device has finished, and the warm-up calls' "
                "5 s stay out of a median of 13 ms")
 
@@ -153,8 +138,8 @@ def matmul_intensity(fn: Callable[[int, int, int, int], float]) -> None:
                      f"counts {flops.get_total_flops():,} FLOPs, the chapter's counter "
                      f"{moved:,} bytes)", rel_tol=1e-9)
     for args in ((0, 4, 4, 2), (4, 4, -1, 2), (4, 4, 4, 0)):
-        _expect_value_error(ex, fn, args, {}, f"matmul_intensity{args} has a size that is not "
-                                              "positive")
+        expect_value_error(ex, fn, args, f"matmul_intensity{args} has a size that is not "
+                                         "positive")
     passed(ex, "a 4096-cubed bf16 product does 1,365 FLOPs per byte, a matrix-vector product "
                "about 1, the fused multiply-add 1/8")
 
@@ -186,7 +171,7 @@ def timeline(fn: Callable[[float, list[float]], tuple[float, float]]) -> None:
                      f"launches of {launch:g} s, kernels {shown}: the device's time (a kernel "
                      "starts once its launch has returned and the kernel before it is done)",
                      rel_tol=1e-9)
-    _expect_value_error(ex, fn, (-1e-6, [1.0]), {}, "a launch cannot take negative time")
-    _expect_value_error(ex, fn, (1e-6, [1.0, -1.0]), {}, "a kernel cannot take negative time")
+    expect_value_error(ex, fn, (-1e-6, [1.0]), "a launch cannot take negative time")
+    expect_value_error(ex, fn, (1e-6, [1.0, -1.0]), "a kernel cannot take negative time")
     passed(ex, "100 kernels of 2 us launched every 5 us keep the device idle 60% of the time, "
                "and the naive timer is right for once")

@@ -8,7 +8,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from d2lgpu.exercises import ExerciseWrong, attempt, expect, expect_close, passed
+from d2lgpu.exercises import (
+    attempt,
+    expect,
+    expect_close,
+    expect_value_error,
+    passed,
+)
 from d2lgpu.parallel import (
     allreduce,
     data_parallel_step,
@@ -18,17 +24,6 @@ from d2lgpu.parallel import (
 )
 
 CPU = torch.device("cpu")
-
-
-def _expect_value_error(ex: str, fn: Callable[..., object], args: tuple, why: str) -> None:
-    """``fn(*args)`` must raise ValueError; ``why`` says what the learner should refuse."""
-    try:
-        attempt(ex, fn, *args)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        return
-    raise ExerciseWrong(f"Exercise {ex}: {why}; raise a ValueError that says so")
 
 
 def _in_place(fn: Callable[..., object]) -> Callable[..., bool]:
@@ -77,7 +72,7 @@ def shard_bounds(fn: Callable[[int, int], list[tuple[int, int]]]) -> None:
                f"shard_bounds({n}, {k}) gave {got}; d2lgpu.split_batch cuts {n} rows into "
                f"{want} (rows start to stop - 1): the first {n} % {k} = {n % k} shards get "
                "one row more")
-    _expect_value_error(ex, fn, (2, 3),
+    expect_value_error(ex, fn, (2, 3),
                         "2 rows over 3 devices leave a device without a shard (split_batch "
                         "refuses it)")
     passed(ex, "10 rows over 4 devices are rows 0-2, 3-5, 6-7 and 8-9, as split_batch cuts "
@@ -119,7 +114,7 @@ def lr_for_summed_means(fn: Callable[[float, list[int]], float]) -> None:
                f"with shards {sizes}, a step at your rate {got} ends {gap:.1e} away from "
                f"d2lgpu.data_parallel_step at lr={lr}")
     for sizes in ([3, 2, 2], [14, 13, 13], [9, 1]):
-        _expect_value_error(ex, fn, (0.1, list(sizes)),
+        expect_value_error(ex, fn, (0.1, list(sizes)),
                             f"with uneven shards {sizes} no single learning rate turns the "
                             "sum of the shards' mean gradients into the full-batch gradient "
                             "(each shard gets the weight 1, not its share of the rows)")
@@ -165,9 +160,9 @@ def weighted_allreduce(fn: Callable[[list[torch.Tensor], list[float]], None]) ->
                f"10 rows over {k} replicas (shards {sizes}), each backpropagating its shard's "
                f"mean loss, weighted by the shard sizes: the gradient is {gap:.1e} away from "
                "the full-batch gradient")
-    _expect_value_error(ex, call, ([torch.ones(2), torch.ones(2), torch.ones(2)], [1.0, 2.0]),
+    expect_value_error(ex, call, ([torch.ones(2), torch.ones(2), torch.ones(2)], [1.0, 2.0]),
                         "3 tensors and 2 weights do not pair up")
-    _expect_value_error(ex, call, ([torch.ones(2), torch.ones(2)], [0.0, 0.0]),
+    expect_value_error(ex, call, ([torch.ones(2), torch.ones(2)], [0.0, 0.0]),
                         "weights [0, 0] have no mean (their sum is 0)")
     passed(ex, "shard means weighted by shard sizes give the full-batch gradient for uneven "
                "shards too")
@@ -203,7 +198,7 @@ def accumulated_step(
                    f"{gap:.1e} away from d2lgpu.data_parallel_step on {k} replica(s): each "
                    f"shard's loss is summed and divided by the whole batch's size{hint}")
     X, y = batches[0]
-    _expect_value_error(ex, fn, (_mlp, replicate_params(_mlp_params(), CPU), X[:3], y[:3],
+    expect_value_error(ex, fn, (_mlp, replicate_params(_mlp_params(), CPU), X[:3], y[:3],
                                  0.5, 4),
                         "3 rows cannot make 4 shards")
     passed(ex, "k shards accumulated on one device take the step of k replicas, loss and "

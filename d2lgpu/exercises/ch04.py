@@ -8,19 +8,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from d2lgpu.exercises import ExerciseWrong, attempt, expect, expect_close, passed
+from d2lgpu.exercises import (
+    attempt,
+    expect,
+    expect_close,
+    expect_value_error,
+    passed,
+)
 from d2lgpu.replicas import ReplicasOnOneDevice, scaled_learning_rate
-
-
-def _expect_value_error(ex: str, fn: Callable[..., object], args: tuple, why: str) -> None:
-    """``fn(*args)`` must raise ValueError; ``why`` says what the learner should refuse."""
-    try:
-        attempt(ex, fn, *args)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        return
-    raise ExerciseWrong(f"Exercise {ex}: {why}; raise a ValueError that says so")
 
 
 class _RowRecorder(nn.Module):
@@ -189,7 +184,7 @@ def warmup_lambda(fn: Callable[[float, int, int], Callable[[int], float]]) -> No
                          f"optimizer's lr, {target:g}, by your factor)", rel_tol=1e-9)
             optimizer.step()
             scheduler.step()
-    _expect_value_error(ex, fn, (0.1, 8, 0),
+    expect_value_error(ex, fn, (0.1, 8, 0),
                         "a warm-up of 0 steps has nothing to ramp over (use no scheduler)")
     passed(ex, "k = 8 from 0.1: the rate climbs 0.1, 0.16, 0.22, 0.28, 0.34, then holds at "
                "the cap, 0.4")

@@ -18,48 +18,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from d2lgpu.exercises import ExerciseNotDone, ExerciseWrong, attempt, expect, expect_close, passed
-
-
-class _StandInTouched(Exception):
-    """A learner's function used one of the stand-ins: it is no longer the stub."""
-
-
-class _StandIn:
-    """An argument that stops any function that uses it (see :func:`_stub_first`)."""
-
-    def __getattr__(self, name: str) -> object:
-        raise _StandInTouched(name)
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        raise _StandInTouched("call")
-
-    def __iter__(self) -> Iterator[object]:
-        raise _StandInTouched("iter")
-
-    def __len__(self) -> int:
-        raise _StandInTouched("len")
-
-    def __getitem__(self, key: object) -> object:
-        raise _StandInTouched("getitem")
-
-
-def _stub_first(ex: str, fn: Callable[..., object], nargs: int) -> None:
-    """Raise :class:`ExerciseNotDone` for an unchanged stub before anything costly is built.
-
-    Building a ``DistributedDataParallel`` model imports torch's compiler stack (a second
-    or more); a stub needs none of it. ``fn`` is called on stand-ins: the stub raises
-    ``NotImplementedError`` at once, a real solution stops at the first stand-in it uses.
-    """
-    try:
-        attempt(ex, fn, *[_StandIn() for _ in range(nargs)])
-    except ExerciseNotDone:
-        raise
-    except ExerciseWrong:
-        if not callable(fn):
-            raise
-    except Exception:  # the function used a stand-in: the real check follows
-        pass
+from d2lgpu.exercises import (
+    ExerciseWrong,
+    attempt,
+    expect,
+    expect_close,
+    passed,
+    refuse_stub_early,
+)
 
 
 def shard_indices(fn: Callable[..., list[int]]) -> None:
@@ -217,7 +183,7 @@ def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], 
     the returned loss.
     """
     ex = "5.3"
-    _stub_first(ex, fn, 2)
+    refuse_stub_early(ex, fn, 2)
     with _one_rank_group(ex):
         plain = DDP(_accumulation_model())
         counted = {"calls": 0}

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d2lgpu.exercises import ExerciseNotDone, ExerciseWrong, attempt, expect, expect_close, passed
+from d2lgpu.exercises import (
+    ExerciseWrong,
+    attempt,
+    expect,
+    expect_close,
+    passed,
+    refuse_stub_early,
+)
 from d2lgpu.precision import precision_policy, saved_activation_bytes, sweep_cnn
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -211,41 +218,6 @@ def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-class _StandInTouched(Exception):
-    """A learner's function used one of the stand-ins: it is no longer the stub."""
-
-
-class _StandIn:
-    """An argument that stops any function that uses it (see :func:`_stub_first`)."""
-
-    def __getattr__(self, name: str) -> object:
-        raise _StandInTouched(name)
-
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        raise _StandInTouched("call")
-
-    def __iter__(self) -> Iterator[object]:
-        raise _StandInTouched("iter")
-
-
-def _stub_first(ex: str, fn: Callable[..., object], nargs: int) -> None:
-    """Raise :class:`ExerciseNotDone` for an unchanged stub before anything costly is built.
-
-    A first optimizer imports torch's compiler stack (a second or more), which a stub
-    does not need. ``fn`` is called on stand-ins: the stub raises ``NotImplementedError``
-    at once, a real solution stops at the first stand-in it uses.
-    """
-    try:
-        attempt(ex, fn, *[_StandIn() for _ in range(nargs)])
-    except ExerciseNotDone:
-        raise
-    except ExerciseWrong:
-        if not callable(fn):
-            raise
-    except Exception:  # the function used a stand-in: the real check follows
-        pass
-
-
 def amp_step(fn: Callable[..., float]) -> None:
     """Exercise 6.3: ``fn(net, optimizer, scaler, features, classes, dtype, max_norm)``.
 
@@ -254,7 +226,7 @@ def amp_step(fn: Callable[..., float]) -> None:
     after every step with the recipe itself: parameters, loss and scale.
     """
     ex = "6.3"
-    _stub_first(ex, fn, 7)
+    refuse_stub_early(ex, fn, 7)
     runs = (("fp16 + GradScaler, max_norm=0.25", torch.float16, True, 1.0, 0.25, 3),
             ("bf16, disabled scaler, max_norm=0.5", torch.bfloat16, False, 1.0, 0.5, 3),
             ("fp16 on inputs 1e4 times too large", torch.float16, True, 1e4, 0.25, 2))

@@ -7,7 +7,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from d2lgpu.chips import GPU_DATASHEETS, PEAK_TFLOPS
-from d2lgpu.exercises import ExerciseWrong, attempt, expect, expect_close, passed
+from d2lgpu.exercises import (
+    ExerciseWrong,
+    attempt,
+    expect,
+    expect_close,
+    expect_tensor_close,
+    expect_value_error,
+    passed,
+)
 from d2lgpu.profiling import Roofline, explain_graph_breaks, profiler_activities
 
 
@@ -76,14 +84,9 @@ def no_graph_break(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     for what, x in inputs.items():
         got = attempt(ex, fn, x.clone())
         want = _centered_and_clipped(x.clone())
-        expect(ex, isinstance(got, torch.Tensor) and got.shape == want.shape,
-               f"for {what}: expected a tensor of shape {tuple(want.shape)}, got "
-               f"{getattr(got, 'shape', type(got).__name__)}")
-        err = (got - want).abs().max().item()
-        expect(ex, err < 1e-6,
-               f"for {what}: the result differs from centered_and_clipped(x) by up to "
-               f"{err:.3g}; keep the same arithmetic, only turn the Python numbers into "
-               "0-d tensors and the `if` into torch.where")
+        expect_tensor_close(ex, got, want, f"for {what}, against centered_and_clipped(x)", 1e-6,
+                            "keep the same arithmetic, only turn the Python numbers into "
+                            "0-d tensors and the `if` into torch.where")
     torch._dynamo.reset()
     try:
         report = explain_graph_breaks(fn, torch.linspace(-1, 3, 16))
@@ -127,15 +130,9 @@ def roofline_time(fn: Callable[[float, float, Roofline], tuple[float, str]]) -> 
             expect(ex, bound == want_bound,
                    f"{where}: {bound!r}, expected {want_bound!r} (intensity {intensity:.3g} "
                    f"FLOP/B, ridge {roof.ridge:.3g})")
-    for bad in ((-1.0, 8.0), (8.0, 0.0), (8.0, -4.0)):
-        try:
-            attempt(ex, fn, *bad, rooflines[0])
-        except ExerciseWrong:
-            raise
-        except ValueError:
-            continue
-        raise ExerciseWrong(f"Exercise {ex}: {bad[0]:g} FLOPs over {bad[1]:g} bytes is not an "
-                            "operation; raise a ValueError that names what must be positive")
+    for flops, nbytes in ((-1.0, 8.0), (8.0, 0.0), (8.0, -4.0)):
+        expect_value_error(ex, fn, (flops, nbytes, rooflines[0]),
+                           f"{flops:g} FLOPs over {nbytes:g} bytes is not an operation")
     passed(ex, "on an H100 one token through a 4096x4096 layer waits for memory; 8192 tokens "
                "wait for the Tensor Cores")
 

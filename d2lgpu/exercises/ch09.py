@@ -7,7 +7,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from d2lgpu.exercises import ExerciseWrong, attempt, expect, expect_close, passed
+from d2lgpu.exercises import (
+    attempt,
+    expect,
+    expect_close,
+    expect_tensor_close,
+    expect_value_error,
+    passed,
+)
 from d2lgpu.model_parallel import bubble_formula, schedule_bubble_formula
 from d2lgpu.models import MLPBlock
 
@@ -59,15 +66,7 @@ def split_into_stages(fn: Callable[[nn.Sequential, int], list[nn.Sequential]]) -
             out = stage(out)
         expect(ex, torch.allclose(out, model(x)),
                "running the stages one after the other does not give the model's output")
-    try:
-        attempt(ex, fn, _blocks(2), 3)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        pass
-    else:
-        raise ExerciseWrong(f"Exercise {ex}: 2 blocks into 3 stages leaves a stage empty; "
-                            "raise a ValueError that says so")
+    expect_value_error(ex, fn, (_blocks(2), 3), "2 blocks into 3 stages leave a stage empty")
     passed(ex, "7 blocks on 3 ranks run as stages of 3, 2 and 2 blocks, and give the "
                "model's output")
 
@@ -82,24 +81,12 @@ def tensor_parallel_mlp(fn: Callable[[MLPBlock, torch.Tensor, int], torch.Tensor
         want = block(x)
         for n in (1, 2, 4, 8):
             got = attempt(ex, fn, block, x, n)
-            expect(ex, isinstance(got, torch.Tensor) and got.shape == want.shape,
-                   f"with n={n}, expected a tensor of shape {tuple(want.shape)}, got "
-                   f"{getattr(got, 'shape', type(got).__name__)}")
-            err = (got - want).abs().max().item()
-            expect(ex, err < 1e-5,
-                   f"with n={n} ranks the output differs from block(x) by up to {err:.2e}: "
-                   "each rank takes rows of fc1 (its share of the hidden units) and the same "
-                   "columns of fc2, and the partial outputs are summed; fc2's bias is added once")
-    try:
-        with torch.no_grad():
-            attempt(ex, fn, block, x, 3)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        pass
-    else:
-        raise ExerciseWrong(f"Exercise {ex}: 64 hidden units do not split over 3 ranks; "
-                            "raise a ValueError that says so")
+            expect_tensor_close(ex, got, want, f"with n={n} ranks, against block(x)", 1e-5,
+                                "each rank takes rows of fc1 (its share of the hidden units) "
+                                "and the same columns of fc2, and the partial outputs are "
+                                "summed; fc2's bias is added once")
+    with torch.no_grad():
+        expect_value_error(ex, fn, (block, x, 3), "64 hidden units do not split over 3 ranks")
     passed(ex, "fc1 split by rows and fc2 by columns over 1, 2, 4 and 8 ranks, one sum at the "
                "end: the block's output")
 
@@ -116,13 +103,6 @@ def activations_held(fn: Callable[[str, int, int, int], int]) -> None:
             expect(ex, got == want,
                    f"1F1B, p={p}, m={m}, stage {stage}: {got}, expected {want} (the chapter "
                    "measured it: stage s starts p - s forwards before its first backward)")
-    try:
-        attempt(ex, fn, "zigzag", 2, 4, 0)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        pass
-    else:
-        raise ExerciseWrong(f"Exercise {ex}: an unknown schedule name ('zigzag') must raise a "
-                            "ValueError naming the known ones")
+    expect_value_error(ex, fn, ("zigzag", 2, 4, 0),
+                       "'zigzag' is no schedule: name the known ones, 'gpipe' and '1f1b'")
     passed(ex, "with m = 16 and p = 4, 1F1B's first stage keeps 4 microbatches, GPipe's 16")
