@@ -293,3 +293,35 @@ def test_speed_verdict_on_both_sides_of_its_margin():
     assert dp_or_ddp_speed_verdict(115, 100).startswith("DataParallel")
     with pytest.raises(ValueError):
         dp_or_ddp_speed_verdict(0, 100)
+
+
+def test_launch_preloads_what_every_rank_would_import_again(monkeypatch):
+    """The forkserver imports torch, torch._dynamo (a process's first optimizer imports it:
+    seconds in every rank otherwise) and the launched function's module, once."""
+    import torch.multiprocessing as mp
+
+    from d2lgpu import distributed
+
+    preloads = []
+
+    class Context:
+        def set_forkserver_preload(self, modules):
+            preloads.append(list(modules))
+
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["fork", "spawn", "forkserver"])
+    monkeypatch.setattr(mp, "get_context", lambda method: Context())
+    assert distributed._rank_start_method(distributed.faulty_worker) == "forkserver"
+    assert preloads[-1] == ["torch", "torch._dynamo", "d2lgpu.distributed"]
+
+    def in_main(rank):
+        return rank
+
+    in_main.__module__ = "__main__"  # a script's function: the server cannot import it by name
+    distributed._rank_start_method(in_main)
+    assert preloads[-1] == ["torch", "torch._dynamo", "d2lgpu.distributed"]
+    from d2lgpu.sharding import sharding_worker
+
+    distributed._rank_start_method(sharding_worker)
+    assert preloads[-1][-1] == "d2lgpu.sharding"
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])  # Windows
+    assert distributed._rank_start_method(sharding_worker) == "spawn"
