@@ -1744,6 +1744,16 @@ def busiest_gpu_bytes(
     }
 
 
+def _larger_by(first: float, second: float, margin: float) -> str | None:
+    """"first" or "second", whichever exceeds the other by more than ``margin`` times;
+    None for a tie. The rule of both DataParallel-or-DDP verdicts."""
+    if first > margin * second:
+        return "first"
+    if second > margin * first:
+        return "second"
+    return None
+
+
 def dp_or_ddp_traffic_verdict(dp_bytes: float, ddp_bytes: float, margin: float = 1.2) -> str:
     """Which wrapper moves fewer bytes through its busiest GPU, from the two counts.
 
@@ -1752,9 +1762,10 @@ def dp_or_ddp_traffic_verdict(dp_bytes: float, ddp_bytes: float, margin: float =
     check_positive_float("margin", margin)
     if dp_bytes < 0 or ddp_bytes < 0:
         raise ValueError(f"byte counts must be 0 or more, got {dp_bytes!r} and {ddp_bytes!r}")
-    if dp_bytes > margin * ddp_bytes:
+    larger = _larger_by(dp_bytes, ddp_bytes, margin)
+    if larger == "first":
         return f"DDP: its busiest GPU moves {dp_bytes / ddp_bytes:.1f}x fewer bytes"
-    if ddp_bytes > margin * dp_bytes:
+    if larger == "second":
         return f"DataParallel: its busiest GPU moves {ddp_bytes / dp_bytes:.1f}x fewer bytes"
     return f"a tie: within {margin:g}x of each other"
 
@@ -1764,8 +1775,9 @@ def dp_or_ddp_speed_verdict(dp_rate: float, ddp_rate: float, margin: float = 1.1
     check_positive_float("margin", margin)
     if not (dp_rate > 0 and ddp_rate > 0):
         raise ValueError(f"throughputs must be positive, got {dp_rate!r} and {ddp_rate!r}")
-    if ddp_rate > margin * dp_rate:
+    larger = _larger_by(ddp_rate, dp_rate, margin)
+    if larger == "first":
         return f"DDP, {ddp_rate / dp_rate:.2f}x the throughput of DataParallel"
-    if dp_rate > margin * ddp_rate:
+    if larger == "second":
         return f"DataParallel, {dp_rate / ddp_rate:.2f}x the throughput of DDP"
     return f"a tie: within {margin:g}x of each other"

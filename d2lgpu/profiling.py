@@ -53,7 +53,8 @@ from d2lgpu.chips import peak_format
 from d2lgpu.config import quick_mode, workload
 from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import as_device
-from d2lgpu.fast import TECHNIQUES, Techniques, technique_skip_reason
+from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason
+from d2lgpu.precision import precision_policy, saved_activation_bytes
 from d2lgpu.timing import format_table, gbps, tflops, time_fn
 from d2lgpu.training import History, train
 
@@ -1328,9 +1329,6 @@ def count_technique_effect(
     * ``fused_optimizer``: ATen operators one ``optimizer.step()`` calls, torch's
       default SGD against :func:`d2lgpu.fast.make_sgd`'s.
     """
-    from d2lgpu.fast import make_sgd
-    from d2lgpu.precision import precision_policy, saved_activation_bytes
-
     device = as_device(device)
     batches = list(itertools.islice(iter(batches), 4))
     if not batches:
