@@ -37,6 +37,8 @@ def parse_args() -> argparse.Namespace:
                         default=list(d2lgpu.PRECISION_MODES), help="precision modes to compare")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per row")
+    parser.add_argument("--largest", action="store_true",
+                        help="only the largest batch size of each model's sweep")
     parser.add_argument("--repeats", type=int, default=None,
                         help="measurements per row, modes interleaved (default 3; quick: 1)")
     args = parser.parse_args()
@@ -88,6 +90,8 @@ def main() -> None:
     results = {}
     for key in args.models:
         label, model_fn, make_batch, batch_sizes = sweeps[key]
+        if args.largest:
+            batch_sizes = batch_sizes[-1:]
         results[label] = d2lgpu.precision_sweep(
             model_fn, make_batch, args.modes, batch_sizes, device, steps=steps, warmup=warmup,
             repeats=repeats,

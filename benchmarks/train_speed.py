@@ -42,6 +42,7 @@ from d2lgpu.timing import format_table
 from d2lgpu.training import History, init_weights, set_seed, train_fast
 
 MODELS = {"resnet18": d2lgpu.resnet18, "small_cnn": d2lgpu.small_cnn}
+LOOPS = ("d2l-style", "d2lgpu.train", "fast")
 
 
 def train_d2l_style(
@@ -139,7 +140,11 @@ def main() -> None:
                         help="dense Tensor Core peak of the device (default: "
                              "d2lgpu.chips.PEAK_TFLOPS: bf16, fp16 on T4/V100)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS),
+                        help="which loops to run (default: all three)")
     args = parser.parse_args()
+    if "d2l-style" not in args.loops:
+        parser.error("--loops must include d2l-style: it is the baseline of the comparison")
 
     model_name = args.model or ("small_cnn" if args.quick else "resnet18")
     epochs = args.epochs or (2 if args.quick else 10)
@@ -168,17 +173,19 @@ def main() -> None:
     init_weights(net)
     histories["d2l-style"] = train_d2l_style(net, d2l_train, d2l_test, epochs, args.lr, device)
 
-    histories["d2lgpu.train"] = d2lgpu.train(
-        make_model(), train_iter, test_iter, epochs, args.lr, device, seed=args.seed,
-        progress=False, plot=False,
-    )
+    if "d2lgpu.train" in args.loops:
+        histories["d2lgpu.train"] = d2lgpu.train(
+            make_model(), train_iter, test_iter, epochs, args.lr, device, seed=args.seed,
+            progress=False, plot=False,
+        )
 
-    fast_train, fast_test = fashion_mnist_on_device(batch_size, device, quick=args.quick)
-    fast_name = "train_fast" + (" (compiled)" if args.compile else "")
-    histories[fast_name] = train_fast(
-        make_model(), fast_train, fast_test, epochs, args.lr, device, seed=args.seed,
-        techniques=d2lgpu.Techniques.fast(device, compile=args.compile), progress=False,
-    )
+    if "fast" in args.loops:
+        fast_train, fast_test = fashion_mnist_on_device(batch_size, device, quick=args.quick)
+        fast_name = "train_fast" + (" (compiled)" if args.compile else "")
+        histories[fast_name] = train_fast(
+            make_model(), fast_train, fast_test, epochs, args.lr, device, seed=args.seed,
+            techniques=d2lgpu.Techniques.fast(device, compile=args.compile), progress=False,
+        )
 
     baseline = sum(num_examples / eps for eps in histories["d2l-style"].examples_per_second)
     rows = [

@@ -38,7 +38,7 @@ from d2lgpu.chips import (
     peak_tflops,
     training_flops_per_example,
 )
-from d2lgpu.config import data_root, describe_mode, pick, quick_mode, workload
+from d2lgpu.config import data_root, describe_mode, pick, quick_mode, smoke_mode, workload
 from d2lgpu.data import (
     FASHION_MNIST_LABELS,
     QUICK_TEST_SIZE,
@@ -235,6 +235,7 @@ __all__ = [
     "process_group",
     "profiler_activities",
     "quick_mode",
+    "smoke_mode",
     "random_batch_maker",
     "read_nvml",
     "read_trace",

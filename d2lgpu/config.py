@@ -21,6 +21,18 @@ Three variables steer the course:
 ``D2LGPU_DATA``
     Where data sets live. Unset means a per-user cache directory
     (``~/.cache/d2lgpu/data`` on Linux), where they are downloaded once.
+
+Two more are for testing the course itself:
+
+``D2LGPU_SMOKE``
+    ``1``: full mode's code path (its models, branches and settings) with the
+    work cut to a few steps, so that a CPU runs in minutes what a GPU user runs
+    first. :func:`workload` says ``"full"``; :func:`pick` hands out the quick
+    sizes. CI runs every notebook this way.
+``D2LGPU_CPU_BF16``
+    ``1`` or ``0``: what the course assumes about this CPU's bf16 instructions,
+    instead of reading ``/proc/cpuinfo``. CI sets it to the opposite of the
+    machine's, so that both branches run on every machine.
 """
 
 from __future__ import annotations
@@ -32,7 +44,9 @@ from typing import Literal, TypeVar
 
 QUICK_ENV = "D2LGPU_QUICK"
 FULL_ENV = "D2LGPU_FULL"
+SMOKE_ENV = "D2LGPU_SMOKE"
 DATA_ENV = "D2LGPU_DATA"
+CPU_BF16_ENV = "D2LGPU_CPU_BF16"
 
 Workload = Literal["quick", "cpu", "full"]
 
@@ -64,6 +78,26 @@ def quick_mode() -> bool:
     return _env_flag(QUICK_ENV)
 
 
+def smoke_mode() -> bool:
+    """True when ``D2LGPU_SMOKE`` asks for full mode's code path with the work cut.
+
+    ``D2LGPU_QUICK`` wins over it, as it wins over ``D2LGPU_FULL``.
+    """
+    return _env_flag(SMOKE_ENV) and not quick_mode()
+
+
+def small_data() -> bool:
+    """True where data sets are cut to the quick subsets: quick mode and smoke mode."""
+    return quick_mode() or smoke_mode()
+
+
+def cpu_bf16_override() -> bool | None:
+    """What ``D2LGPU_CPU_BF16`` says about this CPU's bf16 instructions; None when unset."""
+    if not os.environ.get(CPU_BF16_ENV, "").strip():
+        return None
+    return _env_flag(CPU_BF16_ENV)
+
+
 def _cuda_usable() -> bool:
     # Imported here so that reading a setting does not import torch by itself.
     import torch
@@ -74,17 +108,30 @@ def _cuda_usable() -> bool:
 def workload() -> Workload:
     """The workload this process runs: ``"quick"``, ``"cpu"`` or ``"full"``.
 
-    ``D2LGPU_QUICK=1`` gives quick, else ``D2LGPU_FULL=1`` gives full, else
-    full where a CUDA GPU is usable and cpu where none is.
+    ``D2LGPU_QUICK=1`` gives quick, else ``D2LGPU_FULL=1`` or ``D2LGPU_SMOKE=1``
+    gives full, else full where a CUDA GPU is usable and cpu where none is.
     """
     if quick_mode():
         return "quick"
-    if _env_flag(FULL_ENV):
+    if _env_flag(FULL_ENV) or smoke_mode():
         return "full"
     return "full" if _cuda_usable() else "cpu"
 
 
 _SAME_AS_FULL = object()
+
+
+def _is_amount(value: object) -> bool:
+    """Whether a pick()ed value sizes work (numbers, or containers of them), not a choice."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        return all(_is_amount(v) for v in value)
+    if isinstance(value, dict) and value:
+        return all(_is_amount(v) for v in value.values())
+    return False
 
 
 def pick(full: T, quick: T, cpu: T = _SAME_AS_FULL) -> T:  # type: ignore[assignment]
@@ -93,10 +140,16 @@ def pick(full: T, quick: T, cpu: T = _SAME_AS_FULL) -> T:  # type: ignore[assign
     Notebooks size their work with it, e.g.
     ``num_epochs = pick(full=10, quick=1, cpu=3)``. Leave ``cpu`` out only for
     sizes that are cheap on a CPU too: it then defaults to ``full``.
+
+    Smoke mode runs full mode's code with the work cut: amounts (numbers, and
+    lists, tuples or dicts of numbers) come from ``quick``, every other choice
+    (a model, a flag, a string) from ``full``.
     """
     chosen = workload()
     if chosen == "quick":
         return quick
+    if smoke_mode():
+        return quick if _is_amount(full) else full
     if chosen == "cpu" and cpu is not _SAME_AS_FULL:
         return cpu
     return full
@@ -134,6 +187,9 @@ def describe_mode() -> str:
             "CPU mode (no CUDA GPU): workloads cut to finish in minutes; "
             f"{FULL_ENV}=1 runs the real ones"
         )
+    if smoke_mode():
+        return (f"smoke mode ({SMOKE_ENV}=1): full mode's code path with the work cut to a few "
+                "steps; the numbers are for checking that it runs")
     if _cuda_usable():
         return "full mode: real data sizes and epochs"
     return f"full mode on a CPU ({FULL_ENV}=1): real data sizes and epochs, expect hours"

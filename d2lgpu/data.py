@@ -43,7 +43,7 @@ from d2lgpu.checks import (
     check_seed,
     check_writable_path,
 )
-from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode
+from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode, small_data, smoke_mode
 from d2lgpu.devices import require_cuda_device, try_gpu
 
 __all__ = [
@@ -73,6 +73,16 @@ FASHION_MNIST_LABELS: tuple[str, ...] = (
 #: Sized so that ResNet-18 trains one epoch on two CPU cores in about ten seconds.
 QUICK_TRAIN_SIZE = 500
 QUICK_TEST_SIZE = 200
+#: Smoke mode (``D2LGPU_SMOKE=1``) runs full mode's code on even fewer: a few batches.
+SMOKE_TRAIN_SIZE = 160
+SMOKE_TEST_SIZE = 80
+
+
+def _subset_size(train: bool) -> int:
+    """Images in the small subset this process uses (smoke mode's, else quick mode's)."""
+    if smoke_mode():
+        return SMOKE_TRAIN_SIZE if train else SMOKE_TEST_SIZE
+    return QUICK_TRAIN_SIZE if train else QUICK_TEST_SIZE
 
 _NUM_CLASSES = len(FASHION_MNIST_LABELS)
 
@@ -348,6 +358,7 @@ def default_num_workers(quick: bool | None = None) -> int:
     on a machine with 2 cores or fewer. Never more than the cores this process may use.
     """
     check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
+    # Not small_data(): smoke mode keeps full mode's worker processes, to run their code.
     quick = quick_mode() if quick is None else quick
     cores = _usable_cores()
     if quick:
@@ -392,8 +403,8 @@ def load_data_fashion_mnist(
         isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
     ):
         raise ValueError(f"num_workers must be an int >= 0 or None, got {num_workers!r}")
-    quick = quick_mode() if quick is None else quick
     workers = default_num_workers(quick) if num_workers is None else num_workers
+    quick = small_data() if quick is None else quick
 
     steps: list = [transforms.ToTensor()]
     if resize is not None:
@@ -403,8 +414,8 @@ def load_data_fashion_mnist(
     train_set = _fashion_mnist_dataset(True, root, transform)
     test_set = _fashion_mnist_dataset(False, root, transform)
     if quick:
-        train_set = data.Subset(train_set, _balanced_indices(train_set.targets, QUICK_TRAIN_SIZE))
-        test_set = data.Subset(test_set, _balanced_indices(test_set.targets, QUICK_TEST_SIZE))
+        train_set = data.Subset(train_set, _balanced_indices(train_set.targets, _subset_size(True)))
+        test_set = data.Subset(test_set, _balanced_indices(test_set.targets, _subset_size(False)))
 
     common = dict(
         batch_size=batch_size,
@@ -432,8 +443,8 @@ def fashion_mnist_tensors(
     images, labels = _fashion_mnist_dataset(train, root, tensors=True)
     images = images.unsqueeze(1).to(torch.uint8)
     labels = labels.to(torch.int64)
-    if quick_mode() if quick is None else quick:
-        idx = _balanced_indices(labels, QUICK_TRAIN_SIZE if train else QUICK_TEST_SIZE)
+    if small_data() if quick is None else quick:
+        idx = _balanced_indices(labels, _subset_size(train))
         images, labels = images[idx], labels[idx]
     return images.contiguous(), labels.contiguous()
 

@@ -74,7 +74,7 @@ from d2lgpu.checks import (
     positive_number_flag,
     seed_flag,
 )
-from d2lgpu.config import quick_mode
+from d2lgpu.config import small_data
 from d2lgpu.devices import try_gpu
 from d2lgpu.distributed import (
     DEFAULT_TIMEOUT_S,
@@ -251,7 +251,7 @@ def _start_fresh(path: Path) -> str:
 
 def _recorded_config(cfg: DDPConfig) -> dict:
     """``cfg`` as a snapshot records it, with quick mode resolved (None follows the environment)."""
-    return asdict(cfg) | {"quick": quick_mode() if cfg.quick is None else cfg.quick}
+    return asdict(cfg) | {"quick": small_data() if cfg.quick is None else cfg.quick}
 
 
 #: Marks a snapshot file: its state, serialised, and the SHA-256 of those bytes.
@@ -785,7 +785,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
     )
     add_job_flags(parser, crash_point="this epoch")
     args = parser.parse_args(argv)
-    quick = quick_mode() if args.quick is None else args.quick
+    quick = small_data() if args.quick is None else args.quick
     try:
         cfg = DDPConfig(
             epochs=args.epochs,

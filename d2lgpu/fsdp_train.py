@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from d2lgpu.checks import positive_int_flag, positive_number_flag
-from d2lgpu.config import quick_mode
+from d2lgpu.config import small_data
 from d2lgpu.distributed import add_job_flags, process_group
 from d2lgpu.precision import PRECISIONS
 from d2lgpu.sharding import (
@@ -110,7 +110,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _plan(args: argparse.Namespace) -> TrainPlan:
     from d2lgpu.data import fashion_mnist_tensors
 
-    quick = quick_mode() if args.quick is None else args.quick
+    quick = small_data() if args.quick is None else args.quick
     images, labels = fashion_mnist_tensors(train=True, root=args.data_root, quick=quick)
     test_images, test_labels = fashion_mnist_tensors(train=False, root=args.data_root, quick=quick)
     steps_per_epoch = max(len(labels) // args.batch_size, 1)

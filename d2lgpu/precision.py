@@ -42,6 +42,7 @@ from d2lgpu.checks import (
     loss_diverged,
 )
 from d2lgpu.chips import native_tensor_core_formats
+from d2lgpu.config import cpu_bf16_override
 from d2lgpu.devices import as_device
 from d2lgpu.timing import time_fn
 
@@ -207,10 +208,14 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     fp32 elsewhere. Without them bf16 autocast converts every operand and runs
     slower than fp32; with them oneDNN's bf16 matmuls and convolutions beat fp32.
     Where the flags cannot be read (macOS, Windows) the answer is False: fp32 is
-    never the slow choice. Chapter 6 measures how the two compare on the machine
-    that runs it.
+    never the slow choice. ``D2LGPU_CPU_BF16=1`` or ``0`` overrides the reading
+    (CI runs both). Chapter 6 measures how the two compare on the machine that
+    runs it.
     """
     _check_cpuinfo(cpuinfo)
+    override = cpu_bf16_override()  # D2LGPU_CPU_BF16: tests run both branches on any CPU
+    if override is not None:
+        return override
     flags = cpu_flags(cpuinfo)
     return flags is not None and bool(flags & CPU_BF16_FLAGS)
 

@@ -50,7 +50,7 @@ from torch import nn
 from d2lgpu.benchmarking import copy_buffer_bytes, measure_copy_bandwidth
 from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_sequence
 from d2lgpu.chips import peak_format
-from d2lgpu.config import quick_mode, workload
+from d2lgpu.config import small_data, smoke_mode, workload
 from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import as_device
 from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason
@@ -1197,7 +1197,7 @@ class AblationSettings:
         return getattr(models, self.model)()
 
     def describe(self) -> str:
-        examples = "quick subset" if self.train_size is None and quick_mode() else (
+        examples = "quick subset" if self.train_size is None and small_data() else (
             "all" if self.train_size is None else f"{self.train_size:,}")
         runs = f", {self.repeats} runs per row" if self.repeats > 1 else ""
         return (f"{self.model}, {examples} training images, batch {self.batch_size}, "
@@ -1228,6 +1228,8 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
         raise TypeError(f"chosen must be 'quick', 'cpu', 'full' or None (this process's "
                         f"workload), got {type(chosen).__name__} {chosen!r}")
     chosen = workload() if chosen is None else chosen
+    if chosen == "full" and smoke_mode():  # full mode's rows and model, a few batches
+        return AblationSettings("resnet18", 32, 2, 0.1, None, None, repeats=1)
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, 15_000, 10_000, repeats=2)
     if chosen == "cpu":
@@ -1263,7 +1265,7 @@ def ablation_data(
         if size is not None:
             check_positive_int(name, size)
     check_bool("quick", quick, none_means="quick mode")
-    quick = quick_mode() if quick is None else quick
+    quick = small_data() if quick is None else quick
     train_iter, test_iter = load_data_fashion_mnist(batch_size, quick=quick)
     loaders = []
     for loader, size, shuffle in ((train_iter, train_size, True), (test_iter, test_size, False)):

@@ -73,6 +73,7 @@ def test_default_cache_dir_honours_xdg_on_linux(monkeypatch, tmp_path):
 def no_workload_env(monkeypatch):
     monkeypatch.delenv("D2LGPU_QUICK", raising=False)
     monkeypatch.delenv("D2LGPU_FULL", raising=False)
+    monkeypatch.delenv("D2LGPU_SMOKE", raising=False)
     return monkeypatch
 
 
@@ -110,6 +111,38 @@ def test_pick_chooses_by_workload(no_workload_env, quick, gpu, expected):
     no_workload_env.setenv("D2LGPU_QUICK", quick)
     no_workload_env.setattr(config, "_cuda_usable", lambda: gpu)
     assert config.pick(full="f", quick="q", cpu="c") == expected
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_smoke_mode_takes_full_modes_choices_and_quick_amounts(no_workload_env, gpu):
+    no_workload_env.setattr(config, "_cuda_usable", lambda: gpu)
+    no_workload_env.setenv("D2LGPU_SMOKE", "1")
+    assert config.workload() == "full"  # every `if workload() == "full"` branch is taken
+    assert config.smoke_mode() and config.small_data()
+    # Choices come from full mode: models, flags, words, switches.
+    assert config.pick(full="resnet18", quick="small_cnn", cpu="small_cnn") == "resnet18"
+    assert config.pick(full=True, quick=False, cpu=False) is True
+    assert config.pick(full=None, quick="quick mode", cpu="CPU mode") is None
+    # Amounts come from quick mode: numbers, and lists, tuples and dicts of them.
+    assert config.pick(full=60_000, quick=1_000, cpu=3_000) == 1_000
+    assert config.pick(full=0.5, quick=0.05) == 0.05
+    assert config.pick(full=[256, 65536], quick=[16, 64], cpu=[16]) == [16, 64]
+    assert config.pick(full=(10, 3), quick=(2, 1)) == (2, 1)
+    assert config.pick(full=dict(width=2048), quick=dict(width=64)) == dict(width=64)
+    assert config.describe_mode().startswith("smoke mode")
+
+
+def test_quick_wins_over_smoke(no_workload_env):
+    no_workload_env.setenv("D2LGPU_SMOKE", "1")
+    no_workload_env.setenv("D2LGPU_QUICK", "1")
+    assert config.workload() == "quick" and not config.smoke_mode()
+    assert config.small_data()
+
+
+def test_smoke_rejects_unknown_values(no_workload_env):
+    no_workload_env.setenv("D2LGPU_SMOKE", "sure")
+    with pytest.raises(ValueError, match="D2LGPU_SMOKE='sure'"):
+        config.workload()
 
 
 def test_pick_without_cpu_value_uses_full_on_a_cpu(no_workload_env):

@@ -626,13 +626,15 @@ _ARM_PLAIN = "processor\t: 0\nFeatures\t: fp asimd\n"
     [(_X86_BF16, True), (_X86_AMX, True), (_ARM_BF16, True), (_X86_PLAIN, False),
      (_ARM_PLAIN, False)],
 )
-def test_cpu_bf16_is_read_from_the_flags_the_cpu_reports(tmp_path, cpuinfo, native):
+def test_cpu_bf16_is_read_from_the_flags_the_cpu_reports(tmp_path, monkeypatch, cpuinfo, native):
+    monkeypatch.delenv("D2LGPU_CPU_BF16", raising=False)  # CI sets it in one of its jobs
     path = tmp_path / "cpuinfo"
     path.write_text(cpuinfo)
     assert P.cpu_has_native_bf16(str(path)) is native
 
 
-def test_cpu_bf16_is_false_where_the_flags_cannot_be_read(tmp_path):
+def test_cpu_bf16_is_false_where_the_flags_cannot_be_read(tmp_path, monkeypatch):
+    monkeypatch.delenv("D2LGPU_CPU_BF16", raising=False)
     missing = str(tmp_path / "no-such-file")
     assert P.cpu_flags(missing) is None
     assert P.cpu_has_native_bf16(missing) is False
@@ -640,6 +642,7 @@ def test_cpu_bf16_is_false_where_the_flags_cannot_be_read(tmp_path):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_policy_on_cpu_follows_the_flags_and_the_override(monkeypatch, tmp_path, native):
+    monkeypatch.delenv("D2LGPU_CPU_BF16", raising=False)
     path = tmp_path / "cpuinfo"
     path.write_text(_X86_BF16 if native else _X86_PLAIN)
     real = P.cpu_has_native_bf16
@@ -650,6 +653,27 @@ def test_auto_policy_on_cpu_follows_the_flags_and_the_override(monkeypatch, tmp_
     assert P.precision_policy("cpu", "auto", cpu_native_bf16=True).name == "bf16"
     assert P.precision_policy("cpu", "auto", cpu_native_bf16=False).name == "fp32"
     assert P.precision_policy("cpu", "bf16", cpu_native_bf16=False).name == "bf16"  # forced
+
+
+@pytest.mark.parametrize(
+    "value, native", [("1", True), ("0", False), ("yes", True), ("off", False)]
+)
+@pytest.mark.parametrize("cpuinfo", [_X86_BF16, _X86_PLAIN])
+def test_the_environment_overrides_the_cpu_flags_and_auto_follows(
+    monkeypatch, tmp_path, value, native, cpuinfo
+):
+    path = tmp_path / "cpuinfo"
+    path.write_text(cpuinfo)
+    monkeypatch.setenv("D2LGPU_CPU_BF16", value)
+    assert P.cpu_has_native_bf16(str(path)) is native  # whatever the flags say
+    assert P.cpu_has_native_bf16() is native  # and this machine's
+    assert P.precision_policy("cpu", "auto").name == ("bf16" if native else "fp32")
+
+
+def test_a_misspelt_cpu_bf16_override_is_an_error_not_a_guess(monkeypatch):
+    monkeypatch.setenv("D2LGPU_CPU_BF16", "maybe")
+    with pytest.raises(ValueError, match="D2LGPU_CPU_BF16='maybe' is not understood"):
+        P.cpu_has_native_bf16()
 
 
 @pytest.mark.parametrize(

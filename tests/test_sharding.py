@@ -175,7 +175,8 @@ def two_ranks(tmp_path_factory):
         jobs += [
             FSDPRun(plan, checkpoint_root=str(checkpoints), save_every=2),
             FSDPRun(replace(plan, steps=1), reshard_after_forward=False),
-            FSDPRun(replace(plan, steps=2), precision="auto"),
+            # bf16 by name: "auto" would follow the CPU (tested on both branches below).
+            FSDPRun(replace(plan, steps=2), precision="bf16"),
         ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CUDA_VISIBLE_DEVICES", "")  # the spawned ranks use gloo on CPUs
