@@ -134,7 +134,9 @@ def _is_amount(value: object) -> bool:
     return False
 
 
-def pick(full: T, quick: T, cpu: T = _SAME_AS_FULL) -> T:  # type: ignore[assignment]
+def pick(
+    full: T, quick: T, cpu: T = _SAME_AS_FULL, smoke: T = _SAME_AS_FULL  # type: ignore[assignment]
+) -> T:
     """Return the value for this process's workload.
 
     Notebooks size their work with it, e.g.
@@ -143,12 +145,15 @@ def pick(full: T, quick: T, cpu: T = _SAME_AS_FULL) -> T:  # type: ignore[assign
 
     Smoke mode runs full mode's code with the work cut: amounts (numbers, and
     lists, tuples or dicts of numbers) come from ``quick``, every other choice
-    (a model, a flag, a string) from ``full``.
+    (a model, a flag, a string) from ``full``. Pass ``smoke`` where a choice is
+    itself an amount of work (a script's ``--full`` flag, say).
     """
     chosen = workload()
     if chosen == "quick":
         return quick
     if smoke_mode():
+        if smoke is not _SAME_AS_FULL:
+            return smoke
         return quick if _is_amount(full) else full
     if chosen == "cpu" and cpu is not _SAME_AS_FULL:
         return cpu

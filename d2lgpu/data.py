@@ -43,7 +43,7 @@ from d2lgpu.checks import (
     check_seed,
     check_writable_path,
 )
-from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode, small_data, smoke_mode
+from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode, small_data
 from d2lgpu.devices import require_cuda_device, try_gpu
 
 __all__ = [
@@ -73,15 +73,10 @@ FASHION_MNIST_LABELS: tuple[str, ...] = (
 #: Sized so that ResNet-18 trains one epoch on two CPU cores in about ten seconds.
 QUICK_TRAIN_SIZE = 500
 QUICK_TEST_SIZE = 200
-#: Smoke mode (``D2LGPU_SMOKE=1``) runs full mode's code on even fewer: a few batches.
-SMOKE_TRAIN_SIZE = 160
-SMOKE_TEST_SIZE = 80
 
 
 def _subset_size(train: bool) -> int:
-    """Images in the small subset this process uses (smoke mode's, else quick mode's)."""
-    if smoke_mode():
-        return SMOKE_TRAIN_SIZE if train else SMOKE_TEST_SIZE
+    """Images in the small subset of quick and smoke mode (the chapters' cells rely on it)."""
     return QUICK_TRAIN_SIZE if train else QUICK_TEST_SIZE
 
 _NUM_CLASSES = len(FASHION_MNIST_LABELS)

@@ -28,9 +28,10 @@ keep a stage's input only, and recompute the rest during backward).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from d2lgpu.checks import check_module, check_positive_float, check_positive_int, check_tensor
-from d2lgpu.precision import precision_policy
+from d2lgpu.precision import precision_policy, set_tf32
 from d2lgpu.timing import format_table, time_fn
 
 __all__ = [
@@ -598,9 +599,32 @@ def checkpointing_tradeoff(
     check_positive_int("repeats", repeats)
     policy = precision_policy(X.device, precision)
     # None (a policy that leaves TF32 alone) keeps whatever cuDNN is set to now.
-    allow_tf32 = torch.backends.cudnn.allow_tf32 if policy.tf32 is None else policy.tf32
+    # The new API's word, never the legacy flag: reading that raises once a learner has set
+    # cudnn.conv.fp32_precision (torch's "mix of the legacy and new APIs").
+    allow_tf32 = (torch.backends.cudnn.conv.fp32_precision != "ieee" if policy.tf32 is None
+                  else policy.tf32)
     with policy.matmul_precision(), policy.autocast():
         return _checkpointing_tradeoff(make_model, X, y, stages, repeats, progress, allow_tf32)
+
+
+@contextlib.contextmanager
+def _deterministic_cudnn(conv_tf32: bool) -> Iterator[None]:
+    """cuDNN on, deterministic, no autotuner, TF32 convolutions as asked; restored after.
+
+    Not ``torch.backends.cudnn.flags``: it reads the legacy ``allow_tf32`` flag, which
+    raises once a learner has set ``cudnn.conv.fp32_precision`` (chapter 6).
+    """
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.enabled, cudnn.benchmark, cudnn.deterministic)
+    previous = (torch.backends.cuda.matmul.fp32_precision, cudnn.conv.fp32_precision,
+                cudnn.rnn.fp32_precision)
+    cudnn.enabled, cudnn.benchmark, cudnn.deterministic = True, False, True
+    set_tf32(previous[0], "tf32" if conv_tf32 else "ieee")
+    try:
+        yield
+    finally:
+        set_tf32(*previous)
+        cudnn.enabled, cudnn.benchmark, cudnn.deterministic = saved
 
 
 def _checkpointing_tradeoff(
@@ -625,9 +649,7 @@ def _checkpointing_tradeoff(
         started = time.perf_counter()
         # cuDNN may pick convolution algorithms whose sums run in another order on every
         # call: deterministic ones make "the same gradients" a check of exact equality.
-        with torch.backends.cudnn.flags(
-            enabled=True, benchmark=False, deterministic=True, allow_tf32=allow_tf32
-        ):
+        with _deterministic_cudnn(conv_tf32=allow_tf32):
             held, peak = _counted_step(model, X, y)
         if progress and models:
             # The second counted step is warm; a plain step costs about 3/4 of it.

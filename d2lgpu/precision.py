@@ -285,6 +285,27 @@ def has_fp32_precision_api() -> bool:
         getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
 
 
+def set_tf32(matmul: str, conv: str, rnn: str | None = None) -> None:
+    """Set CUDA's TF32 switches from the new API's words ("none", "ieee", "tf32"), with the
+    legacy flags made to agree: torch raises "mix of the legacy and new APIs" at any read
+    of a legacy flag (``allow_tf32``, ``get_float32_matmul_precision``) that disagrees
+    with the new one, on every device (the check is in ATen's Context, not in CUDA code).
+    ``rnn`` (cuDNN's RNNs) defaults to ``conv``: the legacy cuDNN flag needs the two equal."""
+    # The legacy setters write the legacy value and the new one together, so they go first.
+    torch.set_float32_matmul_precision("high" if matmul == "tf32" else "highest")
+    torch.backends.cudnn.allow_tf32 = conv == "tf32"
+    torch.backends.cuda.matmul.fp32_precision = matmul
+    torch.backends.cudnn.conv.fp32_precision = conv
+    torch.backends.cudnn.rnn.fp32_precision = conv if rnn is None else rnn
+
+
+def _legacy_or_none(read: Callable[[], object]) -> object:
+    try:
+        return read()
+    except RuntimeError:  # the learner set only the new API: the legacy value is moot
+        return None
+
+
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
     """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit.
@@ -292,25 +313,28 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
     TF32 keeps fp32's 8-bit exponent but rounds the mantissa to 10 bits inside
     Tensor Core matmuls on compute capability 8.0 and newer. PyTorch's defaults
     differ per library (matmuls: off; cuDNN convolutions: on), so "strict fp32"
-    has to switch off both. It sets ``torch.set_float32_matmul_precision`` and
-    ``torch.backends.cudnn.allow_tf32``, which every supported torch has (torch 2.9
-    warns once that they will be deprecated; :func:`has_fp32_precision_api` tells
-    whether the newer ``fp32_precision`` switches are there). The previous
-    settings come back even if the body raises. On a CPU or a GPU older than 8.0
-    the flags change nothing.
+    has to switch off both. Both APIs are set so that they agree (:func:`set_tf32`),
+    and the previous settings come back on exit, also if the body raises. A learner
+    who set ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` (the new API
+    alone) keeps that setting, and the legacy flags agree with it afterwards. On a
+    CPU or a GPU older than 8.0 the flags change nothing.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"tf32_matmuls(enabled) takes True or False, got {enabled!r}")
-    previous_precision = torch.get_float32_matmul_precision()
-    previous_cudnn = torch.backends.cudnn.allow_tf32
-    # "high" lets fp32 matmuls use TF32; "highest" keeps them in full fp32.
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
+    words = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+             torch.backends.cudnn.rnn.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+    legacy = (_legacy_or_none(torch.get_float32_matmul_precision),
+              _legacy_or_none(lambda: torch.backends.cudnn.allow_tf32))
+    word = "tf32" if enabled else "ieee"
+    set_tf32(word, word)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(previous_precision)
-        torch.backends.cudnn.allow_tf32 = previous_cudnn
+        set_tf32(*words[:3])
+        if legacy[0] is not None and (legacy[0] == "highest") == (words[0] != "tf32"):
+            torch.set_float32_matmul_precision(legacy[0])  # "medium" and "high" both mean TF32
+            torch.backends.cuda.matmul.fp32_precision = words[0]
+        torch.backends.mkldnn.matmul.fp32_precision = words[3]
 
 
 # ---------------------------------------------------------------------------

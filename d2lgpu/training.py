@@ -359,10 +359,14 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
         # fullgraph=True: a graph break, or a model past dynamo's recompile limit (8 cache
         # entries per function in torch 2.15), raises instead of running eager code
         # under a compiled label.
-        return torch.compile(net, mode=modes[techniques.compile_mode, techniques.cuda_graphs],
-                             fullgraph=True)
+        # dynamic=False with CUDA graphs: a graph is recorded per shape (the smaller last
+        # batch gets its own). With automatic dynamic shapes torch 2.11's cudagraph trees
+        # replayed the batch-64 graph on a batch of 52 and raised a size mismatch (H200).
+        graphs = techniques.cuda_graphs
+        return torch.compile(net, mode=modes[techniques.compile_mode, graphs],
+                             fullgraph=True, dynamic=False if graphs else None)
     if techniques.cuda_graphs:
-        return torch.compile(net, backend="cudagraphs", fullgraph=True)
+        return torch.compile(net, backend="cudagraphs", fullgraph=True, dynamic=False)
     return net
 
 

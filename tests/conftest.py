@@ -22,8 +22,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def restore_matmul_settings():
-    """Put the TF32 switches back as they were after a test that changes them."""
-    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    """Put the TF32 switches back as they were after a test that changes them (both APIs)."""
+    from d2lgpu.precision import set_tf32
+
+    precision = torch.get_float32_matmul_precision()
+    words = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+             torch.backends.cudnn.rnn.fp32_precision)
+    mkldnn = torch.backends.mkldnn.matmul.fp32_precision
     yield
+    set_tf32(*words)
     torch.set_float32_matmul_precision(precision)
-    torch.backends.cudnn.allow_tf32 = cudnn
+    torch.backends.cuda.matmul.fp32_precision = words[0]
+    torch.backends.mkldnn.matmul.fp32_precision = mkldnn

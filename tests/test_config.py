@@ -129,6 +129,8 @@ def test_smoke_mode_takes_full_modes_choices_and_quick_amounts(no_workload_env, 
     assert config.pick(full=[256, 65536], quick=[16, 64], cpu=[16]) == [16, 64]
     assert config.pick(full=(10, 3), quick=(2, 1)) == (2, 1)
     assert config.pick(full=dict(width=2048), quick=dict(width=64)) == dict(width=64)
+    # A choice that is itself an amount of work says so.
+    assert config.pick(full="--full", quick="--quick", smoke="--quick") == "--quick"
     assert config.describe_mode().startswith("smoke mode")
 
 
@@ -137,6 +139,13 @@ def test_quick_wins_over_smoke(no_workload_env):
     no_workload_env.setenv("D2LGPU_QUICK", "1")
     assert config.workload() == "quick" and not config.smoke_mode()
     assert config.small_data()
+    assert config.pick(full="f", quick="q", smoke="s") == "q"
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_smoke_value_is_only_for_smoke_mode(no_workload_env, gpu):
+    no_workload_env.setattr(config, "_cuda_usable", lambda: gpu)
+    assert config.pick(full="f", quick="q", cpu="c", smoke="s") == ("f" if gpu else "c")
 
 
 def test_smoke_rejects_unknown_values(no_workload_env):

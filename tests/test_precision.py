@@ -179,6 +179,36 @@ def test_tf32_matmuls_restores_after_an_error():
     assert torch.get_float32_matmul_precision() == "highest"
 
 
+@pytest.mark.usefixtures("restore_matmul_settings")
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf32_matmuls_after_a_learner_set_the_new_api_alone(enabled):
+    # Chapters 1 and 6 show `torch.backends.cuda.matmul.fp32_precision = "tf32"`. The legacy
+    # flags then disagree, and torch raises "mix of the legacy and new APIs" at their next
+    # read, on any device: the trainers, which enter tf32_matmuls, must still run.
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.backends.cuda.matmul.allow_tf32  # noqa: B018 - the read is what raises
+    with P.tf32_matmuls(enabled):
+        assert torch.backends.cuda.matmul.allow_tf32 is enabled
+        assert torch.backends.cudnn.allow_tf32 is enabled
+        assert torch.backends.cudnn.conv.fp32_precision == ("tf32" if enabled else "ieee")
+    # The learner's choice is kept, and the legacy flags now agree with it.
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+@pytest.mark.usefixtures("restore_matmul_settings")
+def test_set_tf32_leaves_both_apis_in_agreement():
+    for matmul, conv in [("tf32", "tf32"), ("ieee", "ieee"), ("none", "tf32"), ("tf32", "ieee")]:
+        P.set_tf32(matmul, conv)
+        assert torch.backends.cuda.matmul.allow_tf32 is (matmul == "tf32")
+        assert torch.backends.cudnn.allow_tf32 is (conv == "tf32")
+        assert torch.backends.cudnn.conv.fp32_precision == conv
+    P.set_tf32("none", "tf32")  # torch's defaults
+
+
 def test_tf32_matmuls_rejects_non_bools():
     with pytest.raises(TypeError, match="True or False"), P.tf32_matmuls("yes"):
         pass
