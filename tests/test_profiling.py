@@ -1011,3 +1011,25 @@ def test_on_a_cpu_the_gpu_techniques_are_counted_not_timed(monkeypatch, native_b
     assert "counted (below)" in table[4]
     assert table[-1] == "  + no per-step sync: .item() 2 -> 0 a step"
     assert all(len(line) <= 100 for line in table)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_smoke_mode_ablation_is_full_modes_model_on_three_batches(monkeypatch, gpu):
+    monkeypatch.delenv("D2LGPU_QUICK", raising=False)
+    monkeypatch.setenv("D2LGPU_SMOKE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    settings = P.ablation_settings()
+    full = P.ablation_settings("full")
+    assert settings.model == "resnet18" and settings.batch_size == 32
+    assert settings.train_size // settings.batch_size == 3 and settings.repeats == 1
+    # A GPU's smoke run compiles; a CPU's leaves that row out, saying why.
+    assert settings.skip == ({} if gpu else {"compile": P.SMOKE_COMPILE_SKIP})
+    assert full == settings  # "full" is what smoke mode runs, cut
+
+
+def test_ablation_data_keeps_the_first_examples_of_the_small_subset(monkeypatch):
+    monkeypatch.setenv("D2LGPU_QUICK", "1")
+    (train, test), (resident_train, resident_test) = P.ablation_data(
+        32, "cpu", train_size=96, test_size=64)
+    assert len(train.dataset) == 96 and len(test.dataset) == 64
+    assert len(resident_train.labels) == 96 and len(resident_test.labels) == 64

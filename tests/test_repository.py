@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -282,3 +283,27 @@ def test_run_notebook_executes_in_place_and_keeps_outputs(tmp_path):
     missing = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "run_notebook.py"),
                               str(tmp_path / "nope.ipynb")], capture_output=True, text=True)
     assert missing.returncode == 2 and "is not a file" in missing.stderr
+
+
+def test_ci_runs_every_notebook_in_smoke_mode_and_the_other_cpu_branch():
+    ci_script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    # Every notebook (chapters and solutions) in smoke mode, failing on any error.
+    assert re.search(r"^D2LGPU_SMOKE=1 pytest --nbval-lax notebooks \|\| smoke_status=\$\?$",
+                     ci_script, re.MULTILINE)
+    # The floor job runs with the CPU's bf16 answer flipped, read before it is overridden.
+    assert "flipped=$((1 - machine_bf16))" in ci_script
+    assert re.search(r"D2LGPU_CPU_BF16=\$flipped pytest \|\| floor_status=\$\?", ci_script)
+    assert ci_script.index("machine_bf16=$(") < ci_script.index("D2LGPU_CPU_BF16=$flipped")
+    # And every part's status decides CI.
+    assert 'for s in "$status" "$smoke_status" "$floor_status"' in ci_script
+
+
+def test_the_root_conftest_leaves_smoke_mode_alone():
+    # Quick mode wins over smoke mode, so the test session must not switch it on then.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("D2LGPU_")}
+    code = "import conftest, os; print(os.environ.get('D2LGPU_QUICK'))"
+    for smoke, quick in (("1", "None"), ("", "1")):
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, text=True,
+                              capture_output=True, env={**env, "D2LGPU_SMOKE": smoke},
+                              timeout=60, check=True)
+        assert done.stdout.strip() == quick
