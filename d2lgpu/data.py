@@ -43,7 +43,14 @@ from d2lgpu.checks import (
     check_seed,
     check_writable_path,
 )
-from d2lgpu.config import DATA_ENV, data_root, default_cache_dir, quick_mode, small_data
+from d2lgpu.config import (
+    DATA_ENV,
+    data_root,
+    default_cache_dir,
+    quick_mode,
+    small_data,
+    smoke_mode,
+)
 from d2lgpu.devices import require_cuda_device, try_gpu
 
 __all__ = [
@@ -73,10 +80,16 @@ FASHION_MNIST_LABELS: tuple[str, ...] = (
 #: Sized so that ResNet-18 trains one epoch on two CPU cores in about ten seconds.
 QUICK_TRAIN_SIZE = 500
 QUICK_TEST_SIZE = 200
+#: Smoke mode (``D2LGPU_SMOKE=1``) trains full mode's models on fewer: the chapters'
+#: cells need at least 200 of each split (chapter 3 takes 5 batches of 40 from it).
+SMOKE_TRAIN_SIZE = 200
+SMOKE_TEST_SIZE = 200
 
 
 def _subset_size(train: bool) -> int:
-    """Images in the small subset of quick and smoke mode (the chapters' cells rely on it)."""
+    """Images in the small subset: smoke mode's, else quick mode's."""
+    if smoke_mode():
+        return SMOKE_TRAIN_SIZE if train else SMOKE_TEST_SIZE
     return QUICK_TRAIN_SIZE if train else QUICK_TEST_SIZE
 
 _NUM_CLASSES = len(FASHION_MNIST_LABELS)

@@ -61,6 +61,23 @@ def test_quick_loaders_are_small_balanced_and_well_typed():
 
 
 @needs_data
+def test_smoke_mode_uses_its_own_balanced_subset_and_full_modes_workers(monkeypatch):
+    monkeypatch.delenv("D2LGPU_QUICK", raising=False)
+    monkeypatch.setenv("D2LGPU_SMOKE", "1")
+    assert data_module.SMOKE_TRAIN_SIZE % 10 == 0 and data_module.SMOKE_TEST_SIZE % 10 == 0
+    images, labels = d2lgpu.fashion_mnist_tensors(train=True)
+    assert len(images) == data_module.SMOKE_TRAIN_SIZE >= 200  # chapter 3 takes 5 x 40
+    assert labels.bincount(minlength=10).tolist() == [data_module.SMOKE_TRAIN_SIZE // 10] * 10
+    _, test_iter = load_data_fashion_mnist(50)
+    assert len(test_iter.dataset) == data_module.SMOKE_TEST_SIZE >= 200  # chapter 4 takes 200
+    # Worker processes as full mode has them (on a GPU machine: 4 per GPU), not quick's 0.
+    monkeypatch.setattr(data_module, "_usable_cores", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert data_module.default_num_workers() == 4
+
+
+@needs_data
 def test_resize_changes_the_image_size():
     train_iter, _ = load_data_fashion_mnist(8, resize=32, quick=True)
     X, _ = next(iter(train_iter))

@@ -1014,14 +1014,15 @@ def test_on_a_cpu_the_gpu_techniques_are_counted_not_timed(monkeypatch, native_b
 
 
 @pytest.mark.parametrize("gpu", [True, False])
-def test_smoke_mode_ablation_is_full_modes_model_on_three_batches(monkeypatch, gpu):
+def test_smoke_mode_ablation_is_full_modes_model_on_four_batches(monkeypatch, gpu):
     monkeypatch.delenv("D2LGPU_QUICK", raising=False)
     monkeypatch.setenv("D2LGPU_SMOKE", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     settings = P.ablation_settings()
     full = P.ablation_settings("full")
     assert settings.model == "resnet18" and settings.batch_size == 32
-    assert settings.train_size // settings.batch_size == 3 and settings.repeats == 1
+    # Four: counting the .item() reads of a step compares epochs of 4 and 2 steps.
+    assert settings.train_size // settings.batch_size == 4 and settings.repeats == 1
     # A GPU's smoke run compiles; a CPU's leaves that row out, saying why.
     assert settings.skip == ({} if gpu else {"compile": P.SMOKE_COMPILE_SKIP})
     assert full == settings  # "full" is what smoke mode runs, cut
