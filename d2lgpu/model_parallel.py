@@ -661,8 +661,22 @@ def schedule_bubble_formula(name: str, n_ranks: int, n_microbatches: int) -> flo
     return (p - 1) / (v * m + p - 1)
 
 
+def _wait_for(tensor: torch.Tensor) -> None:
+    """Make the host wait until ``tensor`` is ready on its device.
+
+    Under NCCL a pipeline stage receives its input (or its output's gradient) with an
+    ``irecv`` whose ``Work.wait()`` makes the *stream* wait, not the host. A stage whose
+    cost is host time (a sleep) would then start it before the input has arrived, and the
+    bubble would read about 0. Syncing the current stream ties the cost to the input's
+    arrival, as a GPU kernel's would be. On a CPU (gloo) the input is there already.
+    """
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
 class _Cost(torch.autograd.Function):
-    """Identity forward; a backward that sleeps ``seconds`` and records when it ran."""
+    """Identity forward; a backward that waits for its gradient, then sleeps ``seconds``
+    and records when it ran."""
 
     @staticmethod
     def forward(ctx, x, seconds, record, kind):  # type: ignore[override]
@@ -671,6 +685,7 @@ class _Cost(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        _wait_for(grad)
         start = time.perf_counter()
         time.sleep(ctx.seconds)
         ctx.record(ctx.kind, start, time.perf_counter())
@@ -706,6 +721,7 @@ class FixedCostStage(nn.Module):
         self.events.append((self.stage_index, kind, start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _wait_for(x)  # the received input has arrived before the stage's cost starts
         start = time.perf_counter()
         time.sleep(self.costs["F"])
         self._record("F", start, time.perf_counter())

@@ -227,6 +227,27 @@ def test_fixed_cost_stage_records_forward_input_and_weight_work():
         FixedCostStage(0, -1.0, 0.0, 0.0)
 
 
+def test_fixed_cost_work_waits_for_its_input_on_the_host_before_its_cost(monkeypatch):
+    # Under NCCL an irecv's Work.wait() makes only the stream wait: the host must sync the
+    # stream before a sleep stands for the stage's work, or the bubble reads about 0.
+    order = []
+
+    class FakeStream:
+        def synchronize(self):
+            order.append("sync")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(model_parallel.time, "sleep", lambda s: order.append("sleep"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    stage = FixedCostStage(0, 0.0, 0.0, 0.0)
+    out = stage(torch.ones(2, 4))
+    assert order == ["sync", "sleep"]  # F: the input first, then the cost
+    order.clear()
+    out.sum().backward()
+    # I and W each wait for their gradient before their cost.
+    assert order == ["sync", "sleep", "sync", "sleep"]
+
+
 def test_timing_synchronizes_the_stage_device(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
