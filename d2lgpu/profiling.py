@@ -1231,11 +1231,11 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
         raise TypeError(f"chosen must be 'quick', 'cpu', 'full' or None (this process's "
                         f"workload), got {type(chosen).__name__} {chosen!r}")
     chosen = workload() if chosen is None else chosen
-    if chosen == "full" and smoke_mode():  # full mode's rows and model, four batches
+    if chosen == "full" and smoke_mode():  # full mode's rows and model, four small batches
         # On a CPU inductor takes minutes to compile ResNet-18's step: smoke mode there
         # leaves the row out (CPU mode compiles its small CNN; a GPU's smoke run compiles).
         skip = {} if torch.cuda.is_available() else {"compile": SMOKE_COMPILE_SKIP}
-        return AblationSettings("resnet18", 32, 2, 0.1, 128, 64, skip, repeats=1)
+        return AblationSettings("resnet18", 8, 2, 0.1, 32, 16, skip, repeats=1)
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, 15_000, 10_000, repeats=2)
     if chosen == "cpu":

@@ -1020,7 +1020,7 @@ def test_smoke_mode_ablation_is_full_modes_model_on_four_batches(monkeypatch, gp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     settings = P.ablation_settings()
     full = P.ablation_settings("full")
-    assert settings.model == "resnet18" and settings.batch_size == 32
+    assert settings.model == "resnet18" and settings.batch_size == 8
     # Four: counting the .item() reads of a step compares epochs of 4 and 2 steps.
     assert settings.train_size // settings.batch_size == 4 and settings.repeats == 1
     # A GPU's smoke run compiles; a CPU's leaves that row out, saying why.
