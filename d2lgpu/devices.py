@@ -25,12 +25,19 @@ from dataclasses import dataclass
 
 import torch
 
+from d2lgpu.checks import check_capability
+
 __all__ = [
     "P2PDecision",
     "apply_nccl_p2p_decision",
     "as_device",
+    "build_runs_on",
+    "capability_or_none",
     "cpu",
+    "cuda_arch_list",
+    "cuda_usable",
     "gpu",
+    "gpus_without_kernels",
     "nccl_p2p_decision",
     "num_gpus",
     "require_cuda_device",
@@ -81,12 +88,100 @@ def cpu() -> torch.device:
     return torch.device("cpu")
 
 
-def num_gpus() -> int:
-    """How many CUDA GPUs this process can see (0 on a CPU-only build or machine).
+def _arch_number(entry: str) -> tuple[str, int] | None:
+    """("sm", 86) for "sm_86", ("compute", 90) for "compute_90"; "sm_90a" counts as sm_90."""
+    kind, _, number = entry.partition("_")
+    digits = "".join(ch for ch in number if ch.isdigit())
+    if kind not in ("sm", "compute") or not digits:
+        return None
+    return kind, int(digits)
 
-    Honours ``CUDA_VISIBLE_DEVICES``: hidden GPUs are not counted.
+
+def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
+    """Whether a torch build whose ``torch.cuda.get_arch_list()`` is ``arch_list`` has
+    kernels for a GPU of compute capability ``capability``.
+
+    CUDA's rules: machine code built for ``sm_XY`` runs on GPUs of the same major
+    version X and minor version Y or higher (sm_80 code runs on an 8.6 GPU); PTX
+    (``compute_XY``) is compiled by the driver for any GPU of capability XY or higher.
+    Without either, every kernel fails with "no kernel image is available".
     """
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    major, minor = check_capability(capability)
+    mine = major * 10 + minor
+    for entry in arch_list:
+        parsed = _arch_number(str(entry))
+        if parsed is None:
+            continue
+        kind, number = parsed
+        if kind == "sm" and number // 10 == major and number % 10 <= minor:
+            return True
+        if kind == "compute" and number <= mine:
+            return True
+    return False
+
+
+def cuda_arch_list() -> list[str] | None:
+    """``torch.cuda.get_arch_list()`` where it can be held against a GPU's compute
+    capability; None where it cannot.
+
+    torch's own check at CUDA start-up (``_check_capability`` in torch/cuda/__init__.py)
+    skips the same two cases: a ROCm build (``torch.version.cuda`` is None; its list
+    names gfx targets, not compute capabilities) and a build that recorded no list.
+    """
+    if torch.version.cuda is None:
+        return None
+    try:
+        arch_list = list(torch.cuda.get_arch_list())
+    except Exception:  # noqa: BLE001 - without the list there is nothing to compare
+        return None
+    return arch_list or None
+
+
+def capability_or_none(index: int) -> tuple[int, int] | None:
+    """GPU ``index``'s compute capability (from its properties, which create no CUDA
+    context); None for a GPU that cannot be read, so that the others are still judged."""
+    try:
+        return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - a lost or busy GPU must not stop the others
+        return None
+
+
+def gpus_without_kernels() -> list[int]:
+    """The visible GPUs this torch build has no kernels for (a P100, sm_60, under a wheel
+    whose arch list starts at sm_75, say): CUDA lists them, and every kernel launched on
+    them fails with "no kernel image is available for execution on the device"."""
+    if not torch.cuda.is_available():
+        return []
+    arch_list = cuda_arch_list()
+    if arch_list is None:
+        return []
+    missing = []
+    for index in range(torch.cuda.device_count()):
+        capability = capability_or_none(index)
+        if capability is not None and not build_runs_on(capability, arch_list):
+            missing.append(index)
+    return missing
+
+
+def cuda_usable() -> bool:
+    """True when torch finds CUDA and this build has kernels for every visible GPU.
+
+    Every GPU, not just GPU 0: ``try_all_gpus``, DataParallel and the launcher of
+    chapter 5 spread work over all of them, and one GPU without kernels fails the
+    whole step. Where some GPUs work, hiding the others with ``CUDA_VISIBLE_DEVICES``
+    makes CUDA usable again (``python -m d2lgpu info`` names them).
+    """
+    return torch.cuda.is_available() and not gpus_without_kernels()
+
+
+def num_gpus() -> int:
+    """How many CUDA GPUs this process can use (0 on a CPU-only build or machine).
+
+    Honours ``CUDA_VISIBLE_DEVICES``: hidden GPUs are not counted. 0 too where CUDA
+    lists GPUs that this torch build has no kernels for (:func:`cuda_usable`): the
+    course then runs on the CPU instead of failing at its first kernel.
+    """
+    return torch.cuda.device_count() if cuda_usable() else 0
 
 
 def gpu(i: int = 0) -> torch.device:
@@ -106,13 +201,13 @@ def gpu(i: int = 0) -> torch.device:
 
 
 def try_gpu(i: int = 0) -> torch.device:
-    """GPU ``i`` if it exists, else the CPU."""
+    """GPU ``i`` if it exists and this process can use it (:func:`num_gpus`), else the CPU."""
     i = _check_index(i)
     return torch.device("cuda", i) if i < num_gpus() else cpu()
 
 
 def try_all_gpus() -> list[torch.device]:
-    """All visible GPUs, or ``[cpu]`` when there are none (never an empty list)."""
+    """All visible GPUs, or ``[cpu]`` when none is usable (never an empty list)."""
     n = num_gpus()
     return [torch.device("cuda", i) for i in range(n)] if n else [cpu()]
 
@@ -136,8 +231,12 @@ def require_cuda_device(device: torch.device | str | int, what: str) -> torch.de
         return device
     count = num_gpus()
     if count == 0:
-        cause = ("this PyTorch is a CPU-only build" if torch.version.cuda is None
-                 else "this PyTorch finds no usable GPU")
+        if torch.version.cuda is None:
+            cause = "this PyTorch is a CPU-only build"
+        elif torch.cuda.is_available():
+            cause = "this PyTorch has no kernels for a GPU here"
+        else:
+            cause = "this PyTorch finds no usable GPU"
         raise RuntimeError(
             f"{what} was given {device}, but this process cannot use CUDA: {cause}.\n"
             "Run `python -m d2lgpu info` (or print(d2lgpu.diagnose_this_machine())) to see "

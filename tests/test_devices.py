@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import d2lgpu
+from d2lgpu import devices as devices_module
 from d2lgpu.devices import require_cuda_device, resolve_devices
 
 
@@ -182,9 +183,86 @@ def test_a_misspelt_device_gets_one_error_everywhere(call):
         call("cuda0")
 
 
-# --- NCCL_P2P_DISABLE: the peer-to-peer decision, with faked GPUs ---------------------
+# --- a GPU this torch build has no kernels for -----------------------------------------
 
-from d2lgpu import devices as devices_module  # noqa: E402
+# torch 2.15's table of its release wheels (PYTORCH_RELEASES_CODE_CC in torch/cuda/__init__.py)
+CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+CU13_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+
+def fake_cuda_gpus(monkeypatch, capabilities, arch_list, cuda_build="13.0"):
+    """Pretend torch is a CUDA ``cuda_build`` build that lists GPUs of ``capabilities`` and
+    was compiled for ``arch_list``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capabilities[i])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+
+
+def test_a_p100_under_a_build_without_sm_60_is_not_usable(monkeypatch):
+    from d2lgpu import config
+
+    fake_cuda_gpus(monkeypatch, [(6, 0)], CU13_ARCHS)
+    for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
+        monkeypatch.delenv(name, raising=False)
+    assert devices_module.gpus_without_kernels() == [0]
+    assert not devices_module.cuda_usable()
+    assert d2lgpu.num_gpus() == 0
+    assert d2lgpu.try_gpu() == torch.device("cpu")
+    assert d2lgpu.try_all_gpus() == [torch.device("cpu")]
+    assert config.workload() == "cpu"
+    with pytest.raises(RuntimeError, match="no kernels for a GPU here") as info:
+        require_cuda_device("cuda", "train")
+    assert "python -m d2lgpu info" in str(info.value)
+
+
+def test_a_t4_under_a_build_with_sm_75_is_usable(monkeypatch):
+    from d2lgpu import config
+
+    fake_cuda_gpus(monkeypatch, [(7, 5)], CU13_ARCHS)
+    for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
+        monkeypatch.delenv(name, raising=False)
+    assert devices_module.cuda_usable() and devices_module.gpus_without_kernels() == []
+    assert d2lgpu.num_gpus() == 1 and d2lgpu.try_gpu() == torch.device("cuda", 0)
+    assert config.workload() == "full"
+
+
+def test_the_p100_is_usable_under_a_cu126_build(monkeypatch):
+    fake_cuda_gpus(monkeypatch, [(6, 0)], CU126_ARCHS, cuda_build="12.6")
+    assert devices_module.cuda_usable() and d2lgpu.num_gpus() == 1
+
+
+def test_one_gpu_without_kernels_makes_cuda_unusable_for_all(monkeypatch):
+    # try_all_gpus would hand DataParallel the V100 too, and its first kernel would fail.
+    fake_cuda_gpus(monkeypatch, [(7, 5), (7, 0)], CU13_ARCHS)
+    assert devices_module.gpus_without_kernels() == [1]
+    assert d2lgpu.try_all_gpus() == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("cuda_build, arch_list", [(None, ["gfx90a"]), ("13.0", [])])
+def test_a_build_whose_arch_list_cannot_be_checked_is_taken_at_its_word(
+        monkeypatch, cuda_build, arch_list):
+    # A ROCm build (its list names gfx targets) and a build that recorded no list:
+    # torch's own start-up check skips both, and so does cuda_usable.
+    fake_cuda_gpus(monkeypatch, [(9, 0)], arch_list, cuda_build=cuda_build)
+    assert devices_module.cuda_arch_list() is None
+    assert devices_module.cuda_usable() and d2lgpu.num_gpus() == 1
+
+
+def test_an_unreadable_gpu_does_not_hide_the_others(monkeypatch):
+    fake_cuda_gpus(monkeypatch, [(6, 0), (9, 0)], CU13_ARCHS)
+
+    def capability(i=0):
+        if i == 1:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return (6, 0)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert devices_module.gpus_without_kernels() == [0]
+
+
+# --- NCCL_P2P_DISABLE: the peer-to-peer decision, with faked GPUs ---------------------
 
 
 def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import d2lgpu
-from d2lgpu import chips, report
+from d2lgpu import chips, devices, report
 from d2lgpu.__main__ import main
 from d2lgpu.report import (
     CudaDiagnosis,
@@ -756,7 +756,7 @@ def test_driver_cuda_version_from_nvml_and_from_torchs_error(monkeypatch):
 
 
 def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
-    monkeypatch.setattr(report, "num_gpus", lambda: 0)
+    monkeypatch.setattr(report, "_gpus_torch_lists", lambda: 0)
     monkeypatch.setattr(report.torch.version, "cuda", "13.0")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     view = report.NvmlView("550.54", (), None, "12.4")
@@ -774,30 +774,82 @@ def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
     ((7, 0), ["sm_50", "sm_60", "sm_70", "sm_75"], True),  # a CUDA 12 build
 ])
 def test_build_runs_on_follows_cudas_compatibility_rules(capability, archs, runs):
-    assert chips.build_runs_on(capability, archs) is runs
+    assert devices.build_runs_on(capability, archs) is runs
 
 
 def test_diagnose_cuda_reports_a_gpu_missing_from_the_arch_list(monkeypatch):
     v100 = d2lgpu.diagnose_cuda(cuda_build="13.0", visible_devices_env=None, driver_found=True,
                                 device_count=2, gpu_capabilities=[(7, 5), (7, 0)],
                                 arch_list=_CU13_ARCHS)
-    assert v100.usable and v100.cause == "arch_missing" and len(v100.problems) == 1
+    # One GPU without kernels makes CUDA unusable for the course, as cuda_usable() decides.
+    assert not v100.usable and v100.cause == "arch_missing" and len(v100.problems) == 1
     text = str(v100)
+    assert text.startswith("CUDA is NOT usable: it lists 2 GPU(s)")
     assert "cuda:1" in text and "sm_70" in text and "CUDA 13 dropped" in text
-    assert "whl/cu126" in text
+    assert "whl/cu126" in text and "CUDA_VISIBLE_DEVICES" in text
     fine = d2lgpu.diagnose_cuda(cuda_build="13.0", visible_devices_env=None, driver_found=True,
                                 device_count=1, gpu_capabilities=[(9, 0)], arch_list=_CU13_ARCHS)
-    assert fine.cause == "ok"
+    assert fine.usable and fine.cause == "ok"
     # diagnose_this_machine reads the capabilities and the arch list from torch.cuda.
-    monkeypatch.setattr(report, "num_gpus", lambda: 1)
-    monkeypatch.setattr(report.torch.cuda, "get_device_capability", lambda i: (7, 0))
-    monkeypatch.setattr(report.torch.cuda, "get_arch_list", lambda: list(_CU13_ARCHS))
-    monkeypatch.setattr(report.torch.version, "cuda", "13.0")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _fake_gpus_with_kernels(monkeypatch, [(7, 0)], _CU13_ARCHS)
     view = report.NvmlView("580.1", (), None, "13.0")
     assert d2lgpu.diagnose_this_machine(view).cause == "arch_missing"
 
 
-def test_t4_datasheet_names_its_l2_cache():
-    assert chips.GPU_DATASHEETS["T4"]["L2 cache"] == "4 MB"
-    assert "-" not in report.gpu_in_numbers(None).split("L2 cache")[1].splitlines()[0]
+def test_the_fix_for_a_gpu_below_sm_75_is_a_cu126_wheel_not_any_cuda_12_build():
+    # torch 2.15 publishes cu126 and CUDA 13 wheels; only cu126 carries sm_50 to sm_70.
+    p100 = d2lgpu.diagnose_cuda(cuda_build="12.8", visible_devices_env=None, driver_found=True,
+                                device_count=1, gpu_capabilities=[(6, 0)],
+                                arch_list=["sm_75", "sm_80", "sm_86", "sm_90", "sm_100"])
+    (problem,) = p100.problems
+    assert "whl/cu126" in problem.fix and "not just any CUDA 12 build" in problem.fix
+    assert "CUDA 13 dropped" not in problem.why  # a CUDA 12.8 build: not CUDA 13's doing
+    rtx = d2lgpu.diagnose_cuda(cuda_build="12.6", visible_devices_env=None, driver_found=True,
+                               device_count=1, gpu_capabilities=[(12, 0)],
+                               arch_list=["sm_50", "sm_60", "sm_70", "sm_80", "sm_90"])
+    assert "cu126" not in rtx.problems[0].fix and "newer CUDA" in rtx.problems[0].fix
+
+
+def _fake_gpus_with_kernels(monkeypatch, capabilities, arch_list, cuda_build="13.0"):
+    """torch as a CUDA ``cuda_build`` build for ``arch_list``, listing GPUs of ``capabilities``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capabilities[i])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"GPU{i}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: _fake_props(f"GPU{i}", *capabilities[i]))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+    monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
+    monkeypatch.setattr(report, "read_nvml", lambda: NvmlView("580.1", (), None, "13.0"))
+    monkeypatch.setattr(report, "nccl_version", lambda: None)
+    monkeypatch.setattr(report, "_cudnn_version", lambda: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_p100_without_kernels_falls_back_to_the_cpu_and_the_report_says_why(monkeypatch, capsys):
+    _fake_gpus_with_kernels(monkeypatch, [(6, 0)], _CU13_ARCHS)
+    assert d2lgpu.workload() == "cpu" and d2lgpu.try_gpu() == torch.device("cpu")
+    env = d2lgpu.environment_report()
+    assert [gpu.name for gpu in env.gpus] == ["GPU0"]  # listed, though not usable
+    assert not env.diagnosis.usable and env.diagnosis.cause == "arch_missing"
+    text = d2lgpu.format_report(env)
+    assert "cuda:0 has compute capability 6.0 (sm_60)" in text
+    assert "course runs on the CPU" in text and "whl/cu126" in text
+    summary = d2lgpu.setup_summary()
+    assert "CUDA lists 1 GPU(s), but this torch cannot use them: everything runs on the CPU, in " \
+        "CPU mode; this torch has no kernels for a GPU here." in summary
+    assert main(["info", "--require-gpu"]) == 1
+    assert "CUDA is NOT usable: it lists 1 GPU(s)" in capsys.readouterr().out
+
+
+def test_a_t4_with_kernels_is_usable_and_require_gpu_passes(monkeypatch, capsys):
+    _fake_gpus_with_kernels(monkeypatch, [(7, 5)], _CU13_ARCHS)
+    env = d2lgpu.environment_report()
+    assert env.diagnosis.usable and env.diagnosis.cause == "ok"
+    assert d2lgpu.workload() == "full" and d2lgpu.try_gpu() == torch.device("cuda", 0)
+    assert main(["info", "--require-gpu"]) == 0
