@@ -543,6 +543,7 @@ class NvmlGpuReading:
     power_watts: float | None
     power_limit_watts: float | None
     error: str | None = None
+    memory_free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -562,7 +563,8 @@ class NvmlView:
 
 class _NvmlReader:
     """Runs the NVML queries of one GPU: an unsupported query gives None quietly, a
-    failing one (no permission, GPU lost, ...) gives None and is noted in ``errors``."""
+    failing one (no permission, GPU lost, ...) gives None and is noted in ``errors``.
+    Either way the report shows the reading as "n/a"; no NVML error gets past it."""
 
     def __init__(self, pynvml) -> None:  # type: ignore[no-untyped-def]
         self.pynvml = pynvml
@@ -607,7 +609,7 @@ def read_nvml() -> NvmlView:
         driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
         count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError as exc:
-        pynvml.nvmlShutdown()
+        _nvml_shutdown(pynvml)
         return NvmlView(None, (), f"NVML query failed: {exc}")
     try:
         cuda_driver = _cuda_version_text(pynvml.nvmlSystemGetCudaDriverVersion())
@@ -617,7 +619,16 @@ def read_nvml() -> NvmlView:
         return NvmlView(driver, tuple(_read_nvml_gpu(pynvml, i) for i in range(count)), None,
                         cuda_driver)
     finally:
+        _nvml_shutdown(pynvml)
+
+
+def _nvml_shutdown(pynvml) -> None:  # type: ignore[no-untyped-def]
+    """``nvmlShutdown``, which can fail too (a GPU lost meanwhile, another library that
+    shut NVML down already): the readings are taken by then, and are kept."""
+    try:
         pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        pass
 
 
 def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-untyped-def]
@@ -645,6 +656,7 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
         utilization_percent=None if rates is None else int(rates.gpu),
         memory_used_bytes=None if memory is None else int(memory.used),
         memory_total_bytes=None if memory is None else int(memory.total),
+        memory_free_bytes=None if memory is None else int(memory.free),
         temperature_c=temperature,
         power_watts=None if power_mw is None else power_mw / 1000,
         power_limit_watts=None if limit_mw is None else limit_mw / 1000,
@@ -771,14 +783,28 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None) -> GpuInfo:
+def _nvml_reading_of(uuid: str, nvml: NvmlView) -> NvmlGpuReading | None:
+    """NVML's reading of the GPU whose torch UUID is ``uuid``, or None.
+
+    NVML numbers GPUs in its own order and ignores ``CUDA_VISIBLE_DEVICES``, so the UUID
+    is what ties ``cuda:i`` to it (NVML's carries a ``GPU-`` prefix that torch's may lack).
+    A MIG slice has a UUID of its own and matches no physical GPU: no reading then.
+    """
+    uuid = uuid.lower()
+    if not uuid:
+        return None
+    return next((r for r in nvml.gpus if r.uuid.lower().endswith(uuid)), None)
+
+
+def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
+              nvml: NvmlView) -> GpuInfo:
     """:class:`GpuInfo` of ``cuda:index``; what fails is reported in ``error``, not raised.
 
-    A GPU in exclusive-process mode that another process holds fails when CUDA
-    creates a context on it (``mem_get_info``, ``is_bf16_supported``); a lost GPU
-    fails already at its properties. Either way the report goes on to the next GPU.
+    Read without a CUDA context where torch allows it: the properties need none, and
+    free memory comes from NVML (``torch.cuda.mem_get_info`` would create a context, a
+    few hundred MiB, on every GPU). A lost GPU fails already at its properties; the
+    report then goes on to the next GPU.
     """
-    errors = []
     try:
         props = torch.cuda.get_device_properties(index)
         name, capability = str(props.name), (int(props.major), int(props.minor))
@@ -788,18 +814,24 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None) -> GpuInfo:
                        free_memory_bytes=None, multiprocessor_count=0, native_formats=(),
                        torch_says_bf16=None, uuid="", pycuda_attributes=pycuda_attributes,
                        error=f"properties: {_first_line(exc)}")
-    free = total = None
-    try:
-        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
-    except Exception as exc:
-        errors.append(f"memory: {_first_line(exc)}")
-        total = int(getattr(props, "total_memory", 0)) or None
-    torch_says_bf16 = None
-    try:
-        with torch.cuda.device(index):
-            torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
-    except Exception as exc:
-        errors.append(f"is_bf16_supported: {_first_line(exc)}")
+    free, total = None, int(getattr(props, "total_memory", 0)) or None
+    reading = _nvml_reading_of(uuid, nvml)
+    if reading is not None and reading.memory_free_bytes is not None:
+        free, total = reading.memory_free_bytes, reading.memory_total_bytes
+    torch_says_bf16, error = None, None
+    if capability >= (8, 0):
+        # torch.cuda.is_bf16_supported() answers True from the properties alone here
+        # (torch/cuda/__init__.py), so the answer is known without a context.
+        torch_says_bf16 = True
+    else:
+        # Below 8.0 torch answers by creating a bf16 tensor on the GPU: a context there is
+        # unavoidable for its answer, which chapter 1's note on emulated bf16 is about. A GPU
+        # held by another process in exclusive mode fails here.
+        try:
+            with torch.cuda.device(index):
+                torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
+        except Exception as exc:
+            error = f"is_bf16_supported: {_first_line(exc)}"
     return GpuInfo(
         index=index,
         name=name,
@@ -811,24 +843,24 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None) -> GpuInfo:
         torch_says_bf16=torch_says_bf16,
         uuid=uuid,
         pycuda_attributes=pycuda_attributes,
-        error="; ".join(errors) or None,
+        error=error,
     )
 
 
 def environment_report() -> EnvironmentReport:
     """Collect the :class:`EnvironmentReport` of this process.
 
-    On a GPU machine this initialises CUDA on every visible GPU (to read free
-    memory with ``torch.cuda.mem_get_info``), which costs a few hundred MiB of
-    GPU memory per GPU for the CUDA context. A GPU that cannot be queried (taken
-    by another process, lost) is listed with what failed, and the others are
-    still read: see :class:`GpuInfo`'s ``error``. Every GPU torch lists is in it, also
-    one that this build has no kernels for (the diagnosis then says so).
+    Lists every GPU torch lists, also one that this build has no kernels for (the
+    diagnosis then says so). Creates no CUDA context on GPUs of compute capability 8.0
+    and up: properties and NVML are read instead (see :func:`_read_gpu`); free memory
+    is unknown where NVML cannot be read or does not know the GPU (a MIG slice). A GPU
+    that cannot be queried (lost, or taken) is listed with what failed, and the others
+    are still read: see :class:`GpuInfo`'s ``error``.
     """
     count = _gpus_torch_lists()
     nvml = read_nvml()
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
-    gpus = tuple(_read_gpu(i, pycuda_attrs[i]) for i in range(count))
+    gpus = tuple(_read_gpu(i, pycuda_attrs[i], nvml) for i in range(count))
     return EnvironmentReport(
         python_version=sys.version.split()[0],
         platform=platform.platform(),

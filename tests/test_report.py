@@ -297,6 +297,40 @@ def test_read_nvml_reads_the_other_gpus_when_one_fails(monkeypatch):
     assert "GPU is lost" in text and "Insufficient Permissions" in text
 
 
+@pytest.mark.parametrize("refusal", ["NVMLError_NotSupported", "NVMLError_NoPermission"])
+def test_nvml_readings_it_refuses_show_as_na_and_never_crash_the_report(monkeypatch, refusal):
+    # A GPU (or a container) where NVML refuses every reading, and whose shutdown fails
+    # too (NVML already shut down by another library): the report shows "n/a".
+    fake = _fake_pynvml()
+    error = getattr(fake, refusal)
+
+    def refuse(*args):
+        raise error(refusal)
+
+    for query in ("nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo",
+                  "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage",
+                  "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTemperature",
+                  "nvmlShutdown"):
+        setattr(fake, query, refuse)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    view = d2lgpu.read_nvml()
+    assert view.error is None and view.driver_version == "550.54"
+    (gpu,) = view.gpus
+    assert gpu.memory_free_bytes is None and gpu.power_watts is None
+    line = report.format_nvml_view(view).splitlines()[1]
+    assert line == ("nvml:0 ?: utilisation n/a, memory n/a, temperature n/a, power n/a")
+    assert (gpu.error is None) == (refusal == "NVMLError_NotSupported")
+    # The environment report asks NVML for free memory: unknown, and no crash either.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: _fake_props("T4", 7, 5))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+    monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
+    text = d2lgpu.format_report(d2lgpu.environment_report())
+    assert "memory: free unknown" in text and "utilisation n/a" in text
+
+
 def test_read_nvml_explains_a_missing_driver(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(fail_init=True))
     view = d2lgpu.read_nvml()
@@ -592,33 +626,83 @@ def _fake_props(name: str, major: int, minor: int, **extra):
                                  total_memory=16 * 10**9, uuid=f"uuid-{name}", **extra)
 
 
-def _two_fake_gpus(monkeypatch, props, mem_get_info):
+def _two_fake_gpus(monkeypatch, props, nvml=None, bf16=lambda *a, **k: True):
+    """Two GPUs with properties ``props(i)``; NVML's view ``nvml`` (by default, none).
+    Creating a CUDA context (``mem_get_info``) fails the test: the report reads without."""
+    def mem_get_info(*args, **kwargs):
+        raise AssertionError("environment_report created a CUDA context to read free memory")
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16)
     monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
     monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
+    monkeypatch.setattr(report, "read_nvml",
+                        lambda: nvml or NvmlView(None, (), "NVML cannot start: faked"))
+
+
+def _nvml_reading(index, uuid, used_gib, total_gib=16):
+    return report.NvmlGpuReading(index, f"nvml{index}", uuid, 10, used_gib * 2**30,
+                                 total_gib * 2**30, 40, 50.0, 70.0,
+                                 memory_free_bytes=(total_gib - used_gib) * 2**30)
+
+
+def test_environment_report_reads_free_memory_from_nvml_without_a_cuda_context(monkeypatch):
+    # NVML lists the GPUs in its own order, with the GPU- prefix; torch's UUIDs match them.
+    nvml = NvmlView("580.1", (_nvml_reading(0, "GPU-uuid-GPU1", 4),
+                              _nvml_reading(1, "GPU-uuid-GPU0", 1)), None)
+    asked_bf16 = []
+
+    def bf16(*args, **kwargs):
+        asked_bf16.append(True)  # torch creates a bf16 tensor, and a context, to answer
+        return True
+
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0), nvml, bf16)
+    first, second = d2lgpu.environment_report().gpus
+    assert first.free_memory_bytes == 15 * 2**30 and first.total_memory_bytes == 16 * 2**30
+    assert second.free_memory_bytes == 12 * 2**30
+    assert first.torch_says_bf16 and not asked_bf16  # from 8.0 on, from the properties
+    assert first.error is None and second.error is None
+
+
+def test_environment_report_without_nvml_knows_the_total_but_not_the_free_memory(monkeypatch):
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0))
+    gpu = d2lgpu.environment_report().gpus[0]
+    assert gpu.free_memory_bytes is None and gpu.total_memory_bytes == 16 * 10**9
+    assert "memory: free unknown, 14.90 GiB in all" in d2lgpu.format_report(
+        d2lgpu.environment_report())
 
 
 def test_environment_report_reports_a_busy_gpu_and_reads_the_other(monkeypatch):
-    def mem_get_info(i):
-        if i == 1:  # what CUDA says for a GPU that another process holds exclusively
-            raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
-        return (15 * 2**30, 16 * 2**30)
+    # Below 8.0 torch answers is_bf16_supported with a tensor on the GPU; a GPU that
+    # another process holds in exclusive mode fails there.
+    current = []
 
-    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0), mem_get_info)
+    def device(i):
+        current[:] = [i]
+        return contextlib.nullcontext()
+
+    def bf16(*args, **kwargs):
+        if current == [1]:
+            raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
+        return True
+
+    nvml = NvmlView("580.1", (_nvml_reading(0, "GPU-uuid-GPU0", 1),
+                              _nvml_reading(1, "GPU-uuid-GPU1", 2)), None)
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 7, 5), nvml, bf16)
+    monkeypatch.setattr(torch.cuda, "device", device)
     env = d2lgpu.environment_report()
     ok, busy = env.gpus
     assert ok.error is None and ok.free_memory_bytes == 15 * 2**30 and ok.torch_says_bf16
-    assert busy.name == "GPU1" and busy.free_memory_bytes is None
-    assert busy.total_memory_bytes == 16 * 10**9  # from the properties instead
-    assert busy.error.startswith("memory: RuntimeError: CUDA error: CUDA-capable device")
+    assert busy.name == "GPU1" and busy.torch_says_bf16 is None
+    assert busy.free_memory_bytes == 14 * 2**30  # NVML reads it all the same
+    assert busy.error.startswith("is_bf16_supported: RuntimeError: CUDA error: CUDA-capable")
     text = d2lgpu.format_report(env)
     assert "cuda:0  GPU0" in text and "15.00 GiB free of 16.00 GiB" in text
-    assert "cuda:1  GPU1" in text and "memory: free unknown" in text
-    assert "failed: memory: RuntimeError" in text and "nvidia-smi" in text
+    assert "cuda:1  GPU1" in text and "failed: is_bf16_supported: RuntimeError" in text
+    assert "nvidia-smi" in text
 
 
 def test_environment_report_reports_a_lost_gpu_and_reads_the_other(monkeypatch):
@@ -627,7 +711,7 @@ def test_environment_report_reports_a_lost_gpu_and_reads_the_other(monkeypatch):
             raise RuntimeError("CUDA error: unspecified launch failure")
         return _fake_props("GPU1", 7, 5)
 
-    _two_fake_gpus(monkeypatch, props, lambda i: (1 * 2**30, 16 * 2**30))
+    _two_fake_gpus(monkeypatch, props)
     env = d2lgpu.environment_report()
     lost, ok = env.gpus
     assert lost.name == "?" and lost.error.startswith("properties: RuntimeError")
