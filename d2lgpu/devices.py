@@ -319,40 +319,78 @@ class P2PDecision:
 
 
 #: Run in a fresh interpreter, so that the caller's process creates no CUDA context on
-#: every GPU and a copy that hangs cannot hang the caller: copy 1 Mi known floats
-#: from GPU i to GPU j for every pair that reports peer access; print the pairs that
-#: came out wrong.
+#: every GPU and a copy that hangs cannot hang the caller. First every GPU of a peer pair
+#: gets its context and its buffers; a GPU that cannot have them (held by another process
+#: in exclusive mode, out of memory) makes it print "CANNOT START" and why, before any
+#: copy. Then "STARTED", and the copies: 1 Mi known floats from GPU i into a buffer on
+#: GPU j for every pair that reports peer access; the pairs that came out wrong are printed.
 _PEER_COPY_CHECK = """
 import torch
-n = torch.cuda.device_count()
+try:
+    n = torch.cuda.device_count()
+    pairs = [(i, j) for i in range(n) for j in range(n)
+             if i != j and torch.cuda.can_device_access_peer(i, j)]
+    expected = torch.arange(1 << 20, dtype=torch.float32)
+    sources = {i: expected.to(f"cuda:{i}") for i, _ in pairs}
+    targets = {(i, j): torch.empty_like(expected, device=f"cuda:{j}") for i, j in pairs}
+    for gpu in {g for pair in pairs for g in pair}:
+        torch.cuda.synchronize(gpu)
+except Exception as exc:
+    lines = str(exc).strip().splitlines()
+    print("CANNOT START", type(exc).__name__ + ":", lines[0] if lines else "")
+    raise SystemExit(0)
+print("STARTED", flush=True)
 bad = []
-for i in range(n):
-    for j in range(n):
-        if i != j and torch.cuda.can_device_access_peer(i, j):
-            x = torch.arange(1 << 20, dtype=torch.float32, device=f"cuda:{i}")
-            y = x.to(f"cuda:{j}")
-            torch.cuda.synchronize(j)
-            if not torch.equal(y.cpu(), torch.arange(1 << 20, dtype=torch.float32)):
-                bad.append(f"{i}->{j}")
+for i, j in pairs:
+    targets[(i, j)].copy_(sources[i])
+    torch.cuda.synchronize(j)
+    if not torch.equal(targets[(i, j)].cpu(), expected):
+        bad.append(f"{i}->{j}")
 print("BAD " + " ".join(bad) if bad else "OK")
 """
 
 
-def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool, str]:
-    """(True, '') when every peer copy between this machine's GPUs arrives intact;
-    (False, what went wrong) when one comes out wrong, hangs or crashes."""
+def _as_text(output: str | bytes | None) -> str:
+    # subprocess.TimeoutExpired carries the output so far as bytes, even with text=True.
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
+    """Whether peer copies between this machine's GPUs arrive intact, and if not, why.
+
+    (True, ''): every copy arrived intact. (False, why): one came out wrong, or the check
+    hung or crashed once its copies had begun. (None, why): the check could not even get
+    to its first copy (a GPU held in exclusive mode, out of memory, CUDA failing to start),
+    which says nothing about the peer path.
+    """
     try:
         run = subprocess.run([sys.executable, "-c", _PEER_COPY_CHECK], capture_output=True,
                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False, f"a peer copy did not finish within {timeout_s:g} s"
+    except subprocess.TimeoutExpired as exc:
+        if "STARTED" in _as_text(exc.stdout).split():
+            return False, f"a peer copy did not finish within {timeout_s:g} s"
+        return None, f"the peer copy check did not get to its first copy within {timeout_s:g} s"
     lines = run.stdout.strip().splitlines()
-    if run.returncode != 0 or not lines:
-        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
-        return False, f"the peer copy check failed (exit {run.returncode}: {tail})"
+    if lines and lines[0].startswith("CANNOT START"):
+        return None, ("the peer copy check could not prepare its GPUs "
+                      f"({lines[0].removeprefix('CANNOT START').strip()})")
+    tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+    if "STARTED" not in lines:
+        return None, (f"the peer copy check failed before its first copy "
+                      f"(exit {run.returncode}: {tail})")
+    if run.returncode != 0 or lines[-1] == "STARTED":
+        return False, (f"the peer copy check crashed during the copies "
+                       f"(exit {run.returncode}: {tail})")
     if lines[-1] != "OK":
         return False, f"peer copies arrived wrong ({lines[-1][4:]})"
     return True, ""
+
+
+#: The peer copy check's verdicts in this process, by the CUDA_VISIBLE_DEVICES its child
+#: inherited: the check costs a process and a CUDA context per GPU, and its answer does
+#: not change while the process lives, so every launch after the first reuses it. Only a
+#: verdict on the copies is kept; a check that could not start is tried again.
+_PEER_COPY_VERDICTS: dict[str | None, tuple[bool, str]] = {}
 
 
 def _nvlink_active(index: int) -> bool | None:
@@ -391,7 +429,11 @@ def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDec
        NCCL does not use P2P anyway; nothing to set.
     5. Peer access is reported: copy a known tensor between every such pair, in a
        child process with a time limit. A copy that arrives wrong, hangs or crashes:
-       set it. All intact: leave P2P on, it is the fast path.
+       set it. All intact: leave P2P on, it is the fast path. A check that cannot get
+       to its first copy (a GPU held in exclusive mode, out of memory) leaves P2P on
+       and says why: that failure says nothing about the peer path, and switching P2P
+       off would cost NVLink on every machine that merely was busy. The verdict on the
+       copies is remembered for the rest of the process.
     """
     environ = os.environ if environ is None else environ
     if "NCCL_P2P_DISABLE" in environ:
@@ -411,7 +453,14 @@ def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDec
     if not pairs:
         return P2PDecision(False, "no pair of GPUs reports peer access: NCCL copies through "
                            "host memory already")
-    ok, problem = _peer_copies_correct()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible not in _PEER_COPY_VERDICTS:
+        ok, problem = _peer_copies_correct()
+        if ok is None:
+            return P2PDecision(False, f"peer access is reported and left on, untested: {problem}. "
+                               "Set NCCL_P2P_DISABLE=1 yourself if NCCL then hangs")
+        _PEER_COPY_VERDICTS[visible] = (ok, problem)
+    ok, problem = _PEER_COPY_VERDICTS[visible]
     if not ok:
         return P2PDecision(True, f"peer access is reported, but {problem}")
     return P2PDecision(False, f"peer copies between all {count} GPUs arrive intact")

@@ -266,8 +266,10 @@ def test_an_unreadable_gpu_does_not_hide_the_others(monkeypatch):
 
 
 def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
-    """Pretend this machine has GPUs called ``names``; record whether the copy check ran."""
+    """Pretend this machine has GPUs called ``names``; record whether the copy check ran.
+    ``copy_ok`` None: the check could not start (a GPU busy in exclusive mode, say)."""
     ran = []
+    monkeypatch.setattr(devices_module, "_PEER_COPY_VERDICTS", {})
     monkeypatch.setattr(devices_module, "num_gpus", lambda: len(names))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: peer)
@@ -275,6 +277,8 @@ def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
 
     def copy_check():
         ran.append(True)
+        if copy_ok is None:
+            return None, "the peer copy check could not prepare its GPUs (OutOfMemoryError: x)"
         return (True, "") if copy_ok else (False, "peer copies arrived wrong (0->1)")
 
     monkeypatch.setattr(devices_module, "_peer_copies_correct", copy_check)
@@ -337,27 +341,83 @@ def test_p2p_no_peer_access_needs_no_check(monkeypatch):
     assert not decision.disable and not ran and "no pair" in decision.reason
 
 
+def test_p2p_decision_is_remembered_for_the_process(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 2, peer=True, copy_ok=True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for _ in range(3):  # three launches
+        assert not devices_module.apply_nccl_p2p_decision({}).disable
+    assert len(ran) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # other GPUs: checked anew
+    devices_module.apply_nccl_p2p_decision({})
+    assert len(ran) == 2
+
+
+def test_p2p_broken_copies_are_remembered_too(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-40GB"] * 2, peer=True, copy_ok=False)
+    assert devices_module.apply_nccl_p2p_decision({}).disable
+    assert devices_module.apply_nccl_p2p_decision({}).disable and len(ran) == 1
+
+
+def test_p2p_a_check_that_cannot_start_leaves_p2p_on_and_says_why(monkeypatch):
+    # Out of memory or a GPU held in exclusive mode says nothing about the peer path:
+    # NVLink must not be switched off for it.
+    ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 2, peer=True, copy_ok=None)
+    env = {}
+    decision = devices_module.apply_nccl_p2p_decision(env)
+    assert not decision.disable and env == {}
+    assert "untested" in decision.reason and "OutOfMemoryError" in decision.reason
+    assert "NCCL_P2P_DISABLE=1 yourself" in decision.reason
+    devices_module.apply_nccl_p2p_decision({})
+    assert len(ran) == 2  # not remembered: the next launch tries again
+
+
 def test_p2p_copy_check_reads_the_child(monkeypatch):
-    # The child's verdicts, faked: wrong copies, a crash, a hang.
+    # The child's verdicts, faked: intact, wrong copies, a crash or a hang during the
+    # copies, and the ways it can fail before its first copy.
     class Run:
         def __init__(self, out, rc=0, err=""):
             self.stdout, self.returncode, self.stderr = out, rc, err
 
-    monkeypatch.setattr(devices_module.subprocess, "run", lambda *a, **k: Run("OK\n"))
-    assert devices_module._peer_copies_correct() == (True, "")
-    monkeypatch.setattr(devices_module.subprocess, "run", lambda *a, **k: Run("BAD 0->1\n"))
-    assert devices_module._peer_copies_correct() == (False, "peer copies arrived wrong (0->1)")
+    def child(*args, **kwargs):
+        return lambda *a, **k: Run(*args, **kwargs)
+
+    check = devices_module._peer_copies_correct
+    monkeypatch.setattr(devices_module.subprocess, "run", child("STARTED\nOK\n"))
+    assert check() == (True, "")
+    monkeypatch.setattr(devices_module.subprocess, "run", child("STARTED\nBAD 0->1\n"))
+    assert check() == (False, "peer copies arrived wrong (0->1)")
     monkeypatch.setattr(devices_module.subprocess, "run",
-                        lambda *a, **k: Run("", 1, "RuntimeError: CUDA error"))
-    ok, why = devices_module._peer_copies_correct()
-    assert not ok and "CUDA error" in why
+                        child("STARTED\n", -11, "Segmentation fault"))
+    ok, why = check()
+    assert ok is False and "crashed during the copies" in why and "Segmentation" in why
+    busy = ("CANNOT START AcceleratorError: CUDA error: CUDA-capable device(s) is/are busy "
+            "or unavailable\n")
+    monkeypatch.setattr(devices_module.subprocess, "run", child(busy))
+    ok, why = check()
+    assert ok is None and "could not prepare its GPUs" in why and "busy" in why
+    monkeypatch.setattr(devices_module.subprocess, "run",
+                        child("", 1, "RuntimeError: CUDA driver initialization failed"))
+    ok, why = check()
+    assert ok is None and "before its first copy" in why and "initialization" in why
 
-    def hang(*a, **k):
-        raise devices_module.subprocess.TimeoutExpired("python", 1)
+    def hang(output):
+        def run(*a, **k):
+            raise devices_module.subprocess.TimeoutExpired("python", 1, output=output)
+        return run
 
-    monkeypatch.setattr(devices_module.subprocess, "run", hang)
-    ok, why = devices_module._peer_copies_correct(timeout_s=1)
-    assert not ok and "did not finish" in why
+    monkeypatch.setattr(devices_module.subprocess, "run", hang(b"STARTED\n"))
+    ok, why = check(timeout_s=1)
+    assert ok is False and "did not finish" in why
+    monkeypatch.setattr(devices_module.subprocess, "run", hang(None))
+    ok, why = check(timeout_s=1)
+    assert ok is None and "did not get to its first copy" in why
+
+
+def test_p2p_copy_check_runs(monkeypatch):
+    # The real child, shown no GPU (it inherits this variable): it starts, has no pair
+    # to copy between, and says OK.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert devices_module._peer_copies_correct() == (True, "")
 
 
 def test_launcher_rank_environment_applies_the_decision(monkeypatch):
