@@ -27,7 +27,6 @@ __all__ = [
     "CUDA_13_DROPPED_BELOW",
     "GPU_DATASHEETS",
     "PEAK_TFLOPS",
-    "build_runs_on",
     "narrow_tensor_core_formats",
     "native_tensor_core_formats",
     "peak_format",
@@ -79,40 +78,13 @@ def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
 #: CUDA 13.0 removed Maxwell, Pascal and Volta (compute capability below 7.5) from its
 #: compilers (CUDA 13.0 release notes), so torch's CUDA 13 wheels carry no kernels for them:
 #: torch 2.15+cu132 lists sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 in
-#: ``torch.cuda.get_arch_list()``. A V100 (7.0) or P100 (6.0) needs a CUDA 12 build.
+#: ``torch.cuda.get_arch_list()``. "A CUDA 12 build" is not enough either: torch 2.15's table
+#: of its own release wheels (``PYTORCH_RELEASES_CODE_CC`` in torch/cuda/__init__.py) gives
+#: the x86-64 cu126 wheels sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90 and every later CUDA
+#: sm_75 and up, so a P100 (6.0) or V100 (7.0) needs a cu126 wheel. Other CUDA 12 wheels of
+#: older releases need not carry them; ``torch.cuda.get_arch_list()`` says, and
+#: :func:`d2lgpu.devices.build_runs_on` reads it.
 CUDA_13_DROPPED_BELOW = (7, 5)
-
-
-def _arch_number(entry: str) -> tuple[str, int] | None:
-    """("sm", 86) for "sm_86", ("compute", 90) for "compute_90"; "sm_90a" counts as sm_90."""
-    kind, _, number = entry.partition("_")
-    digits = "".join(ch for ch in number if ch.isdigit())
-    if kind not in ("sm", "compute") or not digits:
-        return None
-    return kind, int(digits)
-
-
-def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
-    """Whether a torch build whose ``torch.cuda.get_arch_list()`` is ``arch_list`` has
-    kernels for a GPU of compute capability ``capability``.
-
-    CUDA's rules: machine code built for ``sm_XY`` runs on GPUs of the same major
-    version X and minor version Y or higher (sm_80 code runs on an 8.6 GPU); PTX
-    (``compute_XY``) is compiled by the driver for any GPU of capability XY or higher.
-    Without either, every kernel fails with "no kernel image is available".
-    """
-    major, minor = check_capability(capability)
-    mine = major * 10 + minor
-    for entry in arch_list:
-        parsed = _arch_number(str(entry))
-        if parsed is None:
-            continue
-        kind, number = parsed
-        if kind == "sm" and number // 10 == major and number % 10 <= minor:
-            return True
-        if kind == "compute" and number <= mine:
-            return True
-    return False
 
 
 # --------------------------------------------------------------------------------------
@@ -219,8 +191,8 @@ PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
     ("t4", None): (65.0, None),  # "NVIDIA T4" datasheet: mixed precision (FP16/FP32) 65
     # "NVIDIA V100 Tensor Core GPU" datasheet, Tensor Performance (fp16): 125 (SXM2),
     # 112 (PCIe), 130 (V100S PCIe). Volta has no sparsity, so these are dense.
-    # A V100 (sm_70) needs a torch built for CUDA 12 or older: CUDA 13 builds carry no
-    # sm_70 kernels (see CUDA_13_DROPPED_BELOW and build_runs_on).
+    # A V100 (sm_70) needs a cu126 wheel: CUDA 13 builds carry no sm_70 kernels (see
+    # CUDA_13_DROPPED_BELOW and d2lgpu.devices.build_runs_on).
     ("v100", "sxm2"): (125.0, None),
     ("v100", "pcie"): (112.0, None),
     ("v100s", "pcie"): (130.0, None),

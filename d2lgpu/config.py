@@ -100,9 +100,9 @@ def cpu_bf16_override() -> bool | None:
 
 def _cuda_usable() -> bool:
     # Imported here so that reading a setting does not import torch by itself.
-    import torch
+    from d2lgpu.devices import cuda_usable
 
-    return torch.cuda.is_available()
+    return cuda_usable()
 
 
 def workload() -> Workload:

@@ -375,10 +375,13 @@ def choose_backend(local_world_size: int) -> str:
     gpus = num_gpus()
     if gpus >= local_world_size and dist.is_nccl_available():
         return "nccl"
-    if gpus == 1 and local_world_size > 1 and dist.is_nccl_available():
+    if gpus == 1 and local_world_size > 1 and dist.is_nccl_available() and _bound_to_one_gpu():
         # Each rank may have been bound to its own GPU from outside (SLURM's
         # --gpus-per-task, a per-rank CUDA_VISIBLE_DEVICES), or all share one GPU:
         # from inside one rank the two look the same, and NCCL refuses the second.
+        # Without CUDA_VISIBLE_DEVICES naming one GPU nothing bound the rank, the machine
+        # has one GPU, and gloo is simply right: no warning then (it would come from every
+        # rank). Where it names one, backend='nccl' works (_rank_device): say so.
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         warnings.warn(
             f"this rank sees 1 GPU (CUDA_VISIBLE_DEVICES={visible!r}) "

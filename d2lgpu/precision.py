@@ -69,6 +69,7 @@ __all__ = [
     "speed_verdict",
     "sweep_cnn",
     "sweep_mlp",
+    "sweep_row_against_loop",
     "tf32_matmuls",
 ]
 
@@ -736,6 +737,29 @@ def precision_sweep(
             else:
                 rows.append(measured[(mode, batch_size)])
     return rows
+
+
+def sweep_row_against_loop(row: SweepRow, loop_loss: float, tolerance: float = 1e-6) -> str:
+    """One line setting a sweep row beside a plain training loop's last loss (chapter 6).
+
+    A row that ran says how many steps it took and whether its last loss equals
+    ``loop_loss`` within ``tolerance``. A row that did not run has no loss (None) and
+    its status says why: the mode is unavailable on this device (bf16 below compute
+    capability 8.0: a T4, a V100, where the plain loop still ran it, emulated), or the
+    batch did not fit; the line says that instead of comparing.
+    """
+    if not isinstance(row, SweepRow):
+        raise TypeError(f"row must be one SweepRow of precision_sweep's list, got "
+                        f"{type(row).__name__} {row!r:.60}")
+    if not isinstance(loop_loss, (int, float)) or isinstance(loop_loss, bool):
+        raise TypeError(f"loop_loss must be the plain loop's last loss (a float), got "
+                        f"{type(loop_loss).__name__} {loop_loss!r:.60}")
+    check_positive_float("tolerance", tolerance)
+    if not row.ok or row.loss is None:
+        return (f"the sweep did not run {row.mode} at batch {row.batch_size}: {row.status}; "
+                "no loss to compare with the plain loop's")
+    return (f"steps: {row.steps_run} | the package's last loss equals the plain loop's: "
+            f"{abs(row.loss - loop_loss) < tolerance}")
 
 
 #: A comparison needs this many paired repeats before it names a faster mode.

@@ -32,7 +32,14 @@ import torch
 from d2lgpu.checks import check_bool, check_positive_int
 from d2lgpu.chips import GPU_DATASHEETS, native_tensor_core_formats
 from d2lgpu.config import describe_mode
-from d2lgpu.devices import as_device, num_gpus, require_cuda_device
+from d2lgpu.devices import (
+    as_device,
+    build_runs_on,
+    capability_or_none,
+    cuda_arch_list,
+    num_gpus,
+    require_cuda_device,
+)
 
 __all__ = [
     "CudaDiagnosis",
@@ -169,6 +176,8 @@ class CudaDiagnosis:
 
     ``problems`` is empty when all is well. A usable CUDA can still carry a
     problem, e.g. a malformed ``CUDA_VISIBLE_DEVICES`` that hides some GPUs.
+    ``device_count`` is how many GPUs torch lists: more than 0 on an unusable CUDA
+    where the build has no kernels for one of them (``arch_missing``).
     """
 
     usable: bool
@@ -181,11 +190,13 @@ class CudaDiagnosis:
         return self.problems[0].code if self.problems else "ok"
 
     def __str__(self) -> str:
-        head = (
-            f"CUDA is usable: {self.device_count} GPU(s) visible."
-            if self.usable
-            else "CUDA is NOT usable: torch will run everything on the CPU."
-        )
+        if self.usable:
+            head = f"CUDA is usable: {self.device_count} GPU(s) visible."
+        elif self.device_count:
+            head = (f"CUDA is NOT usable: it lists {self.device_count} GPU(s), but this torch "
+                    "cannot run on all of them, so the course runs everything on the CPU.")
+        else:
+            head = "CUDA is NOT usable: torch will run everything on the CPU."
         lines = [head]
         for problem in self.problems:
             lines += [f"  why: {problem.why}", f"  fix: {problem.fix}"]
@@ -356,16 +367,27 @@ def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[s
     why = (f"cuda:{index} has compute capability {major}.{minor} (sm_{major}{minor}), which "
            f"this torch build has no kernels for: torch.cuda.get_arch_list() is {listed}. CUDA "
            "sees the GPU, but every kernel fails with 'no kernel image is available for "
-           "execution on the device'.")
+           "execution on the device', so the course runs on the CPU instead.")
     build = _version_tuple(cuda_build) if cuda_build else None
     if (major, minor) < CUDA_13_DROPPED_BELOW and build is not None and build >= (13,):
         why += (f" CUDA 13 dropped GPUs below compute capability "
                 f"{CUDA_13_DROPPED_BELOW[0]}.{CUDA_13_DROPPED_BELOW[1]} (V100, P100, ...).")
+    if (major, minor) < CUDA_13_DROPPED_BELOW:
+        # torch 2.15's table of its release wheels (PYTORCH_RELEASES_CODE_CC in
+        # torch/cuda/__init__.py): only cu126 carries sm_50 to sm_70; CUDA 13 starts at sm_75.
+        which = ("a cu126 wheel, the only one of torch's current release wheels that still "
+                 "carries kernels below sm_75 (its list runs from sm_50 to sm_90): "
+                 "`pip install torch torchvision --index-url "
+                 "https://download.pytorch.org/whl/cu126`; not just any CUDA 12 build")
+    else:
+        which = ("a newer torch, or one built for a newer CUDA (the selector at "
+                 "https://pytorch.org/get-started/locally/ lists them)")
     return CudaProblem(
         "arch_missing", why,
-        f"install a torch build that lists sm_{major}{minor}: for a V100 or older, a CUDA 12 "
-        "build, e.g. `pip install torch torchvision --index-url "
-        "https://download.pytorch.org/whl/cu126`; check with `torch.cuda.get_arch_list()`.",
+        f"install a torch build that lists sm_{major}{minor} or older sm_{major}x: {which}; "
+        "check with `torch.cuda.get_arch_list()`. Where other GPUs here do have kernels, "
+        f"hiding this one with {VISIBLE_DEVICES_ENV} (listing only the others) lets the course "
+        "use them.",
     )
 
 
@@ -402,8 +424,9 @@ def diagnose_cuda(
         or None when unknown. Older than ``cuda_build``: the driver is too old.
     gpu_capabilities, arch_list
         The compute capability of each visible GPU (None: unreadable, skipped) and
-        ``torch.cuda.get_arch_list()``: a GPU the build has no kernels for is reported
-        (``arch_missing``).
+        ``torch.cuda.get_arch_list()`` (None: not to be checked): a GPU the build has no
+        kernels for is reported (``arch_missing``), and CUDA is then not usable, as
+        :func:`d2lgpu.devices.cuda_usable` decides.
     """
     _check_cuda_facts(
         cuda_build, visible_devices_env, driver_found, device_count, physical_gpu_count
@@ -415,14 +438,13 @@ def diagnose_cuda(
     if device_count > 0:
         arch_problems = []
         if arch_list is not None:
-            from d2lgpu.chips import build_runs_on
-
             arch_problems = [
                 _arch_missing(i, tuple(capability), list(arch_list), cuda_build)
                 for i, capability in enumerate(gpu_capabilities)
                 if capability is not None and not build_runs_on(tuple(capability), list(arch_list))
             ]
-        return CudaDiagnosis(True, device_count, tuple(arch_problems + env_problems))
+        return CudaDiagnosis(not arch_problems, device_count,
+                             tuple(arch_problems + env_problems))
 
     # Most fundamental first: the build, then the driver, then the variable.
     problems = _install_problems(cuda_build, driver_found) + env_problems
@@ -477,7 +499,9 @@ def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
     """
     nvml = read_nvml() if nvml is None else nvml
     driver_found = nvml.error is None or Path("/proc/driver/nvidia").exists()
-    count = num_gpus()
+    # The GPUs torch lists, not num_gpus(): that is 0 where the build lacks their kernels,
+    # and the diagnosis is where that is found and explained.
+    count = _gpus_torch_lists()
     return diagnose_cuda(
         cuda_build=torch.version.cuda,
         visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
@@ -485,25 +509,14 @@ def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
         device_count=count,
         physical_gpu_count=len(nvml.gpus) if nvml.error is None else None,
         driver_cuda_version=nvml.cuda_driver_version,
-        gpu_capabilities=[_capability_or_none(i) for i in range(count)],
-        arch_list=_arch_list_or_none() if count else None,
+        gpu_capabilities=[capability_or_none(i) for i in range(count)],
+        arch_list=cuda_arch_list() if count else None,
     )
 
 
-def _capability_or_none(index: int) -> tuple[int, int] | None:
-    """GPU ``index``'s compute capability; None for a GPU that cannot be read (the
-    environment report says why), so that the diagnosis of the others goes on."""
-    try:
-        return tuple(torch.cuda.get_device_capability(index))
-    except Exception:  # noqa: BLE001 - a lost or busy GPU must not stop the diagnosis
-        return None
-
-
-def _arch_list_or_none() -> list[str] | None:
-    try:
-        return list(torch.cuda.get_arch_list())
-    except Exception:  # noqa: BLE001 - without the list there is nothing to compare
-        return None
+def _gpus_torch_lists() -> int:
+    """How many GPUs torch lists here, whether or not this build has kernels for them."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 # --------------------------------------------------------------------------------------
@@ -530,6 +543,7 @@ class NvmlGpuReading:
     power_watts: float | None
     power_limit_watts: float | None
     error: str | None = None
+    memory_free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -549,7 +563,8 @@ class NvmlView:
 
 class _NvmlReader:
     """Runs the NVML queries of one GPU: an unsupported query gives None quietly, a
-    failing one (no permission, GPU lost, ...) gives None and is noted in ``errors``."""
+    failing one (no permission, GPU lost, ...) gives None and is noted in ``errors``.
+    Either way the report shows the reading as "n/a"; no NVML error gets past it."""
 
     def __init__(self, pynvml) -> None:  # type: ignore[no-untyped-def]
         self.pynvml = pynvml
@@ -594,7 +609,7 @@ def read_nvml() -> NvmlView:
         driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
         count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError as exc:
-        pynvml.nvmlShutdown()
+        _nvml_shutdown(pynvml)
         return NvmlView(None, (), f"NVML query failed: {exc}")
     try:
         cuda_driver = _cuda_version_text(pynvml.nvmlSystemGetCudaDriverVersion())
@@ -604,7 +619,16 @@ def read_nvml() -> NvmlView:
         return NvmlView(driver, tuple(_read_nvml_gpu(pynvml, i) for i in range(count)), None,
                         cuda_driver)
     finally:
+        _nvml_shutdown(pynvml)
+
+
+def _nvml_shutdown(pynvml) -> None:  # type: ignore[no-untyped-def]
+    """``nvmlShutdown``, which can fail too (a GPU lost meanwhile, another library that
+    shut NVML down already): the readings are taken by then, and are kept."""
+    try:
         pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        pass
 
 
 def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-untyped-def]
@@ -632,6 +656,7 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
         utilization_percent=None if rates is None else int(rates.gpu),
         memory_used_bytes=None if memory is None else int(memory.used),
         memory_total_bytes=None if memory is None else int(memory.total),
+        memory_free_bytes=None if memory is None else int(memory.free),
         temperature_c=temperature,
         power_watts=None if power_mw is None else power_mw / 1000,
         power_limit_watts=None if limit_mw is None else limit_mw / 1000,
@@ -758,14 +783,28 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None) -> GpuInfo:
+def _nvml_reading_of(uuid: str, nvml: NvmlView) -> NvmlGpuReading | None:
+    """NVML's reading of the GPU whose torch UUID is ``uuid``, or None.
+
+    NVML numbers GPUs in its own order and ignores ``CUDA_VISIBLE_DEVICES``, so the UUID
+    is what ties ``cuda:i`` to it (NVML's carries a ``GPU-`` prefix that torch's may lack).
+    A MIG slice has a UUID of its own and matches no physical GPU: no reading then.
+    """
+    uuid = uuid.lower()
+    if not uuid:
+        return None
+    return next((r for r in nvml.gpus if r.uuid.lower().endswith(uuid)), None)
+
+
+def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
+              nvml: NvmlView) -> GpuInfo:
     """:class:`GpuInfo` of ``cuda:index``; what fails is reported in ``error``, not raised.
 
-    A GPU in exclusive-process mode that another process holds fails when CUDA
-    creates a context on it (``mem_get_info``, ``is_bf16_supported``); a lost GPU
-    fails already at its properties. Either way the report goes on to the next GPU.
+    Read without a CUDA context where torch allows it: the properties need none, and
+    free memory comes from NVML (``torch.cuda.mem_get_info`` would create a context, a
+    few hundred MiB, on every GPU). A lost GPU fails already at its properties; the
+    report then goes on to the next GPU.
     """
-    errors = []
     try:
         props = torch.cuda.get_device_properties(index)
         name, capability = str(props.name), (int(props.major), int(props.minor))
@@ -775,18 +814,24 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None) -> GpuInfo:
                        free_memory_bytes=None, multiprocessor_count=0, native_formats=(),
                        torch_says_bf16=None, uuid="", pycuda_attributes=pycuda_attributes,
                        error=f"properties: {_first_line(exc)}")
-    free = total = None
-    try:
-        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
-    except Exception as exc:
-        errors.append(f"memory: {_first_line(exc)}")
-        total = int(getattr(props, "total_memory", 0)) or None
-    torch_says_bf16 = None
-    try:
-        with torch.cuda.device(index):
-            torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
-    except Exception as exc:
-        errors.append(f"is_bf16_supported: {_first_line(exc)}")
+    free, total = None, int(getattr(props, "total_memory", 0)) or None
+    reading = _nvml_reading_of(uuid, nvml)
+    if reading is not None and reading.memory_free_bytes is not None:
+        free, total = reading.memory_free_bytes, reading.memory_total_bytes
+    torch_says_bf16, error = None, None
+    if capability >= (8, 0):
+        # torch.cuda.is_bf16_supported() answers True from the properties alone here
+        # (torch/cuda/__init__.py), so the answer is known without a context.
+        torch_says_bf16 = True
+    else:
+        # Below 8.0 torch answers by creating a bf16 tensor on the GPU: a context there is
+        # unavoidable for its answer, which chapter 1's note on emulated bf16 is about. A GPU
+        # held by another process in exclusive mode fails here.
+        try:
+            with torch.cuda.device(index):
+                torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
+        except Exception as exc:
+            error = f"is_bf16_supported: {_first_line(exc)}"
     return GpuInfo(
         index=index,
         name=name,
@@ -798,23 +843,24 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None) -> GpuInfo:
         torch_says_bf16=torch_says_bf16,
         uuid=uuid,
         pycuda_attributes=pycuda_attributes,
-        error="; ".join(errors) or None,
+        error=error,
     )
 
 
 def environment_report() -> EnvironmentReport:
     """Collect the :class:`EnvironmentReport` of this process.
 
-    On a GPU machine this initialises CUDA on every visible GPU (to read free
-    memory with ``torch.cuda.mem_get_info``), which costs a few hundred MiB of
-    GPU memory per GPU for the CUDA context. A GPU that cannot be queried (taken
-    by another process, lost) is listed with what failed, and the others are
-    still read: see :class:`GpuInfo`'s ``error``.
+    Lists every GPU torch lists, also one that this build has no kernels for (the
+    diagnosis then says so). Creates no CUDA context on GPUs of compute capability 8.0
+    and up: properties and NVML are read instead (see :func:`_read_gpu`); free memory
+    is unknown where NVML cannot be read or does not know the GPU (a MIG slice). A GPU
+    that cannot be queried (lost, or taken) is listed with what failed, and the others
+    are still read: see :class:`GpuInfo`'s ``error``.
     """
-    count = num_gpus()
+    count = _gpus_torch_lists()
     nvml = read_nvml()
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
-    gpus = tuple(_read_gpu(i, pycuda_attrs[i]) for i in range(count))
+    gpus = tuple(_read_gpu(i, pycuda_attrs[i], nvml) for i in range(count))
     return EnvironmentReport(
         python_version=sys.version.split()[0],
         platform=platform.platform(),
@@ -1026,7 +1072,11 @@ def format_setup(
         reason = "" if cause is None else "; " + _CAUSE_IN_BRIEF.get(
             cause.code, cause.why.split(":")[0]
         )
-        lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}{reason}.")
+        if diagnosis.device_count:
+            lines.append(f"CUDA lists {diagnosis.device_count} GPU(s), but this torch cannot "
+                         f"use them: everything runs on the CPU, in {mode}{reason}.")
+        else:
+            lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}{reason}.")
         lines.append("  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1).")
     lines.append(mode_line)
     return "\n".join(lines)

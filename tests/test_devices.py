@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import d2lgpu
+from d2lgpu import devices as devices_module
 from d2lgpu.devices import require_cuda_device, resolve_devices
 
 
@@ -182,14 +183,93 @@ def test_a_misspelt_device_gets_one_error_everywhere(call):
         call("cuda0")
 
 
-# --- NCCL_P2P_DISABLE: the peer-to-peer decision, with faked GPUs ---------------------
+# --- a GPU this torch build has no kernels for -----------------------------------------
 
-from d2lgpu import devices as devices_module  # noqa: E402
+# torch 2.15's table of its release wheels (PYTORCH_RELEASES_CODE_CC in torch/cuda/__init__.py)
+CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+CU13_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+
+def fake_cuda_gpus(monkeypatch, capabilities, arch_list, cuda_build="13.0"):
+    """Pretend torch is a CUDA ``cuda_build`` build that lists GPUs of ``capabilities`` and
+    was compiled for ``arch_list``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capabilities[i])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+
+
+def test_a_p100_under_a_build_without_sm_60_is_not_usable(monkeypatch):
+    from d2lgpu import config
+
+    fake_cuda_gpus(monkeypatch, [(6, 0)], CU13_ARCHS)
+    for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
+        monkeypatch.delenv(name, raising=False)
+    assert devices_module.gpus_without_kernels() == [0]
+    assert not devices_module.cuda_usable()
+    assert d2lgpu.num_gpus() == 0
+    assert d2lgpu.try_gpu() == torch.device("cpu")
+    assert d2lgpu.try_all_gpus() == [torch.device("cpu")]
+    assert config.workload() == "cpu"
+    with pytest.raises(RuntimeError, match="no kernels for a GPU here") as info:
+        require_cuda_device("cuda", "train")
+    assert "python -m d2lgpu info" in str(info.value)
+
+
+def test_a_t4_under_a_build_with_sm_75_is_usable(monkeypatch):
+    from d2lgpu import config
+
+    fake_cuda_gpus(monkeypatch, [(7, 5)], CU13_ARCHS)
+    for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
+        monkeypatch.delenv(name, raising=False)
+    assert devices_module.cuda_usable() and devices_module.gpus_without_kernels() == []
+    assert d2lgpu.num_gpus() == 1 and d2lgpu.try_gpu() == torch.device("cuda", 0)
+    assert config.workload() == "full"
+
+
+def test_the_p100_is_usable_under_a_cu126_build(monkeypatch):
+    fake_cuda_gpus(monkeypatch, [(6, 0)], CU126_ARCHS, cuda_build="12.6")
+    assert devices_module.cuda_usable() and d2lgpu.num_gpus() == 1
+
+
+def test_one_gpu_without_kernels_makes_cuda_unusable_for_all(monkeypatch):
+    # try_all_gpus would hand DataParallel the V100 too, and its first kernel would fail.
+    fake_cuda_gpus(monkeypatch, [(7, 5), (7, 0)], CU13_ARCHS)
+    assert devices_module.gpus_without_kernels() == [1]
+    assert d2lgpu.try_all_gpus() == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize("cuda_build, arch_list", [(None, ["gfx90a"]), ("13.0", [])])
+def test_a_build_whose_arch_list_cannot_be_checked_is_taken_at_its_word(
+        monkeypatch, cuda_build, arch_list):
+    # A ROCm build (its list names gfx targets) and a build that recorded no list:
+    # torch's own start-up check skips both, and so does cuda_usable.
+    fake_cuda_gpus(monkeypatch, [(9, 0)], arch_list, cuda_build=cuda_build)
+    assert devices_module.cuda_arch_list() is None
+    assert devices_module.cuda_usable() and d2lgpu.num_gpus() == 1
+
+
+def test_an_unreadable_gpu_does_not_hide_the_others(monkeypatch):
+    fake_cuda_gpus(monkeypatch, [(6, 0), (9, 0)], CU13_ARCHS)
+
+    def capability(i=0):
+        if i == 1:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return (6, 0)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert devices_module.gpus_without_kernels() == [0]
+
+
+# --- NCCL_P2P_DISABLE: the peer-to-peer decision, with faked GPUs ---------------------
 
 
 def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
-    """Pretend this machine has GPUs called ``names``; record whether the copy check ran."""
+    """Pretend this machine has GPUs called ``names``; record whether the copy check ran.
+    ``copy_ok`` None: the check could not start (a GPU busy in exclusive mode, say)."""
     ran = []
+    monkeypatch.setattr(devices_module, "_PEER_COPY_VERDICTS", {})
     monkeypatch.setattr(devices_module, "num_gpus", lambda: len(names))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: peer)
@@ -197,6 +277,8 @@ def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
 
     def copy_check():
         ran.append(True)
+        if copy_ok is None:
+            return None, "the peer copy check could not prepare its GPUs (OutOfMemoryError: x)"
         return (True, "") if copy_ok else (False, "peer copies arrived wrong (0->1)")
 
     monkeypatch.setattr(devices_module, "_peer_copies_correct", copy_check)
@@ -259,27 +341,83 @@ def test_p2p_no_peer_access_needs_no_check(monkeypatch):
     assert not decision.disable and not ran and "no pair" in decision.reason
 
 
+def test_p2p_decision_is_remembered_for_the_process(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 2, peer=True, copy_ok=True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for _ in range(3):  # three launches
+        assert not devices_module.apply_nccl_p2p_decision({}).disable
+    assert len(ran) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # other GPUs: checked anew
+    devices_module.apply_nccl_p2p_decision({})
+    assert len(ran) == 2
+
+
+def test_p2p_broken_copies_are_remembered_too(monkeypatch):
+    ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-40GB"] * 2, peer=True, copy_ok=False)
+    assert devices_module.apply_nccl_p2p_decision({}).disable
+    assert devices_module.apply_nccl_p2p_decision({}).disable and len(ran) == 1
+
+
+def test_p2p_a_check_that_cannot_start_leaves_p2p_on_and_says_why(monkeypatch):
+    # Out of memory or a GPU held in exclusive mode says nothing about the peer path:
+    # NVLink must not be switched off for it.
+    ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 2, peer=True, copy_ok=None)
+    env = {}
+    decision = devices_module.apply_nccl_p2p_decision(env)
+    assert not decision.disable and env == {}
+    assert "untested" in decision.reason and "OutOfMemoryError" in decision.reason
+    assert "NCCL_P2P_DISABLE=1 yourself" in decision.reason
+    devices_module.apply_nccl_p2p_decision({})
+    assert len(ran) == 2  # not remembered: the next launch tries again
+
+
 def test_p2p_copy_check_reads_the_child(monkeypatch):
-    # The child's verdicts, faked: wrong copies, a crash, a hang.
+    # The child's verdicts, faked: intact, wrong copies, a crash or a hang during the
+    # copies, and the ways it can fail before its first copy.
     class Run:
         def __init__(self, out, rc=0, err=""):
             self.stdout, self.returncode, self.stderr = out, rc, err
 
-    monkeypatch.setattr(devices_module.subprocess, "run", lambda *a, **k: Run("OK\n"))
-    assert devices_module._peer_copies_correct() == (True, "")
-    monkeypatch.setattr(devices_module.subprocess, "run", lambda *a, **k: Run("BAD 0->1\n"))
-    assert devices_module._peer_copies_correct() == (False, "peer copies arrived wrong (0->1)")
+    def child(*args, **kwargs):
+        return lambda *a, **k: Run(*args, **kwargs)
+
+    check = devices_module._peer_copies_correct
+    monkeypatch.setattr(devices_module.subprocess, "run", child("STARTED\nOK\n"))
+    assert check() == (True, "")
+    monkeypatch.setattr(devices_module.subprocess, "run", child("STARTED\nBAD 0->1\n"))
+    assert check() == (False, "peer copies arrived wrong (0->1)")
     monkeypatch.setattr(devices_module.subprocess, "run",
-                        lambda *a, **k: Run("", 1, "RuntimeError: CUDA error"))
-    ok, why = devices_module._peer_copies_correct()
-    assert not ok and "CUDA error" in why
+                        child("STARTED\n", -11, "Segmentation fault"))
+    ok, why = check()
+    assert ok is False and "crashed during the copies" in why and "Segmentation" in why
+    busy = ("CANNOT START AcceleratorError: CUDA error: CUDA-capable device(s) is/are busy "
+            "or unavailable\n")
+    monkeypatch.setattr(devices_module.subprocess, "run", child(busy))
+    ok, why = check()
+    assert ok is None and "could not prepare its GPUs" in why and "busy" in why
+    monkeypatch.setattr(devices_module.subprocess, "run",
+                        child("", 1, "RuntimeError: CUDA driver initialization failed"))
+    ok, why = check()
+    assert ok is None and "before its first copy" in why and "initialization" in why
 
-    def hang(*a, **k):
-        raise devices_module.subprocess.TimeoutExpired("python", 1)
+    def hang(output):
+        def run(*a, **k):
+            raise devices_module.subprocess.TimeoutExpired("python", 1, output=output)
+        return run
 
-    monkeypatch.setattr(devices_module.subprocess, "run", hang)
-    ok, why = devices_module._peer_copies_correct(timeout_s=1)
-    assert not ok and "did not finish" in why
+    monkeypatch.setattr(devices_module.subprocess, "run", hang(b"STARTED\n"))
+    ok, why = check(timeout_s=1)
+    assert ok is False and "did not finish" in why
+    monkeypatch.setattr(devices_module.subprocess, "run", hang(None))
+    ok, why = check(timeout_s=1)
+    assert ok is None and "did not get to its first copy" in why
+
+
+def test_p2p_copy_check_runs(monkeypatch):
+    # The real child, shown no GPU (it inherits this variable): it starts, has no pair
+    # to copy between, and says OK.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert devices_module._peer_copies_correct() == (True, "")
 
 
 def test_launcher_rank_environment_applies_the_decision(monkeypatch):

@@ -432,13 +432,13 @@ def test_a_rank_that_aborts_soon_after_its_last_step_is_the_culprit_not_a_watchd
 def test_one_gpu_per_rank_bound_from_outside_is_warned_about_and_usable_with_nccl(monkeypatch):
     monkeypatch.setattr(distributed, "num_gpus", lambda: 1)
     monkeypatch.setattr(distributed.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # rank 3 of the machine, bound to GPU 3
     with pytest.warns(UserWarning, match=r"sees 1 GPU .* runs 4 ranks.*pass backend='nccl'"):
         assert distributed.choose_backend(4) == "gloo"
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # rank 3 of the machine, bound to GPU 3
     assert distributed._rank_device("nccl", 3) == torch.device("cuda", 0) and chosen == [0]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # not bound: a real shortage of GPUs
     with pytest.raises(RuntimeError, match="needs one GPU per process"):

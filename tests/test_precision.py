@@ -1016,3 +1016,33 @@ def test_has_fp32_precision_api_reads_what_this_torch_offers(monkeypatch):
 
     monkeypatch.setattr(torch.backends.cuda, "matmul", OldMatmul())
     assert P.has_fp32_precision_api() is False
+
+
+# --- a sweep row beside the plain loop (chapter 6), with rows shaped like a GPU's -----------
+
+
+def test_sweep_row_against_loop_on_a_row_that_ran():
+    row = P.SweepRow("bf16", 32, 0.01, None, 2.25, 5, "ok")
+    assert P.sweep_row_against_loop(row, 2.25) == (
+        "steps: 5 | the package's last loss equals the plain loop's: True")
+    assert P.sweep_row_against_loop(row, 2.5).endswith(": False")
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0), (6, 0)])  # T4, V100, P100
+def test_sweep_row_against_loop_says_why_a_mode_did_not_run(capability):
+    # The row precision_sweep makes for bf16 on such a GPU: no numbers, the reason as status.
+    reason = P.mode_unavailable_reason("bf16", "cuda:0", capability=capability)
+    row = P.SweepRow("bf16", 32, None, None, None, 0, reason)
+    line = P.sweep_row_against_loop(row, 2.25)
+    assert line == (f"the sweep did not run bf16 at batch 32: needs compute capability 8.0 (this "
+                    f"GPU: {capability[0]}.{capability[1]}); no loss to compare with the plain "
+                    "loop's")
+    out_of_memory = P.SweepRow("fp16", 4096, None, None, None, 0, "OOM")
+    assert "did not run fp16 at batch 4096: OOM" in P.sweep_row_against_loop(out_of_memory, 2.25)
+
+
+def test_sweep_row_against_loop_names_bad_input():
+    with pytest.raises(TypeError, match="SweepRow"):
+        P.sweep_row_against_loop([P.SweepRow("bf16", 32, 0.01, None, 2.25, 5, "ok")], 2.25)
+    with pytest.raises(TypeError, match="loop_loss"):
+        P.sweep_row_against_loop(P.SweepRow("bf16", 32, 0.01, None, 2.25, 5, "ok"), None)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import d2lgpu
-from d2lgpu import chips, report
+from d2lgpu import chips, devices, report
 from d2lgpu.__main__ import main
 from d2lgpu.report import (
     CudaDiagnosis,
@@ -295,6 +295,40 @@ def test_read_nvml_reads_the_other_gpus_when_one_fails(monkeypatch):
     full_report = dataclasses.replace(_report_with(_fake_gpu((8, 0), False)), nvml=view)
     text = d2lgpu.format_report(full_report)
     assert "GPU is lost" in text and "Insufficient Permissions" in text
+
+
+@pytest.mark.parametrize("refusal", ["NVMLError_NotSupported", "NVMLError_NoPermission"])
+def test_nvml_readings_it_refuses_show_as_na_and_never_crash_the_report(monkeypatch, refusal):
+    # A GPU (or a container) where NVML refuses every reading, and whose shutdown fails
+    # too (NVML already shut down by another library): the report shows "n/a".
+    fake = _fake_pynvml()
+    error = getattr(fake, refusal)
+
+    def refuse(*args):
+        raise error(refusal)
+
+    for query in ("nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetMemoryInfo",
+                  "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetPowerUsage",
+                  "nvmlDeviceGetEnforcedPowerLimit", "nvmlDeviceGetTemperature",
+                  "nvmlShutdown"):
+        setattr(fake, query, refuse)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    view = d2lgpu.read_nvml()
+    assert view.error is None and view.driver_version == "550.54"
+    (gpu,) = view.gpus
+    assert gpu.memory_free_bytes is None and gpu.power_watts is None
+    line = report.format_nvml_view(view).splitlines()[1]
+    assert line == ("nvml:0 ?: utilisation n/a, memory n/a, temperature n/a, power n/a")
+    assert (gpu.error is None) == (refusal == "NVMLError_NotSupported")
+    # The environment report asks NVML for free memory: unknown, and no crash either.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: _fake_props("T4", 7, 5))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+    monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
+    text = d2lgpu.format_report(d2lgpu.environment_report())
+    assert "memory: free unknown" in text and "utilisation n/a" in text
 
 
 def test_read_nvml_explains_a_missing_driver(monkeypatch):
@@ -592,33 +626,83 @@ def _fake_props(name: str, major: int, minor: int, **extra):
                                  total_memory=16 * 10**9, uuid=f"uuid-{name}", **extra)
 
 
-def _two_fake_gpus(monkeypatch, props, mem_get_info):
+def _two_fake_gpus(monkeypatch, props, nvml=None, bf16=lambda *a, **k: True):
+    """Two GPUs with properties ``props(i)``; NVML's view ``nvml`` (by default, none).
+    Creating a CUDA context (``mem_get_info``) fails the test: the report reads without."""
+    def mem_get_info(*args, **kwargs):
+        raise AssertionError("environment_report created a CUDA context to read free memory")
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16)
     monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
     monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
+    monkeypatch.setattr(report, "read_nvml",
+                        lambda: nvml or NvmlView(None, (), "NVML cannot start: faked"))
+
+
+def _nvml_reading(index, uuid, used_gib, total_gib=16):
+    return report.NvmlGpuReading(index, f"nvml{index}", uuid, 10, used_gib * 2**30,
+                                 total_gib * 2**30, 40, 50.0, 70.0,
+                                 memory_free_bytes=(total_gib - used_gib) * 2**30)
+
+
+def test_environment_report_reads_free_memory_from_nvml_without_a_cuda_context(monkeypatch):
+    # NVML lists the GPUs in its own order, with the GPU- prefix; torch's UUIDs match them.
+    nvml = NvmlView("580.1", (_nvml_reading(0, "GPU-uuid-GPU1", 4),
+                              _nvml_reading(1, "GPU-uuid-GPU0", 1)), None)
+    asked_bf16 = []
+
+    def bf16(*args, **kwargs):
+        asked_bf16.append(True)  # torch creates a bf16 tensor, and a context, to answer
+        return True
+
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0), nvml, bf16)
+    first, second = d2lgpu.environment_report().gpus
+    assert first.free_memory_bytes == 15 * 2**30 and first.total_memory_bytes == 16 * 2**30
+    assert second.free_memory_bytes == 12 * 2**30
+    assert first.torch_says_bf16 and not asked_bf16  # from 8.0 on, from the properties
+    assert first.error is None and second.error is None
+
+
+def test_environment_report_without_nvml_knows_the_total_but_not_the_free_memory(monkeypatch):
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0))
+    gpu = d2lgpu.environment_report().gpus[0]
+    assert gpu.free_memory_bytes is None and gpu.total_memory_bytes == 16 * 10**9
+    assert "memory: free unknown, 14.90 GiB in all" in d2lgpu.format_report(
+        d2lgpu.environment_report())
 
 
 def test_environment_report_reports_a_busy_gpu_and_reads_the_other(monkeypatch):
-    def mem_get_info(i):
-        if i == 1:  # what CUDA says for a GPU that another process holds exclusively
-            raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
-        return (15 * 2**30, 16 * 2**30)
+    # Below 8.0 torch answers is_bf16_supported with a tensor on the GPU; a GPU that
+    # another process holds in exclusive mode fails there.
+    current = []
 
-    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0), mem_get_info)
+    def device(i):
+        current[:] = [i]
+        return contextlib.nullcontext()
+
+    def bf16(*args, **kwargs):
+        if current == [1]:
+            raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
+        return True
+
+    nvml = NvmlView("580.1", (_nvml_reading(0, "GPU-uuid-GPU0", 1),
+                              _nvml_reading(1, "GPU-uuid-GPU1", 2)), None)
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 7, 5), nvml, bf16)
+    monkeypatch.setattr(torch.cuda, "device", device)
     env = d2lgpu.environment_report()
     ok, busy = env.gpus
     assert ok.error is None and ok.free_memory_bytes == 15 * 2**30 and ok.torch_says_bf16
-    assert busy.name == "GPU1" and busy.free_memory_bytes is None
-    assert busy.total_memory_bytes == 16 * 10**9  # from the properties instead
-    assert busy.error.startswith("memory: RuntimeError: CUDA error: CUDA-capable device")
+    assert busy.name == "GPU1" and busy.torch_says_bf16 is None
+    assert busy.free_memory_bytes == 14 * 2**30  # NVML reads it all the same
+    assert busy.error.startswith("is_bf16_supported: RuntimeError: CUDA error: CUDA-capable")
     text = d2lgpu.format_report(env)
     assert "cuda:0  GPU0" in text and "15.00 GiB free of 16.00 GiB" in text
-    assert "cuda:1  GPU1" in text and "memory: free unknown" in text
-    assert "failed: memory: RuntimeError" in text and "nvidia-smi" in text
+    assert "cuda:1  GPU1" in text and "failed: is_bf16_supported: RuntimeError" in text
+    assert "nvidia-smi" in text
 
 
 def test_environment_report_reports_a_lost_gpu_and_reads_the_other(monkeypatch):
@@ -627,7 +711,7 @@ def test_environment_report_reports_a_lost_gpu_and_reads_the_other(monkeypatch):
             raise RuntimeError("CUDA error: unspecified launch failure")
         return _fake_props("GPU1", 7, 5)
 
-    _two_fake_gpus(monkeypatch, props, lambda i: (1 * 2**30, 16 * 2**30))
+    _two_fake_gpus(monkeypatch, props)
     env = d2lgpu.environment_report()
     lost, ok = env.gpus
     assert lost.name == "?" and lost.error.startswith("properties: RuntimeError")
@@ -756,7 +840,7 @@ def test_driver_cuda_version_from_nvml_and_from_torchs_error(monkeypatch):
 
 
 def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
-    monkeypatch.setattr(report, "num_gpus", lambda: 0)
+    monkeypatch.setattr(report, "_gpus_torch_lists", lambda: 0)
     monkeypatch.setattr(report.torch.version, "cuda", "13.0")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     view = report.NvmlView("550.54", (), None, "12.4")
@@ -774,30 +858,82 @@ def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
     ((7, 0), ["sm_50", "sm_60", "sm_70", "sm_75"], True),  # a CUDA 12 build
 ])
 def test_build_runs_on_follows_cudas_compatibility_rules(capability, archs, runs):
-    assert chips.build_runs_on(capability, archs) is runs
+    assert devices.build_runs_on(capability, archs) is runs
 
 
 def test_diagnose_cuda_reports_a_gpu_missing_from_the_arch_list(monkeypatch):
     v100 = d2lgpu.diagnose_cuda(cuda_build="13.0", visible_devices_env=None, driver_found=True,
                                 device_count=2, gpu_capabilities=[(7, 5), (7, 0)],
                                 arch_list=_CU13_ARCHS)
-    assert v100.usable and v100.cause == "arch_missing" and len(v100.problems) == 1
+    # One GPU without kernels makes CUDA unusable for the course, as cuda_usable() decides.
+    assert not v100.usable and v100.cause == "arch_missing" and len(v100.problems) == 1
     text = str(v100)
+    assert text.startswith("CUDA is NOT usable: it lists 2 GPU(s)")
     assert "cuda:1" in text and "sm_70" in text and "CUDA 13 dropped" in text
-    assert "whl/cu126" in text
+    assert "whl/cu126" in text and "CUDA_VISIBLE_DEVICES" in text
     fine = d2lgpu.diagnose_cuda(cuda_build="13.0", visible_devices_env=None, driver_found=True,
                                 device_count=1, gpu_capabilities=[(9, 0)], arch_list=_CU13_ARCHS)
-    assert fine.cause == "ok"
+    assert fine.usable and fine.cause == "ok"
     # diagnose_this_machine reads the capabilities and the arch list from torch.cuda.
-    monkeypatch.setattr(report, "num_gpus", lambda: 1)
-    monkeypatch.setattr(report.torch.cuda, "get_device_capability", lambda i: (7, 0))
-    monkeypatch.setattr(report.torch.cuda, "get_arch_list", lambda: list(_CU13_ARCHS))
-    monkeypatch.setattr(report.torch.version, "cuda", "13.0")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    _fake_gpus_with_kernels(monkeypatch, [(7, 0)], _CU13_ARCHS)
     view = report.NvmlView("580.1", (), None, "13.0")
     assert d2lgpu.diagnose_this_machine(view).cause == "arch_missing"
 
 
-def test_t4_datasheet_names_its_l2_cache():
-    assert chips.GPU_DATASHEETS["T4"]["L2 cache"] == "4 MB"
-    assert "-" not in report.gpu_in_numbers(None).split("L2 cache")[1].splitlines()[0]
+def test_the_fix_for_a_gpu_below_sm_75_is_a_cu126_wheel_not_any_cuda_12_build():
+    # torch 2.15 publishes cu126 and CUDA 13 wheels; only cu126 carries sm_50 to sm_70.
+    p100 = d2lgpu.diagnose_cuda(cuda_build="12.8", visible_devices_env=None, driver_found=True,
+                                device_count=1, gpu_capabilities=[(6, 0)],
+                                arch_list=["sm_75", "sm_80", "sm_86", "sm_90", "sm_100"])
+    (problem,) = p100.problems
+    assert "whl/cu126" in problem.fix and "not just any CUDA 12 build" in problem.fix
+    assert "CUDA 13 dropped" not in problem.why  # a CUDA 12.8 build: not CUDA 13's doing
+    rtx = d2lgpu.diagnose_cuda(cuda_build="12.6", visible_devices_env=None, driver_found=True,
+                               device_count=1, gpu_capabilities=[(12, 0)],
+                               arch_list=["sm_50", "sm_60", "sm_70", "sm_80", "sm_90"])
+    assert "cu126" not in rtx.problems[0].fix and "newer CUDA" in rtx.problems[0].fix
+
+
+def _fake_gpus_with_kernels(monkeypatch, capabilities, arch_list, cuda_build="13.0"):
+    """torch as a CUDA ``cuda_build`` build for ``arch_list``, listing GPUs of ``capabilities``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capabilities[i])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"GPU{i}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=0: _fake_props(f"GPU{i}", *capabilities[i]))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+    monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
+    monkeypatch.setattr(report, "read_nvml", lambda: NvmlView("580.1", (), None, "13.0"))
+    monkeypatch.setattr(report, "nccl_version", lambda: None)
+    monkeypatch.setattr(report, "_cudnn_version", lambda: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_p100_without_kernels_falls_back_to_the_cpu_and_the_report_says_why(monkeypatch, capsys):
+    _fake_gpus_with_kernels(monkeypatch, [(6, 0)], _CU13_ARCHS)
+    assert d2lgpu.workload() == "cpu" and d2lgpu.try_gpu() == torch.device("cpu")
+    env = d2lgpu.environment_report()
+    assert [gpu.name for gpu in env.gpus] == ["GPU0"]  # listed, though not usable
+    assert not env.diagnosis.usable and env.diagnosis.cause == "arch_missing"
+    text = d2lgpu.format_report(env)
+    assert "cuda:0 has compute capability 6.0 (sm_60)" in text
+    assert "course runs on the CPU" in text and "whl/cu126" in text
+    summary = d2lgpu.setup_summary()
+    assert "CUDA lists 1 GPU(s), but this torch cannot use them: everything runs on the CPU, in " \
+        "CPU mode; this torch has no kernels for a GPU here." in summary
+    assert main(["info", "--require-gpu"]) == 1
+    assert "CUDA is NOT usable: it lists 1 GPU(s)" in capsys.readouterr().out
+
+
+def test_a_t4_with_kernels_is_usable_and_require_gpu_passes(monkeypatch, capsys):
+    _fake_gpus_with_kernels(monkeypatch, [(7, 5)], _CU13_ARCHS)
+    env = d2lgpu.environment_report()
+    assert env.diagnosis.usable and env.diagnosis.cause == "ok"
+    assert d2lgpu.workload() == "full" and d2lgpu.try_gpu() == torch.device("cuda", 0)
+    assert main(["info", "--require-gpu"]) == 0
