@@ -439,12 +439,12 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter(6, "precision sweeps: an MLP of width 4096 and ResNet-18 at 96x96", (
         # Every mode of d2lgpu.PRECISION_MODES; a T4 (compute capability 7.5) skips tf32
         # and bf16 (mode_unavailable_reason). "fp32" is strict: TF32 off in matmuls and cuDNN.
-        *(Train(f"MLP sweep, {mode}, batch {b}: 5 x (3 + 10) steps", "sweep_mlp 4096x8",
-                (1, 28, 28), b, b, runs=65, precision=mode, kind="gemm", check_memory=True,
+        *(Train(f"MLP sweep, {mode}, batch {b}: 3 x (2 + 5) steps", "sweep_mlp 4096x8",
+                (1, 28, 28), b, b, runs=21, precision=mode, kind="gemm", check_memory=True,
                 skip_on=SKIPPED_ON[mode])
           for mode in SWEEP_MODES for b in (256, 1024, 4096, 16384, 65536)),
-        *(Train(f"ResNet-18 sweep, {mode}, batch {b}: 5 x (3 + 10) steps", "resnet18",
-                (1, 96, 96), b, b, runs=65, precision=mode, check_memory=True,
+        *(Train(f"ResNet-18 sweep, {mode}, batch {b}: 3 x (2 + 5) steps", "resnet18",
+                (1, 96, 96), b, b, runs=21, precision=mode, check_memory=True,
                 skip_on=SKIPPED_ON[mode])
           for mode in SWEEP_MODES for b in (32, 128, 512, 1024, 2048)),
         # estimate_sweep_seconds probes each mode at its largest fitting and its smallest
