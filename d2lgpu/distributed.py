@@ -1720,30 +1720,56 @@ def run_together(
     ]
 
 
-# --- DataParallel against DDP, counted: the bytes through the busiest GPU of one step ----
+# --- DataParallel against DDP, counted: the bytes over the busiest GPU's link in one step ---
 
 
 def busiest_gpu_bytes(
-    param_bytes: int, world_size: int, input_bytes: int = 0, output_bytes: int = 0
+    param_bytes: int,
+    world_size: int,
+    input_bytes: int = 0,
+    output_bytes: int = 0,
+    buffer_bytes: int = 0,
 ) -> dict[str, float]:
-    """Bytes in and out of the busiest GPU in one training step, for both wrappers.
+    """The fewest bytes the busiest GPU's link carries in one training step, for both wrappers.
 
-    ``DataParallel``: GPU 0 sends a copy of every parameter to the other ``N - 1`` GPUs
-    (replicate), scatters ``(N - 1)/N`` of the input batch, gathers ``(N - 1)/N`` of the
-    outputs, and receives every other GPU's gradients (their sum is made on GPU 0).
-    ``DDP``: every rank loads its own share of the batch and sends and receives
-    ``2 (N - 1)/N`` of the gradient bytes in the ring all-reduce; no rank is busier.
+    Counted are the bytes that must cross one GPU's link, one phase after another, when
+    every collective runs as fast as its link allows. Divided by the link's bandwidth (one
+    direction) they give the least time the step's communication takes, by the bounds in
+    NVIDIA's nccl-tests (``doc/PERFORMANCE.md``): a broadcast must send all ``S`` bytes out
+    of its root and a reduce must bring ``S`` bytes into its root, ``t >= S/B`` each; an
+    all-reduce over ``N`` ranks needs ``t >= 2 (N - 1)/N * S/B`` on every rank.
+
+    ``DataParallel`` (``torch/nn/parallel/data_parallel.py``; the batch starts on GPU 0):
+    everything passes GPU 0. Per step it scatters ``(N - 1)/N`` of the input out, broadcasts
+    the parameters and buffers to the replicas (``replicate`` -> ``comm.broadcast_coalesced``,
+    an NCCL broadcast), gathers ``(N - 1)/N`` of the outputs in and sends their gradient back
+    out (``Gather`` and its backward), and reduces the replicas' gradients into GPU 0
+    (``Broadcast``'s backward -> ``comm.reduce_add_coalesced``, an NCCL reduce)::
+
+        2 * param_bytes + buffer_bytes + (N - 1)/N * (input_bytes + 2 * output_bytes)
+
+    ``DDP`` (``torch/nn/parallel/distributed.py``): each rank loads its own share of the
+    batch; the gradients are all-reduced, and rank 0's buffers are broadcast before every
+    forward (``forward_sync_buffers``, formerly ``broadcast_buffers``, True by default)::
+
+        2 (N - 1)/N * param_bytes + buffer_bytes
+
+    The parameter terms differ by a factor ``N/(N - 1)`` (2 on two GPUs, 8/7 on eight): what
+    makes DataParallel slower is less the bytes than when and how they move (chapters 4 and
+    5). One device moves nothing.
     """
     check_positive_int("world_size", world_size)
     for name, value in (("param_bytes", param_bytes), ("input_bytes", input_bytes),
-                        ("output_bytes", output_bytes)):
+                        ("output_bytes", output_bytes), ("buffer_bytes", buffer_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a whole number of bytes, 0 or more, got {value!r}")
     n = world_size
+    if n == 1:  # DataParallel on one device calls the module; DDP has no peer
+        return {"DataParallel": 0, "DDP": 0}
     share = (n - 1) / n
     return {
-        "DataParallel": 2 * (n - 1) * param_bytes + share * (input_bytes + output_bytes),
-        "DDP": 2 * 2 * share * param_bytes,  # sent plus received
+        "DataParallel": 2 * param_bytes + buffer_bytes + share * (input_bytes + 2 * output_bytes),
+        "DDP": 2 * share * param_bytes + buffer_bytes,
     }
 
 
@@ -1758,7 +1784,8 @@ def _larger_by(first: float, second: float, margin: float) -> str | None:
 
 
 def dp_or_ddp_traffic_verdict(dp_bytes: float, ddp_bytes: float, margin: float = 1.2) -> str:
-    """Which wrapper moves fewer bytes through its busiest GPU, from the two counts.
+    """Which wrapper moves fewer bytes over its busiest GPU's link, from the two counts
+    (:func:`busiest_gpu_bytes`).
 
     A count has no noise; ``margin`` only keeps a near tie from being called a win.
     """

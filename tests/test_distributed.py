@@ -281,13 +281,23 @@ def test_torchrun_on_two_nodes_trains_one_job_that_only_global_rank_0_reports(tm
 def test_busiest_gpu_bytes_counts_both_wrappers():
     from d2lgpu.distributed import busiest_gpu_bytes
 
-    counts = busiest_gpu_bytes(1000, 4, input_bytes=400, output_bytes=40)
-    assert counts["DataParallel"] == 2 * 3 * 1000 + 0.75 * 440
-    assert counts["DDP"] == 4 * 0.75 * 1000
-    one = busiest_gpu_bytes(1000, 1)
+    counts = busiest_gpu_bytes(1000, 4, input_bytes=400, output_bytes=40, buffer_bytes=8)
+    # DataParallel, all through GPU 0: broadcast of parameters and buffers, reduce of the
+    # gradients, 3/4 of the input scattered out, 3/4 of the outputs gathered in and their
+    # gradient scattered back.
+    assert counts["DataParallel"] == 1000 + 8 + 1000 + 0.75 * (400 + 2 * 40)
+    # DDP: the ring all-reduce's 2(N - 1)/N of the gradients, and rank 0's buffers.
+    assert counts["DDP"] == 2 * 0.75 * 1000 + 8
+    # The parameter terms alone differ by N/(N - 1), whatever the model.
+    for n in (2, 4, 8):
+        alone = busiest_gpu_bytes(1000, n)
+        assert alone["DataParallel"] / alone["DDP"] == pytest.approx(n / (n - 1))
+    one = busiest_gpu_bytes(1000, 1, input_bytes=400, output_bytes=40, buffer_bytes=8)
     assert one == {"DataParallel": 0, "DDP": 0}
     with pytest.raises(ValueError, match="whole number"):
         busiest_gpu_bytes(-1, 2)
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        busiest_gpu_bytes(1000, 2, buffer_bytes=1.5)
 
 
 def test_traffic_verdict_on_both_sides_of_its_margin():
