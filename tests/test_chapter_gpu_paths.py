@@ -1,0 +1,44 @@
+"""Static checks of chapter code that only runs on GPUs (CI has none): the scripts chapter 5
+writes with %%writefile, read as Python and checked for what their GPU branches must do."""
+
+import ast
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _written_script(notebook: str, name: str) -> str:
+    nb = json.loads((ROOT / "notebooks" / notebook).read_text(encoding="utf-8"))
+    for cell in nb["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith(f"%%writefile {name}\n"):
+            return source.split("\n", 1)[1]
+    raise AssertionError(f"{notebook} writes no {name}")
+
+
+def _function(script: str, name: str) -> ast.FunctionDef:
+    for node in ast.walk(ast.parse(script)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"no function {name}")
+
+
+def test_the_lesson_script_trains_in_strict_fp32_on_gpus_like_the_package():
+    # train_ddp(precision="fp32") turns TF32 off; cuDNN's convolutions default to TF32 from
+    # Ampere on, so the script must too, or "lesson script = package" is False on a GPU.
+    script = _written_script("05_distributed_data_parallel.ipynb", "ddp_script.py")
+    body = ast.unparse(_function(script, "train"))
+    gpu_branch = body[body.index("if use_gpu:"):body.index("dist.init_process_group")]
+    assert "torch.backends.cudnn.conv.fp32_precision = 'ieee'" in gpu_branch
+
+
+def test_dataparallel_is_timed_on_ddps_gpus_while_the_other_ranks_wait_on_the_host():
+    script = _written_script("05_distributed_data_parallel.ipynb", "ddp_details.py")
+    body = ast.unparse(_function(script, "dp_against_ddp"))
+    # Without device_ids DataParallel spreads over every visible GPU, DDP over `world`.
+    assert "nn.DataParallel(" in body and "device_ids=list(range(world))" in body
+    # After rank 0's timing, the others wait in a gloo barrier, not an NCCL kernel.
+    assert "new_group(backend='gloo')" in body
+    last_barrier = body.rindex("dist.barrier(")
+    assert body[last_barrier:].startswith("dist.barrier(group=host_group)")
