@@ -23,7 +23,7 @@
 #
 # REHEARSE=1 runs the same plumbing on a machine without CUDA, in seconds: the GPU tests
 # are collected and skipped, one chapter runs in smoke mode, and P1-P3 run their quick
-# sizes on the CPU (P3 its MLP only). Its figures mean nothing; tests/test_first_gpu_run.py
+# sizes on the CPU (P1 one epoch, P3 its MLP only). Its figures mean nothing; tests/test_first_gpu_run.py
 # runs it in CI.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 unset D2LGPU_QUICK D2LGPU_FULL D2LGPU_SMOKE
 
 if [ "$REHEARSE" = 1 ]; then
-    quick=--quick workers=2 p3_models="--models mlp"
+    quick=--quick workers=2 p1_epochs="--epochs 1" p3_models="--models mlp"
     lanes=("notebooks/01_cuda_checks.ipynb")
 else
     if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -42,7 +42,7 @@ else
              "the plumbing on a CPU" >&2
         exit 1
     fi
-    quick= workers=8 p3_models=
+    quick= workers=8 p1_epochs= p3_models=
     # Four lanes of chapters and their solutions, the slowest (compile) alone.
     s=notebooks/solutions
     lanes=(
@@ -103,7 +103,7 @@ run_step info 30 info.txt bash -c "$info"
 run_step gpu-tests 60 gpu-tests.txt python3 -m pytest -p no:cacheprovider -n 0 -q -rfE \
     -m "gpu or multigpu" tests
 smoke 130
-run_step P1 90 p1.txt python3 benchmarks/train_speed.py $quick --loops d2l-style fast --workers $workers
+run_step P1 90 p1.txt python3 benchmarks/train_speed.py $quick --loops d2l-style fast --workers $workers $p1_epochs
 run_step P2 35 p2.txt python3 benchmarks/elementwise_bandwidth.py $quick --no-cpu
 run_step P3 60 p3.txt python3 benchmarks/amp_sweep.py $quick $p3_models --largest --modes fp32 bf16
 
