@@ -163,7 +163,9 @@ def training_flops_per_example(
 #: (bf16, or fp16 on GPUs without native bf16: T4, V100) from NVIDIA's data sheets,
 #: keyed by (model, form factor) as :func:`_model_and_form_factor` reads them from
 #: ``torch.cuda.get_device_name()``; form factor None: the name carries none (the H100
-#: SXM reports itself as "NVIDIA H100 80GB HBM3", the H200 SXM as "NVIDIA H200").
+#: SXM reports itself as "NVIDIA H100 80GB HBM3", the H200 SXM as "NVIDIA H200"). A
+#: GeForce card's model is its whole name after "GeForce" ("rtx 4090"), since the words
+#: after the number name other chips ("RTX 4090 D", "RTX 4090 Laptop GPU").
 #: Each value is (peak, SMs of the full GPU); the SM count is given for the GPUs that
 #: MIG can split, to scale the peak of a slice (None: not splittable).
 PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
@@ -189,6 +191,14 @@ PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
     ("l40", None): (181.0, None),  # "NVIDIA L40" datasheet: BF16 181.05 (362.1 sparse)
     ("l4", None): (121.0, None),  # "NVIDIA L4 Tensor Core GPU" datasheet: BF16 242 sparse
     ("t4", None): (65.0, None),  # "NVIDIA T4" datasheet: mixed precision (FP16/FP32) 65
+    # "NVIDIA ADA GPU ARCHITECTURE" whitepaper, Appendix A, GeForce RTX 4090 column:
+    # Peak FP16 Tensor TFLOPS with FP32 Accumulate 165.2/330.4 and Peak BF16 Tensor
+    # TFLOPS with FP32 Accumulate 165.2/330.4 (footnote: the second number uses the
+    # sparsity feature). Autocast's matmuls accumulate in FP32, so this is their peak;
+    # the column's Peak FP16 Tensor TFLOPS with FP16 Accumulate, 330.3, is a rate they do
+    # not use. The same column gives Peak FP32 TFLOPS (non-Tensor) 82.6, half the bf16
+    # peak. A GeForce card has no MIG: no SM count.
+    ("rtx 4090", None): (165.2, None),
     # "NVIDIA V100 Tensor Core GPU" datasheet, Tensor Performance (fp16): 125 (SXM2),
     # 112 (PCIe), 130 (V100S PCIe). Volta has no sparsity, so these are dense.
     # A V100 (sm_70) needs a cu126 wheel: CUDA 13 builds carry no sm_70 kernels (see
@@ -203,12 +213,16 @@ _FORM_FACTORS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
 
 def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
     """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the whole model word after the brand,
-    and the first form-factor word. Whole words, so "RTX A1000" is not an A100."""
+    and the first form-factor word. Whole words, so "RTX A1000" is not an A100. A GeForce
+    card is its whole name after "GeForce": ("rtx 4090", None) for "NVIDIA GeForce RTX
+    4090", and "RTX 4090 D" (fewer SMs) or "RTX 4090 Laptop GPU" (another chip) is not it."""
     words = name.lower().replace("-", " ").replace("_", " ").split()
     while words and words[0] in ("nvidia", "tesla"):
         words = words[1:]
     if not words:
         return None
+    if words[0] == "geforce":
+        return (" ".join(words[1:]), None) if words[1:] else None
     form_factor = next((w for w in words[1:] if w in _FORM_FACTORS), None)
     return words[0], form_factor
 

@@ -51,7 +51,7 @@ from d2lgpu.config import (
     small_data,
     smoke_mode,
 )
-from d2lgpu.devices import require_cuda_device, try_gpu
+from d2lgpu.devices import num_gpus, require_cuda_device, try_gpu
 
 __all__ = [
     "FASHION_MNIST_FILES",
@@ -360,10 +360,12 @@ def default_num_workers(quick: bool | None = None) -> int:
     """DataLoader worker processes that suit this machine.
 
     Quick mode: 0 (a few hundred images load faster in-process than workers start).
-    With CUDA: 4 per GPU, at most 8 (small images decode fast; more workers only cost
-    memory and start-up time, and each loader keeps its own), so decoding keeps up
-    with the GPUs. CPU only: the model already uses every core, so 2 workers, and 0
-    on a machine with 2 cores or fewer. Never more than the cores this process may use.
+    With usable GPUs (:func:`d2lgpu.num_gpus`): 4 per GPU, at most 8 (small images
+    decode fast; more workers only cost memory and start-up time, and each loader keeps
+    its own), so decoding keeps up with the GPUs. CPU only, which includes GPUs this
+    torch build has no kernels for (a P100 under a CUDA 13 wheel): the model already
+    uses every core, so 2 workers, and 0 on a machine with 2 cores or fewer. Never more
+    than the cores this process may use.
     """
     check_bool("quick", quick, none_means="follow D2LGPU_QUICK")
     # Not small_data(): smoke mode keeps full mode's worker processes, to run their code.
@@ -371,9 +373,16 @@ def default_num_workers(quick: bool | None = None) -> int:
     cores = _usable_cores()
     if quick:
         return 0
-    if torch.cuda.is_available():
-        return min(4 * max(1, torch.cuda.device_count()), 8, cores)
+    gpus = num_gpus()
+    if gpus:
+        return min(4 * gpus, 8, cores)
     return 0 if cores <= 2 else 2
+
+
+def _pin_memory() -> bool:
+    """Whether the loaders pin host memory: where the batches go to a GPU the course uses.
+    Without one (no CUDA, or GPUs without kernels in this build) pinning buys nothing."""
+    return num_gpus() > 0
 
 
 def load_data_fashion_mnist(
@@ -389,7 +398,7 @@ def load_data_fashion_mnist(
     ``resize`` scales images up (ResNet chapters in d2l use 96); ``quick=None`` follows
     :func:`d2lgpu.quick_mode`. The training loader shuffles with torch's global RNG,
     so :func:`d2lgpu.set_seed` makes its order reproducible. Memory is pinned only when
-    CUDA is available (pinning is useless and warns without it).
+    the course uses a GPU here (pinning is useless without one, and warns without CUDA).
     """
     from torchvision import transforms
 
@@ -428,7 +437,7 @@ def load_data_fashion_mnist(
     common = dict(
         batch_size=batch_size,
         num_workers=workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=_pin_memory(),
         # Workers that survive between epochs save their start-up time every epoch.
         persistent_workers=workers > 0,
     )

@@ -112,6 +112,7 @@ def _fake_gpu(monkeypatch, name: str, multiprocessors: int) -> None:
         ("NVIDIA L4", 58, 121.0), ("NVIDIA A10", 72, 125.0),
         ("Tesla V100-PCIE-16GB", 80, 112.0), ("Tesla V100-SXM2-16GB", 80, 125.0),
         ("Tesla V100-SXM2-32GB", 80, 125.0), ("Tesla V100S-PCIE-32GB", 80, 130.0),
+        ("NVIDIA GeForce RTX 4090", 128, 165.2),
     ],
 )
 def test_peak_table_matches_whole_model_names(monkeypatch, name, multiprocessors, peak):
@@ -126,7 +127,10 @@ def test_peak_table_matches_whole_model_names(monkeypatch, name, multiprocessors
         "NVIDIA T400",  # contains "T4"
         "NVIDIA L40G",  # an unknown variant of a known model
         "Tesla V100-FHHL-16GB",  # a V100 variant with its own clocks, not in the table
-        "NVIDIA GeForce RTX 4090", "Some Future GPU", "",
+        # Other chips whose names start like a known one's: a 4090 with fewer SMs, the
+        # laptop part (another die), and a GeForce card the table does not list.
+        "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 4090 Laptop GPU",
+        "NVIDIA GeForce RTX 4080", "NVIDIA GeForce", "Some Future GPU", "",
     ],
 )
 def test_unknown_gpus_have_no_peak(monkeypatch, name):

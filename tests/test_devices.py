@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from _fake_cuda import CU13_ARCHS, CU126_ARCHS, fake_cuda_gpus
 
 import d2lgpu
 from d2lgpu import devices as devices_module
@@ -184,21 +185,6 @@ def test_a_misspelt_device_gets_one_error_everywhere(call):
 
 
 # --- a GPU this torch build has no kernels for -----------------------------------------
-
-# torch 2.15's table of its release wheels (PYTORCH_RELEASES_CODE_CC in torch/cuda/__init__.py)
-CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
-CU13_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
-
-
-def fake_cuda_gpus(monkeypatch, capabilities, arch_list, cuda_build="13.0"):
-    """Pretend torch is a CUDA ``cuda_build`` build that lists GPUs of ``capabilities`` and
-    was compiled for ``arch_list``."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capabilities[i])
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
-    monkeypatch.setattr(torch.version, "cuda", cuda_build)
-
 
 def test_a_p100_under_a_build_without_sm_60_is_not_usable(monkeypatch):
     from d2lgpu import config
