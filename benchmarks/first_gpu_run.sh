@@ -21,8 +21,8 @@
 # The limits add up to 405 s. P1-P3 run after the smoke lanes so that nothing else
 # competes with their timings.
 #
-# REHEARSE=1 runs the same plumbing on a machine without CUDA, in seconds: the GPU tests
-# are collected and skipped, one chapter runs in smoke mode, and P1-P3 run their quick
+# REHEARSE=1 runs the same plumbing on a machine without CUDA, in seconds: one file's GPU
+# tests are collected and skipped, one notebook runs in smoke mode, and P1-P3 run their quick
 # sizes on the CPU (P1 one epoch, P3 its MLP only). Its figures mean nothing; tests/test_first_gpu_run.py
 # runs it in CI.
 set -uo pipefail
@@ -35,14 +35,15 @@ unset D2LGPU_QUICK D2LGPU_FULL D2LGPU_SMOKE
 
 if [ "$REHEARSE" = 1 ]; then
     quick=--quick workers=2 p1_epochs="--epochs 1" p3_models="--models mlp"
-    lanes=("notebooks/01_cuda_checks.ipynb")
+    gpu_tests=tests/test_devices.py  # collected and skipped like the rest: the plumbing
+    lanes=("notebooks/solutions/01_cuda_checks_solutions.ipynb")
 else
     if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "no usable CUDA GPU here (python3 -m d2lgpu info says why); REHEARSE=1 runs" \
              "the plumbing on a CPU" >&2
         exit 1
     fi
-    quick= workers=8 p1_epochs= p3_models=
+    quick= workers=8 p1_epochs= p3_models= gpu_tests=tests
     # Four lanes of chapters and their solutions, the slowest (compile) alone.
     s=notebooks/solutions
     lanes=(
@@ -101,7 +102,7 @@ smoke() {
 
 run_step info 30 info.txt bash -c "$info"
 run_step gpu-tests 60 gpu-tests.txt python3 -m pytest -p no:cacheprovider -n 0 -q -rfE \
-    -m "gpu or multigpu" tests
+    -m "gpu or multigpu" $gpu_tests
 smoke 130
 run_step P1 90 p1.txt python3 benchmarks/train_speed.py $quick --loops d2l-style fast --workers $workers $p1_epochs
 run_step P2 35 p2.txt python3 benchmarks/elementwise_bandwidth.py $quick --no-cpu

@@ -24,6 +24,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -293,16 +294,28 @@ def set_tf32(matmul: str, conv: str, rnn: str | None = None) -> None:
     with the new one, on every device (the check is in ATen's Context, not in CUDA code).
     ``rnn`` (cuDNN's RNNs) defaults to ``conv``: the legacy cuDNN flag needs the two equal."""
     # The legacy setters write the legacy value and the new one together, so they go first.
-    torch.set_float32_matmul_precision("high" if matmul == "tf32" else "highest")
-    torch.backends.cudnn.allow_tf32 = conv == "tf32"
+    with _quiet_legacy_api():
+        torch.set_float32_matmul_precision("high" if matmul == "tf32" else "highest")
+        torch.backends.cudnn.allow_tf32 = conv == "tf32"
     torch.backends.cuda.matmul.fp32_precision = matmul
     torch.backends.cudnn.conv.fp32_precision = conv
     torch.backends.cudnn.rnn.fp32_precision = conv if rnn is None else rnn
 
 
+@contextlib.contextmanager
+def _quiet_legacy_api() -> Iterator[None]:
+    """Torch 2.9 warns (once per process) that the legacy TF32 switches will be deprecated,
+    also where the package touches them only to keep them in agreement with the new ones:
+    a learner would see a warning about code they did not write."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use the new API settings")
+        yield
+
+
 def _legacy_or_none(read: Callable[[], object]) -> object:
     try:
-        return read()
+        with _quiet_legacy_api():
+            return read()
     except RuntimeError:  # the learner set only the new API: the legacy value is moot
         return None
 
