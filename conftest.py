@@ -12,7 +12,7 @@ from pathlib import Path
 # in it) must not be overridden by quick mode, which wins over it.
 if os.environ.get("D2LGPU_SMOKE", "").strip().lower() not in {"1", "true", "yes", "on"}:
     os.environ.setdefault("D2LGPU_QUICK", "1")
-# pytest runs in two worker processes (pyproject.toml's addopts), each starting kernels and
+# pytest runs in three worker processes (pyproject.toml's addopts), each starting kernels and
 # ranks of its own: with one OpenMP thread each they share the cores instead of
 # oversubscribing them (two workers with two threads each took 40 % more CPU time).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
