@@ -59,6 +59,7 @@ from d2lgpu.checks import (
     check_training_loss,
     find_non_finite_batch,
 )
+from d2lgpu.config import smoke_mode
 from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import as_device, resolve_devices, try_gpu
 from d2lgpu.estimate import training_estimate
@@ -232,6 +233,10 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
                 return "torch.compile on a GPU needs Triton (pip install triton)"
         elif not _has_cxx_compiler():
             return "torch.compile on a CPU needs a C++ compiler (g++ or clang++)"
+        elif smoke_mode():
+            # Smoke mode checks that full mode's code runs; inductor's C++ build of each
+            # graph would cost tens of seconds on a CPU and test no GPU path.
+            return "smoke mode on a CPU: inductor's C++ build takes tens of seconds"
     return None
 
 

@@ -694,3 +694,13 @@ def test_make_sgd_refuses_bad_arguments_by_name(kwargs, name):
 def test_compile_model_names_a_bad_device():
     with pytest.raises(ValueError, match="device"):
         d2lgpu.fast.compile_model(nn.Linear(2, 2), d2lgpu.fast.Techniques(), -1)
+
+
+def test_smoke_mode_leaves_compile_out_on_a_cpu_and_says_why(monkeypatch):
+    monkeypatch.delenv("D2LGPU_QUICK", raising=False)
+    monkeypatch.setenv("D2LGPU_SMOKE", "1")
+    monkeypatch.setattr(d2lgpu.training, "_has_cxx_compiler", lambda: True)
+    reason = d2lgpu.technique_skip_reason("compile", "cpu")
+    assert reason is not None and "smoke mode" in reason and len(reason) <= 64
+    monkeypatch.delenv("D2LGPU_SMOKE")
+    assert d2lgpu.technique_skip_reason("compile", "cpu") is None  # CPU mode compiles
