@@ -52,7 +52,7 @@ from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, 
 from d2lgpu.chips import peak_format
 from d2lgpu.config import small_data, smoke_mode, workload
 from d2lgpu.data import DeviceLoader
-from d2lgpu.devices import as_device, cuda_usable
+from d2lgpu.devices import as_device
 from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason
 from d2lgpu.precision import precision_policy, saved_activation_bytes
 from d2lgpu.timing import format_table, gbps, tflops, time_fn
@@ -1204,8 +1204,6 @@ class AblationSettings:
                 f"{self.num_epochs} epochs, lr {self.lr}{runs}")
 
 
-#: Why smoke mode on a CPU leaves torch.compile out of the ablation.
-SMOKE_COMPILE_SKIP = "smoke mode on a CPU: compiling ResNet-18 takes minutes"
 
 #: Why quick mode leaves torch.compile out of the ablation.
 QUICK_COMPILE_SKIP = "quick mode: compiling takes tens of seconds or more on a CPU"
@@ -1232,11 +1230,8 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
                         f"workload), got {type(chosen).__name__} {chosen!r}")
     chosen = workload() if chosen is None else chosen
     if chosen == "full" and smoke_mode():  # full mode's rows and model, four small batches
-        # On a CPU inductor takes minutes to compile ResNet-18's step: smoke mode there
-        # leaves the row out (CPU mode compiles its small CNN; a GPU's smoke run compiles).
-        # A GPU this build has no kernels for counts as none: the course runs on the CPU.
-        skip = {} if cuda_usable() else {"compile": SMOKE_COMPILE_SKIP}
-        return AblationSettings("resnet18", 8, 2, 0.1, 32, 16, skip, repeats=1)
+        # On a CPU, technique_skip_reason leaves the compile row out in smoke mode.
+        return AblationSettings("resnet18", 8, 2, 0.1, 32, 16, repeats=1)
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, 15_000, 10_000, repeats=2)
     if chosen == "cpu":
