@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from d2lgpu.checks import check_module, check_positive_float, check_positive_int, check_tensor
-from d2lgpu.precision import precision_policy, set_tf32
+from d2lgpu.precision import precision_policy, tf32_switches
 from d2lgpu.timing import format_table, time_fn
 
 __all__ = [
@@ -616,14 +616,12 @@ def _deterministic_cudnn(conv_tf32: bool) -> Iterator[None]:
     """
     cudnn = torch.backends.cudnn
     saved = (cudnn.enabled, cudnn.benchmark, cudnn.deterministic)
-    previous = (torch.backends.cuda.matmul.fp32_precision, cudnn.conv.fp32_precision,
-                cudnn.rnn.fp32_precision)
     cudnn.enabled, cudnn.benchmark, cudnn.deterministic = True, False, True
-    set_tf32(previous[0], "tf32" if conv_tf32 else "ieee")
+    conv = "tf32" if conv_tf32 else "ieee"
     try:
-        yield
+        with tf32_switches(torch.backends.cuda.matmul.fp32_precision, conv):
+            yield
     finally:
-        set_tf32(*previous)
         cudnn.enabled, cudnn.benchmark, cudnn.deterministic = saved
 
 

@@ -321,7 +321,26 @@ def _legacy_or_none(read: Callable[[], object]) -> object:
 
 
 @contextlib.contextmanager
-def tf32_matmuls(enabled: bool) -> Iterator[None]:
+def tf32_switches(matmul: str, conv: str) -> Iterator[None]:
+    """Set the TF32 switches to the new API's words (:func:`set_tf32`) while the body runs,
+    and put back what was there on exit, also if the body raises, with the legacy flags
+    agreeing with it: a learner's new-API-only setting is kept, and "medium" is kept too."""
+    words = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+             torch.backends.cudnn.rnn.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+    legacy = _legacy_or_none(torch.get_float32_matmul_precision)
+    set_tf32(matmul, conv)
+    try:
+        yield
+    finally:
+        set_tf32(*words[:3])
+        if legacy is not None and (legacy == "highest") == (words[0] != "tf32"):
+            with _quiet_legacy_api():
+                torch.set_float32_matmul_precision(legacy)  # "medium" and "high" both mean TF32
+            torch.backends.cuda.matmul.fp32_precision = words[0]
+        torch.backends.mkldnn.matmul.fp32_precision = words[3]
+
+
+def tf32_matmuls(enabled: bool) -> AbstractContextManager:
     """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit.
 
     TF32 keeps fp32's 8-bit exponent but rounds the mantissa to 10 bits inside
@@ -335,20 +354,8 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"tf32_matmuls(enabled) takes True or False, got {enabled!r}")
-    words = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
-             torch.backends.cudnn.rnn.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
-    legacy = (_legacy_or_none(torch.get_float32_matmul_precision),
-              _legacy_or_none(lambda: torch.backends.cudnn.allow_tf32))
     word = "tf32" if enabled else "ieee"
-    set_tf32(word, word)
-    try:
-        yield
-    finally:
-        set_tf32(*words[:3])
-        if legacy[0] is not None and (legacy[0] == "highest") == (words[0] != "tf32"):
-            torch.set_float32_matmul_precision(legacy[0])  # "medium" and "high" both mean TF32
-            torch.backends.cuda.matmul.fp32_precision = words[0]
-        torch.backends.mkldnn.matmul.fp32_precision = words[3]
+    return tf32_switches(word, word)
 
 
 # ---------------------------------------------------------------------------
