@@ -17,26 +17,20 @@ of their own.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 from numbers import Real
 from time import perf_counter
 
-from d2lgpu.checks import check_positive_float, check_positive_int
+from d2lgpu.checks import check_positive_int
 
 __all__ = [
-    "MAX_SPEED_FACTOR",
     "MIN_SECONDS_TO_ANNOUNCE",
-    "REFERENCE_CALIBRATION_SECONDS",
     "REFERENCE_MACHINE",
     "ChapterClock",
     "StepEstimate",
     "announce",
-    "calibration_seconds",
     "estimate_message",
     "format_duration",
-    "load_factor",
-    "speed_factor",
     "start_chapter",
     "training_estimate",
 ]
@@ -223,143 +217,8 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
 # The whole chapter, up front
 # --------------------------------------------------------------------------- #
 
-#: The machine the committed notebooks ran on, and that :class:`ChapterTimes` describe.
-REFERENCE_MACHINE = "a 2-core x86 cloud CPU without a GPU"
-
-#: Seconds the fastest of 40 calibration steps took on the reference machine, with one
-#: thread (measured there at load 4 and at load 18: 3.9 and 4.1 ms).
-REFERENCE_CALIBRATION_SECONDS = 0.0039
-
-#: The chapter clock never scales the reference times by more than this, either way.
-#: The chapters' CPU mode is sized for a laptop, and much of a chapter's time (imports,
-#: subprocesses, reading data) does not follow the CPU's speed; a reading further out
-#: says more about what else ran at that moment than about this CPU.
-MAX_SPEED_FACTOR = 2.0
-
-
-def _calibration_step() -> None:
-    import torch
-    from torch import nn
-
-    # A little of what the chapters do on a CPU: convolutions, a matmul, backward.
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
-                        nn.Linear(8 * 28 * 28, 10))
-    x = torch.randn(64, 1, 28, 28)
-    net(x).square().mean().backward()
-    a = torch.randn(256, 256)
-    (a @ a).sum().item()
-
-
-def _check_clock(clock: object) -> None:
-    """A TypeError naming ``clock`` unless it is None or a function returning seconds."""
-    if clock is not None and not callable(clock):
-        raise TypeError(f"clock must be a function returning seconds, such as "
-                        f"time.perf_counter (or None), got {type(clock).__name__} {clock!r}")
-
-
-def calibration_seconds(
-    repeats: int = 40,
-    clock: Callable[[], float] | None = None,
-    *,
-    pause: float = 0.01,
-    sleep: Callable[[float], object] | None = None,
-    step: Callable[[], object] | None = None,
-) -> float:
-    """The fastest of ``repeats`` runs of a fixed small CPU workload (a conv step, a matmul).
-
-    Comparing it with :data:`REFERENCE_CALIBRATION_SECONDS` says how much faster or
-    slower this machine's CPU runs the chapters' kind of work than the reference.
-    Three choices keep one reading from being ruled by other programs:
-
-    * **one thread.** With torch's default of one OpenMP thread per core, a team of
-      threads waits at the end of every operation for its slowest member; when other
-      programs hold cores, a descheduled member makes a few-millisecond step take
-      tens or hundreds of milliseconds (on a 2-core machine at load 4: up to 160x the
-      quiet time with 2 threads, at most 4x with one). The thread count is put back
-      afterwards.
-    * **short repeats with a pause between them** (``pause`` seconds, spent in
-      ``sleep``): a process that has slept is scheduled promptly when it wakes, so
-      some repeats run without interruption even on a loaded machine.
-    * **the fastest repeat**, not the median: other programs only ever add time.
-
-    ``clock``, ``sleep`` and ``step`` are there for tests.
-    """
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    _check_clock(clock)
-    _check_seconds("pause", pause)
-    for name, fn in (("sleep", sleep), ("step", step)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be a function, got {type(fn).__name__} {fn!r}")
-    import time
-
-    import torch
-
-    clock = clock or perf_counter
-    sleep = sleep or time.sleep
-    step = step or _calibration_step
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(3):  # warm-up: allocations and oneDNN's first-call set-up
-            step()
-        times = []
-        for _ in range(repeats):
-            if pause:
-                sleep(pause)
-            start = clock()
-            step()
-            times.append(clock() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return min(times)
-
-
-#: The most the chapter clock adds for other programs running on the machine.
-MAX_LOAD_FACTOR = 3.0
-
-
-def load_factor(load_average: float | None, cores: int, bound: float = MAX_LOAD_FACTOR) -> float:
-    """How many times longer a chapter takes because other programs share the CPU.
-
-    ``sqrt(load_average / cores)``, at least 1 and at most ``bound``; 1 where the load
-    is unknown (Windows). The calibration measures the CPU's speed, not its share, and
-    a chapter spends much of its time starting Python processes and importing torch,
-    which slow down with the share. The square root is fitted to runs of this course's
-    chapters on the 2-core reference machine: at load average 4 they took about their
-    quiet times, at 13 to 15 about 3 to 6 times as long; the bound keeps one busy
-    minute from promising hours.
-    """
-    check_positive_int("cores", cores)
-    bound = check_positive_float("bound", bound)
-    if load_average is None:
-        return 1.0
-    _check_seconds("load_average", load_average)  # a number >= 0, finite
-    return min(max(math.sqrt(load_average / cores), 1.0), max(bound, 1.0))
-
-
-def speed_factor(calibration: float, reference: float = REFERENCE_CALIBRATION_SECONDS,
-                 bound: float = MAX_SPEED_FACTOR) -> float:
-    """How many times longer than the reference this machine should take, within ``bound``.
-
-    ``calibration / reference``, clipped to ``[1 / bound, bound]``: 2.0 means "expect
-    twice the reference time", 0.5 "half of it".
-    """
-    calibration = check_positive_float("calibration", calibration)
-    reference = check_positive_float("reference", reference)
-    bound = check_positive_float("bound", bound)
-    if bound < 1:
-        raise ValueError(f"bound must be >= 1 (a factor allowed either way), got {bound!r}")
-    return min(max(calibration / reference, 1 / bound), bound)
-
-
-def _load_average() -> float | None:
-    """The 1-minute load average (runnable processes), or None where the OS has none."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):  # Windows has no load average
-        return None
+#: The machine the committed notebooks ran on: the times a chapter states are its.
+REFERENCE_MACHINE = "a 2-core x86 CPU without a GPU"
 
 
 def _seconds_or_none(name: str, value: float | None) -> float | None:
@@ -372,15 +231,14 @@ def _seconds_or_none(name: str, value: float | None) -> float | None:
 
 
 class ChapterClock:
-    """Says up front how long a chapter takes, and at the end how long it took here.
+    """States up front how long a chapter takes, and says at the end how long it took here.
 
     ``cpu_seconds`` and ``quick_seconds`` are what the whole chapter took on
-    :data:`REFERENCE_MACHINE` in CPU mode and in quick mode (the committed run);
-    ``gpu_seconds`` what it took in full mode on ``gpu_name``, or None where no GPU
-    run has been recorded. On a CPU the figure for this process's mode is scaled
-    by a measured calibration (:func:`calibration_seconds`), so the expectation is
-    this machine's, not the reference's. Create it in a chapter's first cells
-    (:func:`start_chapter`) and call :meth:`finish` in its last.
+    :data:`REFERENCE_MACHINE` in CPU mode and in quick mode, run in a plain Jupyter
+    kernel; ``gpu_seconds`` what it took in full mode on ``gpu_name`` (None where no
+    GPU run has been recorded). The figures are stated, not scaled: a machine twice as
+    fast takes about half, and every cell that runs longer than 30 s shows a progress
+    bar with its own estimate of the time left. Introduced in chapter 1.
     """
 
     def __init__(
@@ -391,11 +249,8 @@ class ChapterClock:
         gpu_name: str | None = None,
         *,
         mode: str | None = None,
-        calibration: float | None = None,
         clock: Callable[[], float] | None = None,
         out: Callable[[str], object] = print,
-        load_average: float | None = None,
-        cores: int | None = None,
     ) -> None:
         from d2lgpu.config import workload
 
@@ -404,61 +259,25 @@ class ChapterClock:
         if cpu is None or quick is None:
             raise ValueError("cpu_seconds and quick_seconds are both needed: the reference "
                              "machine runs both modes")
-        self.reference = {"cpu": cpu, "quick": quick,
-                          "full": _seconds_or_none("gpu_seconds", gpu_seconds)}
         if gpu_seconds is not None and not gpu_name:
             raise ValueError("gpu_seconds needs gpu_name: say which GPU it was measured on")
-        if gpu_name is not None and not isinstance(gpu_name, str):
-            raise TypeError(f"gpu_name must be the GPU's name as a string (or None), "
-                            f"got {type(gpu_name).__name__} {gpu_name!r}")
-        if calibration is not None:
-            check_positive_float("calibration", calibration)
-        _check_clock(clock)
-        if not callable(out):
-            raise TypeError(f"out must be a function that takes a line, such as print, "
-                            f"got {type(out).__name__} {out!r}")
+        self.reference = {"cpu": cpu, "quick": quick,
+                          "full": _seconds_or_none("gpu_seconds", gpu_seconds)}
         self.gpu_name = gpu_name
         self.mode = mode or workload()
         if self.mode not in self.reference:
             raise ValueError(f"mode must be 'quick', 'cpu' or 'full', got {self.mode!r}")
         self._clock = clock or perf_counter
         self._out = out
-        self._load = load_average if load_average is not None else _load_average()
-        self._cores = cores or os.cpu_count() or 1
         self._start = self._clock()
-        self.calibration = calibration
-        self.factor: float | None = None  # the bounded speed factor, once calibrated
-        self.load_factor: float | None = None  # what other programs add, once calibrated
-        self.expected: float | None = None
+        self.expected = self.reference[self.mode]
         self.elapsed: float | None = None
-        self._announce()
-
-    def _announce(self) -> None:
         ref = self.reference
-        gpu = (f"full mode on one {self.gpu_name}: {format_duration(ref['full'])}"
+        gpu = (f"full mode on one {gpu_name}: {format_duration(ref['full'])}"
                if ref["full"] is not None else "full mode on a GPU: no run recorded yet")
-        self._out(f"This chapter on {REFERENCE_MACHINE}: CPU mode {format_duration(ref['cpu'])}, "
-                  f"quick mode {format_duration(ref['quick'])}; {gpu}.")
-        if self.mode == "full":
-            self._out("This process runs full mode: each long cell announces its own "
-                      "estimate, measured from its first steps.")
-            return
-        if self.calibration is None:
-            self.calibration = calibration_seconds()
-        raw = self.calibration / REFERENCE_CALIBRATION_SECONDS
-        self.factor = speed_factor(self.calibration)
-        self.load_factor = load_factor(self._load, self._cores)
-        self.expected = ref[self.mode] * self.factor * self.load_factor
-        speed = (f"{1 / raw:.1f}x as fast as" if raw <= 0.95 else
-                 f"{raw:.1f}x slower than" if raw >= 1.05 else "as fast as")
-        bounded = ("" if self.factor == raw else
-                   f" (the estimate uses at most {MAX_SPEED_FACTOR:g}x either way)")
-        busy = ("" if self.load_factor < 1.05 else
-                f"; other programs are running here too (load average {self._load:.0f} on "
-                f"{self._cores} cores), which adds about {self.load_factor:.1f}x")
-        self._out(f"This process runs {self.mode} mode. A one-thread calibration step ran "
-                  f"{speed} on the reference machine here{bounded}{busy}, so expect about "
-                  f"{format_duration(self.expected)}.")
+        self._out(f"This chapter on {REFERENCE_MACHINE}: CPU mode {format_duration(cpu)}, "
+                  f"quick mode {format_duration(quick)}; {gpu}. This process runs "
+                  f"{self.mode} mode; cells over 30 s show a progress bar.")
 
     def finish(self) -> None:
         """Print how long the chapter took in this process (also kept as ``elapsed``).
@@ -466,10 +285,10 @@ class ChapterClock:
         It returns nothing, so that a notebook's last cell shows the sentence alone.
         """
         elapsed = self.elapsed = self._clock() - self._start
-        expected = ("" if self.expected is None else
-                    f" (expected about {format_duration(self.expected)})")
+        stated = ("" if self.expected is None else
+                  f" (stated: {format_duration(self.expected)})")
         self._out(f"This chapter took {format_duration(elapsed)} here in {self.mode} mode"
-                  f"{expected}.")
+                  f"{stated}.")
 
 
 def start_chapter(
@@ -478,5 +297,5 @@ def start_chapter(
     gpu_seconds: float | None = None,
     gpu_name: str | None = None,
 ) -> ChapterClock:
-    """A chapter's first cell: the committed times, and the expectation on this machine."""
+    """A chapter's first cell: the times it took on the reference machine, stated up front."""
     return ChapterClock(cpu_seconds, quick_seconds, gpu_seconds, gpu_name)

@@ -148,61 +148,6 @@ def _ticks(*values):
     return lambda: next(it)
 
 
-def test_chapter_clock_scales_the_reference_by_the_calibration():
-    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
-
-    lines = []
-    # This machine runs the calibration twice as slowly: expect twice the reference time.
-    clock = ChapterClock(60, 10, mode="cpu", calibration=2 * REFERENCE_CALIBRATION_SECONDS,
-                         clock=_ticks(0.0, 150.0), out=lines.append, load_average=0.0)
-    assert clock.expected == pytest.approx(120)
-    assert "CPU mode 60 s, quick mode 10 s" in lines[0]
-    assert "no run recorded yet" in lines[0]
-    assert "2.0x slower than" in lines[1] and "about 2 min" in lines[1]
-    assert clock.finish() is None and clock.elapsed == 150.0
-    assert lines[-1] == "This chapter took 2 min here in cpu mode (expected about 2 min)."
-
-
-def test_chapter_clock_quick_mode_uses_the_quick_figure_and_full_mode_does_not_scale():
-    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
-
-    lines = []
-    quick = ChapterClock(300, 20, mode="quick", calibration=REFERENCE_CALIBRATION_SECONDS / 2,
-                         out=lines.append, load_average=0.0)
-    assert quick.expected == pytest.approx(10)
-    assert "2.0x as fast as" in lines[1]
-    lines.clear()
-    full = ChapterClock(300, 20, 45, "NVIDIA H100", mode="full", calibration=1.0,
-                        out=lines.append)
-    assert full.expected is None
-    assert "full mode on one NVIDIA H100: 45 s" in lines[0]
-    assert "announces its own estimate" in lines[1]
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"cpu_seconds": 0, "quick_seconds": 1}, "cpu_seconds"),
-    ({"cpu_seconds": 1, "quick_seconds": float("nan")}, "quick_seconds"),
-    ({"cpu_seconds": "60", "quick_seconds": 1}, "cpu_seconds"),
-    ({"cpu_seconds": True, "quick_seconds": 1}, "cpu_seconds"),
-    ({"cpu_seconds": 1, "quick_seconds": 1, "gpu_seconds": 5}, "gpu_name"),
-    ({"cpu_seconds": 1, "quick_seconds": 1, "mode": "fast"}, "mode"),
-])
-def test_chapter_clock_refuses_bad_figures(kwargs, match):
-    from d2lgpu.estimate import ChapterClock
-
-    with pytest.raises(ValueError, match=match):
-        ChapterClock(**kwargs, calibration=1.0, out=lambda line: None)
-
-
-def test_calibration_is_the_fastest_repeat():
-    from d2lgpu.estimate import calibration_seconds
-
-    ticks = iter([0, 5, 10, 11, 20, 23])  # repeats of 5, 1 and 3 s: the fastest is 1
-    assert calibration_seconds(3, clock=lambda: next(ticks), pause=0) == 1
-    with pytest.raises(ValueError, match="repeats"):
-        calibration_seconds(0)
-
-
 def test_announce_names_what_is_wrong_with_its_seconds():
     printed = []
     with pytest.raises(ValueError, match="is NaN"):
@@ -227,129 +172,43 @@ def test_training_estimate_needs_a_loader():
         StepEstimate("x", "ten")
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(gpu_name=True), "gpu_name"),
-    (dict(calibration="fast"), "calibration"),
-    (dict(calibration=float("nan")), "calibration"),
-    (dict(clock="no"), "clock"),
-    (dict(out=None), "out"),
-])
-def test_chapter_clock_names_a_bad_argument(kwargs, name):
+def test_chapter_clock_states_the_reference_times_and_the_elapsed_time():
     from d2lgpu.estimate import ChapterClock
 
-    with pytest.raises((TypeError, ValueError), match=name):
-        ChapterClock(cpu_seconds=60.0, quick_seconds=20.0, **kwargs)
+    lines = []
+    clock = ChapterClock(60, 10, mode="cpu", clock=_ticks(0.0, 150.0), out=lines.append)
+    assert clock.expected == 60
+    assert "CPU mode 60 s, quick mode 10 s" in lines[0]
+    assert "no run recorded yet" in lines[0] and "runs cpu mode" in lines[0]
+    assert clock.finish() is None and clock.elapsed == 150.0
+    assert lines[-1] == "This chapter took 2 min here in cpu mode (stated: 60 s)."
 
 
-def test_calibration_names_a_bad_clock():
-    from d2lgpu.estimate import calibration_seconds
-
-    with pytest.raises(TypeError, match="clock"):
-        calibration_seconds(clock=3)
-
-
-def test_calibration_runs_one_thread_pauses_between_repeats_and_restores_threads():
-    from d2lgpu.estimate import calibration_seconds
-
-    before = torch.get_num_threads()
-    threads_seen, pauses = [], []
-    ticks = iter([0, 4, 10, 12, 20, 27])  # repeats of 4, 2 and 7 s
-
-    def fake_step():
-        threads_seen.append(torch.get_num_threads())
-
-    reading = calibration_seconds(3, clock=lambda: next(ticks), pause=0.01,
-                                  sleep=pauses.append, step=fake_step)
-    assert reading == 2
-    assert threads_seen == [1] * 6  # 3 warm-up steps and 3 timed ones, all on one thread
-    assert pauses == [0.01] * 3  # a pause before every timed repeat
-    assert torch.get_num_threads() == before
-
-
-def test_calibration_restores_threads_when_the_step_fails():
-    from d2lgpu.estimate import calibration_seconds
-
-    before = torch.get_num_threads()
-
-    def broken_step():
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        calibration_seconds(3, pause=0, step=broken_step)
-    assert torch.get_num_threads() == before
-
-
-@pytest.mark.parametrize("reading, factor", [
-    (1.0, 1.0),  # as fast as the reference
-    (1.5, 1.5),  # inside the bound: taken as read
-    (0.6, 0.6),
-    (2.0, 2.0),  # on the bound, both sides
-    (0.5, 0.5),
-    (2.5, 2.0),  # beyond it: clipped
-    (77.0, 2.0),  # the reading a loaded machine once gave with two threads
-    (0.1, 0.5),
-])
-def test_speed_factor_is_the_reading_within_the_bound(reading, factor):
-    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, speed_factor
-
-    assert speed_factor(reading * REFERENCE_CALIBRATION_SECONDS) == pytest.approx(factor)
-
-
-def test_speed_factor_refuses_bad_arguments():
-    from d2lgpu.estimate import speed_factor
-
-    with pytest.raises(ValueError, match="calibration"):
-        speed_factor(0.0)
-    with pytest.raises(ValueError, match="bound must be >= 1"):
-        speed_factor(1.0, bound=0.5)
-
-
-@pytest.mark.parametrize("reading, expected_seconds, bounded", [
-    (77.0, 120, True),  # an unlucky slow reading: at most twice the reference's 60 s
-    (1.5, 90, False),
-    (0.7, 42, False),
-    (0.05, 30, True),  # an implausibly fast reading: at least half the reference
-])
-def test_chapter_clock_bounds_the_expectation_on_both_sides(reading, expected_seconds, bounded):
-    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
+def test_chapter_clock_full_mode_names_the_gpu_or_says_none_was_recorded():
+    from d2lgpu.estimate import ChapterClock
 
     lines = []
-    clock = ChapterClock(60, 10, mode="cpu", calibration=reading * REFERENCE_CALIBRATION_SECONDS,
-                         out=lines.append, load_average=0.0)
-    assert clock.expected == pytest.approx(expected_seconds)
-    assert ("at most 2x either way" in lines[1]) == bounded
-    assert f"about {round(expected_seconds)} s" in lines[1] or "about 2 min" in lines[1]
+    full = ChapterClock(300, 20, 45, "NVIDIA H100", mode="full", out=lines.append,
+                        clock=_ticks(0.0, 50.0))
+    assert full.expected == 45 and "full mode on one NVIDIA H100: 45 s" in lines[0]
+    lines.clear()
+    bare = ChapterClock(300, 20, mode="full", out=lines.append, clock=_ticks(0.0, 50.0))
+    assert bare.expected is None
+    bare.finish()
+    assert lines[-1] == "This chapter took 50 s here in full mode."
 
 
-@pytest.mark.parametrize("load, factor", [
-    (None, 1.0),  # no load average (Windows): nothing added
-    (0.3, 1.0), (2.0, 1.0),  # up to one runnable process per core: nothing added
-    (4.0, 2 ** 0.5),  # two per core
-    (13.0, 6.5 ** 0.5),
-    (50.0, 3.0),  # bounded
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cpu_seconds": 0, "quick_seconds": 1}, "cpu_seconds"),
+    ({"cpu_seconds": 1, "quick_seconds": float("nan")}, "quick_seconds"),
+    ({"cpu_seconds": "60", "quick_seconds": 1}, "cpu_seconds"),
+    ({"cpu_seconds": True, "quick_seconds": 1}, "cpu_seconds"),
+    ({"cpu_seconds": 1, "quick_seconds": 1, "gpu_seconds": 5}, "gpu_name"),
+    ({"cpu_seconds": 1, "quick_seconds": 1, "mode": "fast"}, "mode"),
 ])
-def test_load_factor_is_the_root_of_the_load_per_core_within_its_bound(load, factor):
-    from d2lgpu.estimate import load_factor
+def test_chapter_clock_refuses_bad_figures(kwargs, match):
+    from d2lgpu.estimate import ChapterClock
 
-    assert load_factor(load, 2) == pytest.approx(factor)
+    with pytest.raises(ValueError, match=match):
+        ChapterClock(**kwargs, out=lambda line: None)
 
-
-def test_load_factor_refuses_bad_arguments():
-    from d2lgpu.estimate import load_factor
-
-    with pytest.raises(ValueError, match="cores"):
-        load_factor(1.0, 0)
-    with pytest.raises(ValueError, match="load_average"):
-        load_factor(-1.0, 2)
-
-
-@pytest.mark.parametrize("load, expected_seconds, says_busy", [
-    (0.5, 60, False), (2.0, 60, False), (8.0, 120, True), (40.0, 180, True)])
-def test_chapter_clock_scales_by_the_load_and_says_so(load, expected_seconds, says_busy):
-    from d2lgpu.estimate import REFERENCE_CALIBRATION_SECONDS, ChapterClock
-
-    lines = []
-    clock = ChapterClock(60, 10, mode="cpu", calibration=REFERENCE_CALIBRATION_SECONDS,
-                         out=lines.append, load_average=load, cores=2)
-    assert clock.expected == pytest.approx(expected_seconds)
-    assert ("other programs are running here too" in lines[1]) == says_busy

@@ -63,8 +63,6 @@ VALID = {
                                     out=lambda line: None),
     estimate.estimate_message: lambda: dict(what="run", seconds=40.0, basis="timed"),
     estimate.format_duration: lambda: dict(seconds=40.0),
-    estimate.speed_factor: lambda: dict(calibration=0.004, reference=0.004, bound=2.0),
-    estimate.load_factor: lambda: dict(load_average=3.0, cores=2, bound=3.0),
     estimate.training_estimate: lambda: dict(train_iter=[1, 2], num_epochs=1, device=CPU),
     models.MLPBlock: lambda: dict(width=4, hidden=8),
     models.Residual: lambda: dict(in_channels=3, out_channels=3, use_1x1conv=False, strides=1),
@@ -110,8 +108,7 @@ VALID = {
 
 # None means something for these although their annotations do not say so: no
 # synchronisation (any device but CUDA), no label.
-NONE_MEANT = {(estimate.training_estimate, "device"), (plotting.LivePlot, "xlabel"),
-              (estimate.load_factor, "load_average")}  # no load average (Windows)
+NONE_MEANT = {(estimate.training_estimate, "device"), (plotting.LivePlot, "xlabel")}
 CASES = []
 for function, make in VALID.items():
     signature = inspect.signature(function)
@@ -133,7 +130,7 @@ def test_every_public_name_of_the_core_modules_is_probed():
         # ChapterClock and its helpers have their own tests; History and Techniques are
         # plain records (Techniques' switches are tested in test_fast); the others take
         # nothing, or None as a meaning (all GPUs).
-        exempt = {"ChapterClock", "start_chapter", "calibration_seconds", "History",
+        exempt = {"ChapterClock", "start_chapter", "History",
                   "Techniques", "resolve_devices", "in_notebook", "fused_sgd_device_types"}
         assert callables - probed - exempt == set(), module.__name__
 
