@@ -30,7 +30,6 @@ __all__ = [
     "StepEstimate",
     "announce",
     "estimate_message",
-    "format_duration",
     "start_chapter",
     "training_estimate",
 ]
@@ -41,7 +40,6 @@ MIN_SECONDS_TO_ANNOUNCE = 30.0
 
 def format_duration(seconds: float) -> str:
     """A rounded, readable duration: ``"8 s"``, ``"4 min"``, ``"2.5 h"``."""
-    seconds = _check_seconds("seconds", seconds)
     if seconds < 1:
         return "under a second"
     if seconds < 90:
@@ -234,60 +232,43 @@ class ChapterClock:
     """States up front how long a chapter takes, and says at the end how long it took here.
 
     ``cpu_seconds`` and ``quick_seconds`` are what the whole chapter took on
-    :data:`REFERENCE_MACHINE` in CPU mode and in quick mode, run in a plain Jupyter
-    kernel; ``gpu_seconds`` what it took in full mode on ``gpu_name`` (None where no
-    GPU run has been recorded). The figures are stated, not scaled: a machine twice as
-    fast takes about half, and every cell that runs longer than 30 s shows a progress
-    bar with its own estimate of the time left. Introduced in chapter 1.
+    :data:`REFERENCE_MACHINE` in CPU mode and in quick mode, in a plain Jupyter kernel;
+    ``gpu_seconds`` what it took in full mode on ``gpu_name`` (None: no GPU run recorded).
+    The figures are stated, not scaled to this machine: cells over 30 s show a progress
+    bar with their own estimate. ``mode``, ``clock`` and ``out`` are there for tests.
     """
 
-    def __init__(
-        self,
-        cpu_seconds: float,
-        quick_seconds: float,
-        gpu_seconds: float | None = None,
-        gpu_name: str | None = None,
-        *,
-        mode: str | None = None,
-        clock: Callable[[], float] | None = None,
-        out: Callable[[str], object] = print,
-    ) -> None:
+    def __init__(self, cpu_seconds: float, quick_seconds: float,
+                 gpu_seconds: float | None = None, gpu_name: str | None = None, *,
+                 mode: str | None = None, clock: Callable[[], float] = perf_counter,
+                 out: Callable[[str], object] = print) -> None:
         from d2lgpu.config import workload
 
-        cpu = _seconds_or_none("cpu_seconds", cpu_seconds)
-        quick = _seconds_or_none("quick_seconds", quick_seconds)
-        if cpu is None or quick is None:
-            raise ValueError("cpu_seconds and quick_seconds are both needed: the reference "
-                             "machine runs both modes")
         if gpu_seconds is not None and not gpu_name:
             raise ValueError("gpu_seconds needs gpu_name: say which GPU it was measured on")
-        self.reference = {"cpu": cpu, "quick": quick,
+        self.reference = {"cpu": _seconds_or_none("cpu_seconds", cpu_seconds),
+                          "quick": _seconds_or_none("quick_seconds", quick_seconds),
                           "full": _seconds_or_none("gpu_seconds", gpu_seconds)}
-        self.gpu_name = gpu_name
+        if None in (self.reference["cpu"], self.reference["quick"]):
+            raise ValueError("cpu_seconds and quick_seconds are both needed: the reference "
+                             "machine runs both modes")
         self.mode = mode or workload()
         if self.mode not in self.reference:
             raise ValueError(f"mode must be 'quick', 'cpu' or 'full', got {self.mode!r}")
-        self._clock = clock or perf_counter
-        self._out = out
-        self._start = self._clock()
         self.expected = self.reference[self.mode]
         self.elapsed: float | None = None
-        ref = self.reference
-        gpu = (f"full mode on one {gpu_name}: {format_duration(ref['full'])}"
-               if ref["full"] is not None else "full mode on a GPU: no run recorded yet")
-        self._out(f"This chapter on {REFERENCE_MACHINE}: CPU mode {format_duration(cpu)}, "
-                  f"quick mode {format_duration(quick)}; {gpu}. This process runs "
-                  f"{self.mode} mode; cells over 30 s show a progress bar.")
+        self._clock, self._out, self._start = clock, out, clock()
+        cpu, quick, full = (format_duration(s) if s else None for s in self.reference.values())
+        gpu = f"full mode on one {gpu_name}: {full}" if full else \
+            "full mode on a GPU: no run recorded yet"
+        out(f"This chapter on {REFERENCE_MACHINE}: CPU mode {cpu}, quick mode {quick}; {gpu}. "
+            f"This process runs {self.mode} mode; cells over 30 s show a progress bar.")
 
     def finish(self) -> None:
-        """Print how long the chapter took in this process (also kept as ``elapsed``).
-
-        It returns nothing, so that a notebook's last cell shows the sentence alone.
-        """
-        elapsed = self.elapsed = self._clock() - self._start
-        stated = ("" if self.expected is None else
-                  f" (stated: {format_duration(self.expected)})")
-        self._out(f"This chapter took {format_duration(elapsed)} here in {self.mode} mode"
+        """Print how long the chapter took here (kept as ``elapsed``); returns nothing."""
+        self.elapsed = self._clock() - self._start
+        stated = f" (stated: {format_duration(self.expected)})" if self.expected else ""
+        self._out(f"This chapter took {format_duration(self.elapsed)} here in {self.mode} mode"
                   f"{stated}.")
 
 

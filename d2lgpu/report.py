@@ -78,25 +78,39 @@ _GIB = 2**30
 def setup_summary() -> str:
     """A few lines for the top of every notebook: versions, what runs where, and why.
 
-    With GPUs: how many, and each one's name. Without: that everything runs on
-    the CPU, and the diagnosis's reason in one line (``python -m d2lgpu info``
-    gives the fix). Last, the workload this process runs (quick, CPU or full).
+    With GPUs: how many, and each one's name. Without: that everything runs on the
+    CPU, and the first reason in a few words (chapter 1 and ``python -m d2lgpu info``
+    give the whole diagnosis and the fix). Last, the workload this process runs.
+    Introduced in chapter 1; every chapter's first cell calls it.
     """
     import d2lgpu
     from d2lgpu.config import workload
 
-    gpus = [
-        (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
-        for i in range(num_gpus())
-    ]
-    return format_setup(
-        versions=f"d2lgpu {d2lgpu.__version__}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}",
-        gpus=gpus,
-        diagnosis=diagnose_this_machine(),
-        workload_name=workload(),
-        mode_line=describe_mode(),
-    )
+    mode = {"quick": "quick mode", "cpu": "CPU mode", "full": "full mode"}[workload()]
+    lines = [f"d2lgpu {d2lgpu.__version__}, torch {torch.__version__}, "
+             f"Python {platform.python_version()}"]
+    usable = num_gpus()
+    if usable:
+        lines.append(f"{usable} CUDA GPU{'s' if usable > 1 else ''} here: the chapters run on "
+                     f"them, in {mode}.")
+        for i in range(usable):
+            major, minor = torch.cuda.get_device_capability(i)
+            lines.append(f"  cuda:{i}  {torch.cuda.get_device_name(i)}  "
+                         f"(compute capability {major}.{minor})")
+    elif torch.version.cuda is None:
+        lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}; this torch is a "
+                     "CPU-only build.")
+    elif torch.cuda.device_count():  # listed, but this build has no kernels for one of them
+        lines.append(f"CUDA lists {torch.cuda.device_count()} GPU(s), but this torch cannot use "
+                     f"them: everything runs on the CPU, in {mode}; this torch has no kernels "
+                     "for a GPU here.")
+    else:
+        lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}; CUDA finds no "
+                     "usable GPU.")
+    if not usable:
+        lines.append("  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1).")
+    lines.append(describe_mode())
+    return "\n".join(lines)
 
 
 def print_setup() -> None:
@@ -1024,64 +1038,6 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
 # --------------------------------------------------------------------------------------
 
 # The first problem of a diagnosis, in a few words for the notebook header.
-_CAUSE_IN_BRIEF = {
-    "cpu_build": "this torch is a CPU-only build",
-    "no_driver": "no NVIDIA driver was found",
-    "hidden_by_env": f"{VISIBLE_DEVICES_ENV} hides every GPU",
-    "malformed_env": f"{VISIBLE_DEVICES_ENV} is malformed",
-    "no_usable_device": "a driver is present, yet CUDA finds no usable GPU",
-    "driver_too_old": "the NVIDIA driver is older than this torch's CUDA",
-    "arch_missing": "this torch has no kernels for a GPU here",
-}
-
-_WORKLOAD_NAMES = {"quick": "quick mode", "cpu": "CPU mode", "full": "full mode"}
-
-
-def format_setup(
-    *,
-    versions: str,
-    gpus: list[tuple[str, tuple[int, int]]],
-    diagnosis: CudaDiagnosis,
-    workload_name: str,
-    mode_line: str,
-) -> str:
-    """The notebook header of :func:`setup_summary`, from the facts (a pure function).
-
-    ``gpus`` holds ``(name, compute capability)`` per visible GPU, in ``cuda:i``
-    order; ``workload_name`` is :func:`d2lgpu.workload`'s answer and ``mode_line``
-    :func:`d2lgpu.describe_mode`'s.
-    """
-    if not isinstance(diagnosis, CudaDiagnosis):
-        raise TypeError(f"diagnosis must be a CudaDiagnosis (d2lgpu.diagnose_this_machine()), got "
-                        f"{type(diagnosis).__name__} {diagnosis!r:.60}")
-    if not isinstance(gpus, (list, tuple)):
-        raise TypeError(f"gpus must be a list of (name, (major, minor)) pairs, [] without GPUs; "
-                        f"got {type(gpus).__name__} {gpus!r:.60}")
-    mode = _WORKLOAD_NAMES.get(workload_name, f"{workload_name} mode")
-    lines = [versions]
-    if gpus:
-        count = f"{len(gpus)} CUDA GPU" + ("s" if len(gpus) > 1 else "")
-        lines.append(f"{count} here: the chapters run on them, in {mode}.")
-        for index, (name, (major, minor)) in enumerate(gpus):
-            lines.append(f"  cuda:{index}  {name}  (compute capability {major}.{minor})")
-        for problem in diagnosis.problems:
-            lines.append(f"  note: {_CAUSE_IN_BRIEF.get(problem.code, problem.code)}; "
-                         "`python -m d2lgpu info` says more")
-    else:
-        cause = diagnosis.problems[0] if diagnosis.problems else None
-        reason = "" if cause is None else "; " + _CAUSE_IN_BRIEF.get(
-            cause.code, cause.why.split(":")[0]
-        )
-        if diagnosis.device_count:
-            lines.append(f"CUDA lists {diagnosis.device_count} GPU(s), but this torch cannot "
-                         f"use them: everything runs on the CPU, in {mode}{reason}.")
-        else:
-            lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}{reason}.")
-        lines.append("  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1).")
-    lines.append(mode_line)
-    return "\n".join(lines)
-
-
 def format_nvml_view(
     view: NvmlView, mark_uuid: str | None = None, mark: str = "<- this GPU"
 ) -> str:

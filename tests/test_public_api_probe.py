@@ -62,7 +62,6 @@ VALID = {
     estimate.announce: lambda: dict(what="run", seconds=40.0, basis="timed", min_seconds=0.0,
                                     out=lambda line: None),
     estimate.estimate_message: lambda: dict(what="run", seconds=40.0, basis="timed"),
-    estimate.format_duration: lambda: dict(seconds=40.0),
     estimate.training_estimate: lambda: dict(train_iter=[1, 2], num_epochs=1, device=CPU),
     models.MLPBlock: lambda: dict(width=4, hidden=8),
     models.Residual: lambda: dict(in_channels=3, out_channels=3, use_1x1conv=False, strides=1),

@@ -740,9 +740,6 @@ def test_format_report_names_the_fix_for_bad_input(bad):
     (lambda: report.gpu_memory(None), "use 'cpu', 'cuda'"),
     (lambda: report.format_nvml_view(None), r"read_nvml\(\)"),
     (lambda: report.wrapped(None), "needs a string"),
-    (lambda: report.format_setup(versions="v", gpus=None, diagnosis=diagnose_cuda(
-        cuda_build=None, visible_devices_env=None, driver_found=False, device_count=0),
-        workload_name="cpu", mode_line="m"), "gpus must be a list"),
     (lambda: report.device_numbers("T4"), "get_device_properties"),
 ])
 def test_report_functions_name_the_fix_for_bad_input(call, match):

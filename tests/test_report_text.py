@@ -2,62 +2,57 @@
 
 import pytest
 
+from d2lgpu.config import describe_mode
 from d2lgpu.report import (
     NvmlGpuReading,
     NvmlView,
-    diagnose_cuda,
     format_nvml_view,
-    format_setup,
     read_nvml_while_busy,
+    setup_summary,
 )
 
 
-def _header(gpus, workload_name="cpu", **facts) -> str:
-    known = dict(cuda_build="12.4", visible_devices_env=None, driver_found=True,
-                 device_count=len(gpus))
-    known.update(facts)
-    return format_setup(versions="d2lgpu 0.1.0, torch 2.x", gpus=gpus,
-                        diagnosis=diagnose_cuda(**known), workload_name=workload_name,
-                        mode_line="the mode line")
+def _summary(monkeypatch, gpus, cuda_build="12.4", listed=None, workload="cpu"):
+    """setup_summary on a made-up machine: ``gpus`` usable, ``listed`` seen by CUDA."""
+    from d2lgpu import config, report
+
+    monkeypatch.setattr(report, "num_gpus", lambda: len(gpus))
+    monkeypatch.setattr(report.torch.version, "cuda", cuda_build)
+    monkeypatch.setattr(report.torch.cuda, "device_count",
+                        lambda: len(gpus) if listed is None else listed)
+    monkeypatch.setattr(report.torch.cuda, "get_device_name", lambda i: gpus[i][0])
+    monkeypatch.setattr(report.torch.cuda, "get_device_capability", lambda i: gpus[i][1])
+    monkeypatch.setattr(config, "workload", lambda: workload)
+    return setup_summary().splitlines()
 
 
-@pytest.mark.parametrize(
-    ("facts", "reason"),
-    [
-        (dict(driver_found=False), "no NVIDIA driver was found"),
-        (dict(cuda_build=None), "this torch is a CPU-only build"),
-        (dict(visible_devices_env=""), "CUDA_VISIBLE_DEVICES hides every GPU"),
-        ({}, "a driver is present, yet CUDA finds no usable GPU"),
-    ],
-)
-def test_header_without_gpu_says_everything_runs_on_the_cpu_and_why(facts, reason):
-    lines = _header([], **facts).splitlines()
-    assert lines[0] == "d2lgpu 0.1.0, torch 2.x"
-    assert lines[1] == f"No CUDA GPU here: everything runs on the CPU, in CPU mode; {reason}."
+@pytest.mark.parametrize(("facts", "reason"), [
+    (dict(cuda_build=None), "this torch is a CPU-only build."),
+    ({}, "CUDA finds no usable GPU."),
+])
+def test_header_without_gpu_says_everything_runs_on_the_cpu_and_why(monkeypatch, facts, reason):
+    lines = _summary(monkeypatch, [], **facts)
+    assert lines[0].startswith("d2lgpu ") and ", torch " in lines[0]
+    assert lines[1] == f"No CUDA GPU here: everything runs on the CPU, in CPU mode; {reason}"
     assert "python -m d2lgpu info" in lines[2]
-    assert lines[-1] == "the mode line"
-    assert "GPUs: 0" not in "\n".join(lines)
+    assert lines[-1] == describe_mode()
 
 
-def test_header_names_the_workload():
-    assert "on the CPU, in quick mode;" in _header([], "quick", driver_found=False)
-    assert "on the CPU, in full mode;" in _header([], "full", driver_found=False)
+def test_header_names_gpus_it_cannot_use(monkeypatch):
+    lines = _summary(monkeypatch, [], listed=2, workload="quick")
+    assert lines[1].startswith("CUDA lists 2 GPU(s), but this torch cannot use them")
+    assert "in quick mode; this torch has no kernels" in lines[1]
 
 
-def test_header_with_gpus_counts_and_names_them():
-    text = _header([("NVIDIA T4", (7, 5)), ("NVIDIA T4", (7, 5))], "full")
-    lines = text.splitlines()
+def test_header_with_gpus_counts_and_names_them(monkeypatch):
+    lines = _summary(monkeypatch, [("NVIDIA T4", (7, 5)), ("NVIDIA T4", (7, 5))],
+                     workload="full")
     assert lines[1] == "2 CUDA GPUs here: the chapters run on them, in full mode."
     assert lines[2] == "  cuda:0  NVIDIA T4  (compute capability 7.5)"
     assert lines[3] == "  cuda:1  NVIDIA T4  (compute capability 7.5)"
-    assert "note" not in text and "No CUDA GPU" not in text
-    one = _header([("NVIDIA H100 80GB HBM3", (9, 0))], "full")
-    assert "1 CUDA GPU here:" in one
-
-
-def test_header_with_gpus_mentions_a_malformed_variable():
-    text = _header([("NVIDIA T4", (7, 5))], "full", visible_devices_env="0,,1")
-    assert "note: CUDA_VISIBLE_DEVICES is malformed" in text
+    assert "No CUDA GPU" not in "\n".join(lines)
+    one = _summary(monkeypatch, [("NVIDIA H100 80GB HBM3", (9, 0))], workload="full")
+    assert one[1] == "1 CUDA GPU here: the chapters run on them, in full mode."
 
 
 def _reading(index, uuid, utilisation, power=None, limit=None):
@@ -103,7 +98,7 @@ def test_read_nvml_while_busy_sees_the_gpu_working():
 
 
 def test_wrapped_keeps_lines_within_the_width_and_indents_continuations():
-    from d2lgpu.report import wrapped
+    from d2lgpu.report import diagnose_cuda, wrapped
 
     diagnosis = str(diagnose_cuda(cuda_build=None, visible_devices_env=None,
                                   driver_found=False, device_count=0))
