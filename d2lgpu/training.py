@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 import math
@@ -38,9 +37,8 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -377,9 +375,6 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
 
 #: What :func:`d2lgpu.train` does without being told: loss and accuracy read once per epoch.
 PLAIN = Techniques()
-
-F = TypeVar("F", bound=Callable)
-
 
 def set_seed(seed: int) -> None:
     """Seed Python's, NumPy's (when installed) and torch's RNGs, CUDA included.
@@ -950,33 +945,6 @@ def _live_plot(plot: bool | None, num_epochs: int) -> LivePlot | None:
     )
 
 
-def _refuse_old_keywords(**new: str) -> Callable[[F], F]:
-    """Refuse the keywords of older chapter texts with a TypeError that says what to
-    write instead (nothing is translated: there is one spelling)."""
-
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def checked(*args, **kwargs):
-            for old in new.keys() & kwargs.keys():
-                raise TypeError(f"{fn.__name__}() has no {old}= argument: {new[old]}")
-            return fn(*args, **kwargs)
-
-        return checked  # type: ignore[return-value]
-
-    return decorate
-
-
-_PRECISION_FIX = ("write precision= with one of 'auto', 'fp32', 'tf32', 'fp16', 'bf16' "
-                  "(amp=True was precision='auto', amp=False precision='fp32')")
-
-
-@_refuse_old_keywords(
-    amp=_PRECISION_FIX,
-    fast="write techniques=d2lgpu.Techniques.fast(device), or call d2lgpu.train_fast",
-    momentum="pass lr=d2lgpu.SGDRecipe(lr, momentum=...)",
-    weight_decay="pass lr=d2lgpu.SGDRecipe(lr, weight_decay=...)",
-    warmup_epochs="pass lr=d2lgpu.SGDRecipe(lr, warmup_epochs=...)",
-)
 def train(
     net: nn.Module,
     train_iter: Iterable,
@@ -1055,14 +1023,6 @@ def train(
     return history
 
 
-@_refuse_old_keywords(
-    amp=_PRECISION_FIX,
-    compile="pass techniques=d2lgpu.Techniques.fast(device, compile=True)",
-    channels_last="pass techniques=d2lgpu.Techniques.fast(device).replace(channels_last=...)",
-    momentum="pass lr=d2lgpu.SGDRecipe(lr, momentum=...)",
-    weight_decay="pass lr=d2lgpu.SGDRecipe(lr, weight_decay=...)",
-    warmup_epochs="pass lr=d2lgpu.SGDRecipe(lr, warmup_epochs=...)",
-)
 def train_fast(
     net: nn.Module,
     train_data: DeviceLoader | tuple[torch.Tensor, torch.Tensor],

@@ -665,13 +665,6 @@ def test_benchmark_headers_and_skip_compile_rows(monkeypatch):
     assert not any(step.techniques.compile or step.techniques.cuda_graphs for step in plan)
 
 
-def test_train_names_the_fast_techniques_for_an_old_fast_argument():
-    resident, _ = tiny_data()
-    with pytest.raises(TypeError, match=r"has no fast= argument: write "
-                                        r"techniques=d2lgpu.Techniques.fast\(device\)"):
-        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, fast="no", progress=False)
-
-
 @pytest.mark.parametrize("kwargs, name", [
     (dict(params=None), "params"),
     (dict(params=[1.0]), "params"),

@@ -188,31 +188,6 @@ def test_a_recipe_trains_as_its_plain_torch_optimizer():
         torch.testing.assert_close(ours, theirs)
 
 
-@pytest.mark.parametrize("old, new", [
-    (dict(amp=True), r"train\(\) has no amp= argument: write precision="),
-    (dict(amp="bf16"), r"precision="),
-    (dict(fast=True), r"train\(\) has no fast= argument: write "
-                      r"techniques=d2lgpu.Techniques.fast\(device\)"),
-    (dict(warmup_epochs=1), r"no warmup_epochs= argument: pass lr=d2lgpu.SGDRecipe"),
-    (dict(momentum=0.9), r"no momentum= argument: pass lr=d2lgpu.SGDRecipe"),
-])
-def test_older_spellings_of_train_name_the_new_one(old, new):
-    train_iter, test_iter = tiny_loaders()
-    with pytest.raises(TypeError, match=new):
-        train(linear_net(), train_iter, test_iter, 1, 0.1, "cpu", progress=False, **old)
-
-
-@pytest.mark.parametrize("old, new", [
-    (dict(amp="auto"), r"train_fast\(\) has no amp= argument: write precision="),
-    (dict(compile=True), r"techniques=d2lgpu.Techniques.fast\(device, compile=True\)"),
-    (dict(channels_last=False), r"Techniques.fast\(device\).replace\(channels_last="),
-])
-def test_older_spellings_of_train_fast_name_the_new_one(old, new):
-    pair = (torch.zeros(4, 1, 28, 28, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
-    with pytest.raises(TypeError, match=new):
-        d2lgpu.train_fast(linear_net(), pair, pair, 1, 0.1, "cpu", progress=False, **old)
-
-
 @pytest.mark.parametrize("word, fix", [("half", "fp16"), ("bfloat16", "bf16"), ("off", "fp32")])
 def test_train_refuses_other_precision_words_naming_the_word_to_write(word, fix):
     train_iter, test_iter = tiny_loaders()
