@@ -61,12 +61,15 @@ __all__ = [
     "DeviceLoader",
     "QUICK_TEST_SIZE",
     "QUICK_TRAIN_SIZE",
+    "TINY_SHAKESPEARE_SHA256",
+    "TINY_SHAKESPEARE_URL",
     "default_num_workers",
     "fashion_mnist_on_device",
     "fashion_mnist_tensors",
     "get_fashion_mnist_labels",
     "load_data_fashion_mnist",
     "synthetic_regression",
+    "tiny_shakespeare",
     "verify_fashion_mnist_file",
 ]
 
@@ -665,3 +668,54 @@ def fashion_mnist_on_device(
         channels_last=channels_last,
     )
     return train_loader, test_loader
+
+
+# --------------------------------------------------------------------------------------
+# Tiny Shakespeare (chapter 10)
+# --------------------------------------------------------------------------------------
+
+#: Where Tiny Shakespeare comes from: Andrej Karpathy's char-rnn repository, the file that
+#: nanoGPT's ``shakespeare_char`` example also downloads.
+TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                        "tinyshakespeare/input.txt")
+#: The published file's sha256 (1,115,394 bytes).
+TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+def tiny_shakespeare(root: str | Path | None = None) -> str:
+    """Tiny Shakespeare as one string, read from ``<root>/tinyshakespeare/input.txt``.
+
+    ``root=None`` means :func:`d2lgpu.data_root` (``D2LGPU_DATA`` or the user cache).
+    A missing file is downloaded from :data:`TINY_SHAKESPEARE_URL`; either way the
+    bytes must have the published sha256, so a truncated download or an edited copy
+    stops here with the path and the fix. Introduced in chapter 10.
+    """
+    import urllib.request
+
+    if root is not None and (isinstance(root, bool) or not isinstance(root, (str, os.PathLike))):
+        raise TypeError(f"root must be a directory path (str or pathlib.Path) or None for "
+                        f"{DATA_ENV} / the user cache, got {type(root).__name__} {root!r}")
+    path = (Path(root).expanduser() if root is not None else data_root()) / "tinyshakespeare" \
+        / "input.txt"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".part")  # renamed only once whole: no half file stays
+            with urllib.request.urlopen(TINY_SHAKESPEARE_URL, timeout=60) as response:
+                partial.write_bytes(response.read())
+            partial.replace(path)
+        except OSError as err:  # URLError, timeouts and a read-only folder are all OSErrors
+            raise RuntimeError(
+                f"Tiny Shakespeare is not at {path} and could not be downloaded "
+                f"({type(err).__name__}: {err}). Connect to the internet, or put the file from "
+                f"{TINY_SHAKESPEARE_URL} there, or set {DATA_ENV} to a directory that holds "
+                "tinyshakespeare/input.txt.") from err
+    raw = path.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != TINY_SHAKESPEARE_SHA256:
+        raise RuntimeError(
+            f"{path} is not the published Tiny Shakespeare: {len(raw):,} bytes with sha256 "
+            f"{digest[:16]}..., expected 1,115,394 bytes with sha256 "
+            f"{TINY_SHAKESPEARE_SHA256[:16]}.... Delete it to download it again, or copy the "
+            f"file from {TINY_SHAKESPEARE_URL}.")
+    return raw.decode("utf-8")

@@ -130,7 +130,8 @@ def test_every_public_name_of_the_core_modules_is_probed():
         # plain records (Techniques' switches are tested in test_fast); the others take
         # nothing, or None as a meaning (all GPUs).
         exempt = {"ChapterClock", "start_chapter", "History",
-                  "Techniques", "resolve_devices", "in_notebook", "fused_sgd_device_types"}
+                  "Techniques", "resolve_devices", "in_notebook", "fused_sgd_device_types",
+                  "tiny_shakespeare"}
         assert callables - probed - exempt == set(), module.__name__
 
 
