@@ -18,6 +18,24 @@ from pathlib import Path
 import nbclient
 import nbformat
 
+# tqdm.auto draws a widget bar where ipywidgets is installed (a learner's JupyterLab with the
+# course extra) and a text bar where it is not, warning once. The committed outputs keep the
+# text bars, which show the final count on GitHub; the warning is about this machine.
+_WIDGET_WARNING = ("TqdmWarning: IProgress not found",
+                   "from .autonotebook import tqdm as notebook_tqdm")
+
+
+def drop_widget_warning(cell) -> None:
+    """Remove tqdm's "IProgress not found" warning from a cell's stderr output."""
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream" and output.get("name") == "stderr":
+            text = output["text"] if isinstance(output["text"], str) else "".join(output["text"])
+            kept = [line for line in text.splitlines(keepends=True)
+                    if not any(marker in line for marker in _WIDGET_WARNING)]
+            output["text"] = "".join(kept)
+    cell["outputs"] = [o for o in cell.get("outputs", [])
+                       if not (o.get("output_type") == "stream" and not o.get("text"))]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             # the check not yet run. tests/test_exercises.py runs it and expects the failure.
             if "raises-exception" in cell.get("metadata", {}).get("tags", []):
                 cell.outputs, cell.execution_count = [], None
+            drop_widget_warning(cell)
         nbformat.write(nb, args.notebook)
     print(f"executed {args.notebook} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

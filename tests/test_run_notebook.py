@@ -1,0 +1,22 @@
+"""benchmarks/run_notebook.py keeps committed outputs free of tqdm's note about this machine."""
+
+import importlib.util
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "run_notebook.py"
+_spec = importlib.util.spec_from_file_location("run_notebook", _PATH)
+run_notebook = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_notebook)
+
+
+def test_the_ipywidgets_warning_goes_and_the_bar_stays():
+    warning = ("/venv/lib/python3.11/site-packages/tqdm/auto.py:21: TqdmWarning: IProgress not "
+               "found. Please update jupyter and ipywidgets.\n"
+               "  from .autonotebook import tqdm as notebook_tqdm\n")
+    bar = "training: 100%|##########| 200/200 [00:14<00:00, 13.6it/s]\n"
+    cell = {"outputs": [{"output_type": "stream", "name": "stderr", "text": [warning, bar]},
+                        {"output_type": "stream", "name": "stderr", "text": warning},
+                        {"output_type": "stream", "name": "stdout", "text": "done\n"}]}
+    run_notebook.drop_widget_warning(cell)
+    assert cell["outputs"] == [{"output_type": "stream", "name": "stderr", "text": bar},
+                               {"output_type": "stream", "name": "stdout", "text": "done\n"}]
