@@ -156,7 +156,8 @@ def choose_cpu_threads(speeds: dict[int, Sequence[float]]) -> int:
     ``speeds`` maps a thread count to its repeats' speeds (examples/s, higher is
     better). The choice is the count whose *slowest* repeat is fastest: a busy spell
     of other programs is what makes a repeat slow, and a team of threads suffers far
-    more from it than one thread (every operation waits for its descheduled member),
+    more from it than one thread (every operation split over the team waits for its
+    descheduled member),
     so the worst repeat says which setting survives a busy machine. A tie goes to
     fewer threads.
     """

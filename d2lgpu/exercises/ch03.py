@@ -113,7 +113,7 @@ def lr_for_summed_means(fn: Callable[[float, list[int]], float]) -> None:
         expect(ex, gap < 1e-12,
                f"with shards {sizes}, a step at your rate {got} ends {gap:.1e} away from "
                f"d2lgpu.data_parallel_step at lr={lr}")
-    for sizes in ([3, 2, 2], [14, 13, 13], [9, 1]):
+    for sizes in ([3, 2, 2], [14, 13, 13], [9, 1], [6, 4, 2], [2, 2, 1, 1]):
         expect_value_error(ex, fn, (0.1, list(sizes)),
                             f"with uneven shards {sizes} no single learning rate turns the "
                             "sum of the shards' mean gradients into the full-batch gradient "
