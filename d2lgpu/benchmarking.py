@@ -40,7 +40,6 @@ from d2lgpu.checks import (
 from d2lgpu.timing import (
     DeviceLike,
     Timing,
-    format_seconds,
     gbps,
     synchronize,
     time_fn,
@@ -57,8 +56,6 @@ __all__ = [
     "benchmark_autorange",
     "compile_on_devices",
     "compile_or_reason",
-    "copy_peak_ceiling",
-    "cpu_writes_allocate",
     "copy_buffer_bytes",
     "device_cache_bytes",
     "is_compiled",
@@ -693,31 +690,6 @@ class TimerComparison:
         """Median naive time over median synchronised time (1 means they agree)."""
         return self.naive.median / self.synchronised.median
 
-    def verdict(self) -> str:
-        """One sentence on what the ratio means on this device, following the numbers."""
-        ratio = self.ratio
-        if self.device.startswith("cuda"):
-            if ratio < 0.5:
-                return (
-                    f"{self.device}: the naive timer saw {ratio:.0%} of the real time: it "
-                    "stopped when the kernels were queued, long before they were done."
-                )
-            return (
-                f"{self.device}: the naive timer saw {ratio:.0%} of the real time: for work "
-                "this small, queuing the kernels takes about as long as running them; "
-                "the gap opens with larger tensors."
-            )
-        if 0.8 <= ratio <= 1.25:
-            return (
-                f"{self.device}: the two timers agree to within {abs(ratio - 1):.0%}: CPU "
-                "operations are finished when the call returns, so there is nothing to wait for."
-            )
-        return (
-            f"{self.device}: the two timers differ by a factor of {ratio:.2f}, although on the "
-            "CPU both time the same finished work: other programs held the cores during some "
-            "of the runs (see the spreads above), and the medians did not absorb it."
-        )
-
 
 def compare_timers(
     fn: Callable[[], object], device: DeviceLike, *, warmup: int = 1, repeats: int = 5
@@ -753,275 +725,6 @@ def device_cache_bytes(device: DeviceLike) -> int | None:
         return None
     found = last_level_cache_bytes()
     return None if found is None else found[0]
-
-
-def _working_set_bytes(row: ElementwiseRow) -> int:
-    # a, b and result stay alive across steps; unfused adds the temporary a * b
-    # and the new result while the old one is still referenced. float32 throughout.
-    tensors = 3 if row.variant != "unfused" else 5
-    return tensors * row.numel * 4
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.3g} MiB"
-
-
-#: Tensor-sized writes per step into a *fresh* tensor (not one just read): the unfused
-#: step writes ``a * b`` and the new result, a compiled ``result + a * b`` its new
-#: result, the in-place fused step none (``result`` was read a moment before).
-FRESH_WRITES_PER_STEP = {"unfused": 2, "fused": 0, "compiled": 1}
-_PASSES = {"unfused": UNFUSED_TENSOR_PASSES, "fused": FUSED_TENSOR_PASSES,
-           "compiled": FUSED_TENSOR_PASSES}
-
-
-def cpu_writes_allocate() -> bool:
-    """Whether this CPU's caches read a line before writing it (x86: yes, for ordinary stores)."""
-    import platform
-
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-
-
-def copy_peak_ceiling(device: str, variant: str) -> float:
-    """The highest share of the measured copy bandwidth that ``variant`` can reach on ``device``.
-
-    1 on a GPU. On an x86 CPU a store to a line that is not in the cache first reads
-    that line (write-allocate), so ``dst.copy_(src)`` moves 3 tensor sizes while the
-    copy bandwidth counts 2: the bus really carries 1.5x the figure. A step that
-    counts ``P`` passes and writes ``W`` of them into fresh memory moves ``P + W``, so
-    it can reach ``1.5 * P / (P + W)`` of the copy figure: 150 % in place (fused),
-    112.5 % unfused, 120 % for a compiled out-of-place step. Unknown variants get 1.
-    """
-    for name, value in (("device", device), ("variant", variant)):
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be a string such as 'cpu' or 'fused', "
-                            f"got {type(value).__name__} {value!r}")
-    if device != "cpu" or not cpu_writes_allocate() or variant not in FRESH_WRITES_PER_STEP:
-        return 1.0
-    passes = _PASSES[variant]
-    return 1.5 * passes / (passes + FRESH_WRITES_PER_STEP[variant])
-
-
-def _beating_the_copy(
-    dev: str, above: Sequence[ElementwiseRow], total: int, copy: float, cache: int | None
-) -> list[str]:
-    """Sentences on the rows of one device that beat its copy bandwidth."""
-    best = max(above, key=lambda r: r.share_of_copy_peak)
-    head = (
-        f"{dev}: {len(above)} of {total} rows beat the copy bandwidth of {copy:.3g} GB/s "
-        f"(up to {100 * best.share_of_copy_peak:.0f} % at {best.numel:,} floats)"
-    )
-    if cache is None:
-        largest = max(_working_set_bytes(r) for r in above)
-        return [
-            f"{head}. Their tensors take at most {_mib(largest)}: rows whose tensors fit in "
-            "the caches can do that, because caches are faster than memory and the copy was "
-            "measured on buffers larger than them. The size of the cache is unknown here, so "
-            "which rows fit is left open."
-        ]
-    fits = [r for r in above if _working_set_bytes(r) <= cache]
-    spills = [r for r in above if _working_set_bytes(r) > cache]
-    allocating = [r for r in spills
-                  if r.share_of_copy_peak <= copy_peak_ceiling(dev, r.variant)]
-    disturbed = [r for r in spills if r not in allocating]
-    findings = []
-    if fits:
-        which = "All of them keep" if not spills else f"{len(fits)} of them keep"
-        findings.append(
-            f"{head}. {which} their tensors (at most "
-            f"{_mib(max(_working_set_bytes(r) for r in fits))}) within the {_mib(cache)} "
-            "cache, which is faster than memory; the copy was measured on buffers larger "
-            "than the cache."
-        )
-    lead = head if not fits else dev + ":"
-    if allocating:
-        sizes = ", ".join(
-            f"{r.numel:,} floats {r.variant} at {100 * r.share_of_copy_peak:.0f} % (ceiling "
-            f"{100 * copy_peak_ceiling(dev, r.variant):.1f} %)" for r in allocating)
-        findings.append(
-            f"{lead} {len(allocating)} of them ({sizes}) do so with tensors larger than the "
-            f"{_mib(cache)} cache, and that is no error: this CPU reads each cache line before "
-            "it writes it (write-allocate), so the copy moves 3 tensor sizes but is counted "
-            "as 2, and work that writes fewer fresh tensors can get above its figure, up to "
-            "the ceiling in brackets. The copy bandwidth is no hard ceiling on a CPU."
-        )
-        lead = dev + ":"
-    if disturbed:
-        sizes = ", ".join(f"{r.numel:,} floats {r.variant}" for r in disturbed)
-        limit = (" even above what write-allocate allows" if copy_peak_ceiling(
-            dev, disturbed[0].variant) > 1 else "")
-        findings.append(
-            f"{lead} {len(disturbed)} of them ({sizes}) do so{limit} although their tensors "
-            f"exceed the {_mib(cache)} cache: memory-bound work cannot do that, so other "
-            "programs held the cores while the copy or these rows were timed, and those numbers "
-            "are not the device's."
-        )
-    return findings
-
-
-def _slower_than_larger(dev: str, rows: Sequence[ElementwiseRow]) -> list[str]:
-    """A sentence on rows that took more than twice as long as a larger size of their variant.
-
-    More data can never take less time on an idle device, so other programs shared the
-    device while such rows ran.
-    """
-    odd = []
-    for r in rows:
-        larger = [s for s in rows if s.variant == r.variant and s.numel > r.numel]
-        faster = min(larger, key=lambda s: s.seconds, default=None)
-        if faster is not None and 2 * faster.seconds < r.seconds:
-            odd.append((r, faster))
-    if not odd:
-        return []
-    r, faster = max(odd, key=lambda pair: pair[0].seconds / pair[1].seconds)
-    return [
-        f"{dev}: {len(odd)} row(s) took more than twice as long as a larger size of the same "
-        f"variant (e.g. {r.numel:,} floats {r.variant}: {format_seconds(r.seconds)}, against "
-        f"{format_seconds(faster.seconds)} for {faster.numel:,}). More data cannot take less "
-        "time, so other programs were competing for the device while those rows ran (on a "
-        "CPU, an operation split over all cores waits for the slowest one), and those rows "
-        "are not the device's times."
-    ]
-
-
-def multiply_add_findings(
-    rows: Sequence[ElementwiseRow],
-    copy_gbps: Mapping[str, float],
-    cache_bytes: Mapping[str, int | None] | None = None,
-) -> list[str]:
-    """What the multiply-add sweep shows, as sentences that follow its numbers.
-
-    Per device: which rows beat the copy bandwidth and why (tensors that fit in
-    the cache can; on an x86 CPU larger ones can too, up to
-    :func:`copy_peak_ceiling`, because of write-allocate; beyond it a row points at
-    a measurement that other programs shared), how close the
-    largest size comes to it, and how fused compares with unfused there against
-    the 1.5x that the bytes predict. Across devices: each GPU's speed-up over the
-    CPU at the largest size, next to the ratio of their copy bandwidths.
-    ``cache_bytes`` maps ``str(device)`` to its last-level cache size (see
-    :func:`device_cache_bytes`); missing or None means unknown.
-    """
-    _check_rows(rows, "multiply_add_findings")
-    if not rows:
-        raise ValueError("no rows: run multiply_add_sweep first")
-    _check_mapping("copy_gbps", copy_gbps, "{'cpu': measure_copy_bandwidth('cpu')}")
-    missing = sorted({r.device for r in rows} - set(copy_gbps))
-    if missing:
-        raise ValueError(f"copy_gbps has no bandwidth for {missing}; pass the copy_gbps that "
-                         "the sweep was run with")
-    cache_bytes = {} if cache_bytes is None else cache_bytes
-    _check_mapping("cache_bytes", cache_bytes, "{'cpu': device_cache_bytes('cpu')}")
-    findings = []
-    devices = list(dict.fromkeys(r.device for r in rows))
-    for dev in devices:
-        mine = [r for r in rows if r.device == dev]
-        above = [r for r in mine if r.share_of_copy_peak > 1.0]
-        if above:
-            findings += _beating_the_copy(dev, above, len(mine), copy_gbps[dev],
-                                          cache_bytes.get(dev))
-        else:
-            findings.append(
-                f"{dev}: no row beats the copy bandwidth of {copy_gbps[dev]:.3g} GB/s, as "
-                "memory-bound work should not."
-            )
-        findings += _slower_than_larger(dev, mine)
-        largest = max(r.numel for r in mine)
-        at_largest = {r.variant: r for r in mine if r.numel == largest}
-        shares = ", ".join(
-            f"{name} {100 * r.share_of_copy_peak:.0f} %" for name, r in at_largest.items()
-        )
-        findings.append(f"{dev}: at {largest:,} floats, {shares} of the copy bandwidth.")
-        if "fused" in at_largest and "unfused" in at_largest:
-            gain = at_largest["unfused"].seconds / at_largest["fused"].seconds
-            expected = UNFUSED_TENSOR_PASSES / FUSED_TENSOR_PASSES
-            if gain > 1.2 * expected:
-                why = (
-                    f"more than the {expected:.1f}x that the bytes explain: the unfused step "
-                    "also allocates two new tensors every step (a * b and the new result), "
-                    "and that costs time on top of the traffic"
-                )
-            elif gain >= 0.8 * expected:
-                why = f"close to the {expected:.1f}x fewer bytes it moves"
-            else:
-                why = (
-                    f"less than the {expected:.1f}x fewer bytes it moves: something other than "
-                    "memory traffic limits this size here (per-operation overheads, or other "
-                    "programs sharing the device)"
-                )
-            findings.append(f"{dev}: fused is {gain:.2f}x as fast as unfused there, {why}.")
-    cpu_rows = {(r.numel, r.variant): r for r in rows if r.device == "cpu"}
-    gpus = [d for d in devices if d != "cpu"]
-    if not gpus:
-        findings.append(
-            "Only the CPU ran, so the table's speed-up over the CPU is 1 throughout; "
-            "on a machine with a GPU each GPU gets its own rows."
-        )
-    for dev in gpus:
-        largest = max(r.numel for r in rows if r.device == dev)
-        fused = next(
-            (r for r in rows if r.device == dev and r.numel == largest and r.variant == "fused"),
-            None,
-        )
-        base = cpu_rows.get((largest, "fused"))
-        if fused is None or base is None or "cpu" not in copy_gbps:
-            continue
-        findings.append(
-            f"{dev}: {base.seconds / fused.seconds:.1f}x as fast as the CPU at {largest:,} "
-            f"floats (fused); its copy bandwidth is {copy_gbps[dev] / copy_gbps['cpu']:.1f}x "
-            "the CPU's."
-        )
-    return findings
-
-
-def plot_multiply_add(rows: Sequence[ElementwiseRow], copy_gbps: Mapping[str, float]):
-    """Two panels from the multiply-add sweep; returns the figure.
-
-    Left: achieved GB/s against tensor size, one line per device and variant
-    (distinct markers and line styles, so that no line hides another), with each
-    device's copy bandwidth as a dotted line. Right: how much faster fused is than
-    unfused, per device, against the 1.5x that the bytes predict.
-    """
-    _check_rows(rows, "plot_multiply_add")
-    if not rows:
-        raise ValueError("no rows to plot: run multiply_add_sweep first")
-    _check_mapping("copy_gbps", copy_gbps, "{'cpu': measure_copy_bandwidth('cpu')}")
-    import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
-
-    fig, (ax_gbps, ax_gain) = plt.subplots(1, 2, figsize=(11, 3.8))
-    styles = {"unfused": ("o", "-"), "fused": ("s", "--")}
-    devices = list(dict.fromkeys(r.device for r in rows))
-    for colour, dev in enumerate(devices):
-        color = f"C{colour}"
-        variants = dict.fromkeys(r.variant for r in rows if r.device == dev)
-        for k, variant in enumerate(variants):
-            line = sorted((r for r in rows if r.device == dev and r.variant == variant),
-                          key=lambda r: r.numel)
-            marker, style = styles.get(variant, ("^v<>"[k % 4], ":"))
-            ax_gbps.plot([r.numel for r in line], [r.gbps for r in line], marker=marker,
-                         linestyle=style, color=color, label=f"{dev} {variant}")
-        if dev in copy_gbps:
-            ax_gbps.axhline(copy_gbps[dev], color=color, linestyle=":", linewidth=1,
-                            label=f"{dev} copy bandwidth")
-        unfused = {r.numel: r.seconds for r in rows if r.device == dev and r.variant == "unfused"}
-        fused = sorted((r for r in rows if r.device == dev and r.variant == "fused"),
-                       key=lambda r: r.numel)
-        pairs = [(r.numel, unfused[r.numel] / r.seconds) for r in fused if r.numel in unfused]
-        if pairs:
-            ax_gain.plot(*zip(*pairs, strict=True), marker="s", color=color, label=dev)
-    ax_gain.axhline(UNFUSED_TENSOR_PASSES / FUSED_TENSOR_PASSES, color="gray", linestyle="--",
-                    label="bytes ratio 6/4")
-    for ax, ylabel, title in [
-        (ax_gbps, "GB/s achieved", "bandwidth of result = result + a * b"),
-        (ax_gain, "unfused time / fused time", "what fusing buys"),
-    ]:
-        ax.set_xscale("log")
-        ax.set_xlabel("floats per tensor")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
-    ax_gbps.set_yscale("log")
-    fig.tight_layout()
-    return fig
 
 
 # --------------------------------------------------------------------------- #
@@ -1251,86 +954,9 @@ def interleaved_times(
     )
 
 
-#: In-place add over copy, in counted GB/s, from which the copy counts as short of its
-#: real traffic: 1 where a copy moves the 2 tensor-sizes counted, 1.5 where its
-#: destination is also read (3 real), so the threshold sits between them.
-WRITE_ALLOCATE_THRESHOLD = 1.25
-#: What write-allocate alone makes of that ratio: 3 real tensor-sizes for 2 counted.
-WRITE_ALLOCATE_RATIO = 1.5
-#: Fused beats in-place unfused by at least this share of the counted bytes ratio (1.5)
-#: when memory traffic sets the time.
-FUSION_SHARE_THRESHOLD = 0.8
-#: Unfused over in-place unfused (same counted bytes) above which allocating costs time.
-ALLOCATION_THRESHOLD = 1.25
-
-
-def write_allocate_verdict(rate_ratio: float) -> str:
-    """What the in-place add's counted rate over the copy's (best rounds) says about the copy."""
-    check_positive_float("rate_ratio", rate_ratio)
-    lead = (f"At their best rounds the in-place add streams {rate_ratio:.2f}x the counted bytes "
-            "per second of the copy:")
-    beyond = (
-        " Write-allocate accounts for 1.5x; the rest of the gap is not bytes: the copy kernel "
-        "streams its real bytes more slowly than the add on this machine."
-        if rate_ratio > WRITE_ALLOCATE_RATIO * 1.1 else "")
-    if rate_ratio >= WRITE_ALLOCATE_THRESHOLD:
-        return (
-            f"{lead} the copy moves more than its 2 counted tensor-sizes. Its destination is "
-            "read before it is written (write-allocate: a store to memory that is not in the "
-            "cache first fetches the line), a third tensor-size the count leaves out, while "
-            "the add writes only memory it has just read. So the peak below is the in-place "
-            f"add's rate, and the copy figure understates this memory.{beyond}"
-        )
-    return (
-        f"{lead} the copy moves what it counts (stores write whole lines without reading "
-        "them), and the peak below is the faster of the two."
-    )
-
-
-def fusion_verdict(time_ratio: float, bytes_ratio: float) -> str:
-    """Whether fusing bought what the counted bytes predict."""
-    check_positive_float("time_ratio", time_ratio)
-    check_positive_float("bytes_ratio", bytes_ratio)
-    if time_ratio >= FUSION_SHARE_THRESHOLD * bytes_ratio:
-        extra = (
-            " It gains more than the count because the unfused kernels write `scratch` "
-            "without reading it, which on a write-allocate CPU costs a hidden read."
-            if time_ratio > 1.1 * bytes_ratio else ""
-        )
-        return (
-            f"Fusing pays: fused is {time_ratio:.2f}x as fast as the same two kernels unfused "
-            f"in place, for {bytes_ratio:.2f}x fewer counted bytes. Memory traffic sets the "
-            f"time of this step.{extra}"
-        )
-    return (
-        f"Fused is only {time_ratio:.2f}x as fast as unfused in place, less than "
-        f"{FUSION_SHARE_THRESHOLD:.0%} of the {bytes_ratio:.2f}x fewer bytes it moves: "
-        "something other than memory traffic (launch overhead, arithmetic) sets the time here."
-    )
-
-
-def allocation_verdict(time_ratio: float, faults_per_step: float | None = None) -> str:
-    """What allocating two fresh tensors per step costs, against the same kernels in place."""
-    check_positive_float("time_ratio", time_ratio)
-    faults = ("" if faults_per_step is None else
-              f" The count of page faults says why: {faults_per_step:,.0f} per step, each a "
-              "fresh page of memory that the operating system maps and zeroes on first touch.")
-    if time_ratio >= ALLOCATION_THRESHOLD:
-        return (
-            f"Allocating costs: unfused takes {time_ratio:.2f}x the time of the same kernels "
-            "in place, for the same counted bytes, so the difference is the two new tensors "
-            f"per step.{faults}"
-        )
-    return (
-        f"Allocating costs little here: unfused takes {time_ratio:.2f}x the time of the same "
-        "kernels in place, for the same counted bytes (a caching allocator hands back memory "
-        f"it already holds).{faults}"
-    )
-
-
 @dataclass(frozen=True)
 class FusionStudy:
-    """The fusion study on one device: counted traffic, interleaved times and their reading."""
+    """The fusion study on one device: counted traffic and interleaved times, as a table."""
 
     device: str
     numel: int
@@ -1342,9 +968,14 @@ class FusionStudy:
         """Counted tensor-sizes moved per step."""
         return self.traffic[name].moved / (self.numel * 4)
 
+    def seconds_per_step(self, name: str) -> float:
+        """The best round's time of loop ``name``, per step: other programs only add time,
+        so the fastest round is the least disturbed one."""
+        return self.times.best(name) / self.steps
+
     def gbps(self, name: str) -> float:
-        """Counted bytes per second, from the median time."""
-        return gbps(self.traffic[name].moved * self.steps, self.times.median(name))
+        """Counted bytes per second, from :meth:`seconds_per_step`."""
+        return gbps(self.traffic[name].moved, self.seconds_per_step(name))
 
     @property
     def peak_gbps(self) -> float:
@@ -1357,29 +988,15 @@ class FusionStudy:
             faults = self.times.faults[name]
             rows.append([
                 name, f"{self.passes(name):g}", self.traffic[name].fresh,
-                self.times.median(name) / self.steps * 1e3, self.gbps(name),
+                f"{self.seconds_per_step(name) * 1e3:.2f}", f"{self.gbps(name):.1f}",
                 f"{100 * self.gbps(name) / self.peak_gbps:.0f} %",
                 "-" if faults is None else f"{faults / self.steps:,.0f}",
             ])
         return rows
 
-    def verdicts(self) -> list[str]:
-        # The yardsticks are compared at their best rounds, as peak bandwidths are: the
-        # expected gap (1.5x or none) is smaller than a single round's swing under load.
-        rate_ratio = self.times.best("copy") / self.times.best("in-place add") * (
-            self.passes("in-place add") / self.passes("copy"))
-        faults = self.times.faults["unfused"]
-        return [
-            write_allocate_verdict(rate_ratio),
-            fusion_verdict(self.times.ratio("in-place unfused", "fused"),
-                           self.passes("in-place unfused") / self.passes("fused")),
-            allocation_verdict(self.times.ratio("unfused", "in-place unfused"),
-                               None if faults is None else faults / self.steps),
-        ]
-
 
 FUSION_STUDY_HEADERS = ("variant", "tensor-sizes per step (counted)", "new tensors per step",
-                        "ms per step", "GB/s (counted)", "of peak", "page faults per step")
+                        "best ms per step", "GB/s (counted)", "of peak", "page faults per step")
 
 
 def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str, Traffic]:
@@ -1436,88 +1053,6 @@ def fusion_study(
 # torch.utils.benchmark.Timer next to time_fn, and what a profiler trace shows
 # --------------------------------------------------------------------------- #
 
-#: time_fn and torch.utils.benchmark.Timer agree when their medians differ by at most this.
-TIMER_TOLERANCE = 0.2
-
-
-def timer_agreement_verdict(ratio: float, tolerance: float = TIMER_TOLERANCE,
-                            calls_per_block: int = 1) -> str:
-    """Whether Timer's median over time_fn's median (``ratio``) is within ``tolerance`` of 1."""
-    check_positive_float("ratio", ratio)
-    check_positive_float("tolerance", tolerance)
-    check_positive_int("calls_per_block", calls_per_block)
-    if abs(ratio - 1) <= tolerance:
-        return (
-            f"torch.utils.benchmark.Timer and time_fn agree: their medians differ by "
-            f"{abs(ratio - 1):.0%}, within the {tolerance:.0%} tolerance."
-        )
-    return (
-        f"torch.utils.benchmark.Timer's median is {ratio:.2f}x time_fn's, outside the "
-        f"{tolerance:.0%} tolerance: Timer averaged blocks of {calls_per_block} calls, so each "
-        "of its times holds every pause another program caused, where time_fn's median of "
-        "single calls leaves the slow calls out. Give each call more work (a block of one call) "
-        "to compare the same statistic."
-    )
-
-
-@dataclass(frozen=True)
-class TimerAgreement:
-    """``torch.utils.benchmark.Timer`` and :func:`~d2lgpu.timing.time_fn` on the same work."""
-
-    benchmark_timer: Timing  # per-call time of each of Timer's blocks
-    time_fn: Timing  # single calls
-    calls_per_block: int
-
-    @property
-    def ratio(self) -> float:
-        return self.benchmark_timer.median / self.time_fn.median
-
-    def verdict(self, tolerance: float = TIMER_TOLERANCE) -> str:
-        return timer_agreement_verdict(self.ratio, tolerance, self.calls_per_block)
-
-
-def compare_with_benchmark_timer(
-    fn: Callable[[], object], device: DeviceLike, *, rounds: int = 3, min_run_time: float = 0.2,
-    repeats: int = 5, threads: int = 1,
-) -> TimerAgreement:
-    """Time ``fn()`` with ``Timer.blocked_autorange`` and with :func:`time_fn`, in rounds.
-
-    Each round runs Timer for ``min_run_time`` seconds and then ``time_fn`` for
-    ``repeats`` calls, so a burst of load lands on both. Both run with ``threads``
-    CPU threads: ``Timer`` sets ``torch.set_num_threads(num_threads)``, 1 by default,
-    while timing, so ``time_fn`` must do the same to time the same work.
-    """
-    check_callable("fn", fn, example="lambda: a * b")
-    check_warmup_repeats(0, rounds)
-    check_positive_int("threads", threads)
-    dev = timing_device(device)
-    from torch.utils import benchmark
-
-    on_gpu = dev is not None and dev.type == "cuda"
-
-    def clock() -> float:
-        if on_gpu:
-            torch.cuda.synchronize(dev)
-        return timeit.default_timer()
-
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, timer=clock, num_threads=threads)
-    blocks: list[float] = []
-    singles: list[float] = []
-    calls_per_block = 1
-    before = torch.get_num_threads()
-    try:
-        for _ in range(rounds):
-            measurement = timer.blocked_autorange(min_run_time=min_run_time)
-            blocks += measurement.times
-            calls_per_block = measurement.number_per_run
-            torch.set_num_threads(threads)
-            singles += time_fn(fn, dev, warmup=1, repeats=repeats).times
-            torch.set_num_threads(before)
-    finally:
-        torch.set_num_threads(before)
-    return TimerAgreement(Timing(tuple(blocks)), Timing(tuple(singles)), calls_per_block)
-
-
 @dataclass(frozen=True)
 class TraceSpans:
     """When, in a profiler trace, the host finished its calls and the device its kernels.
@@ -1558,34 +1093,3 @@ def trace_spans(events: Sequence[Any], host_names: Sequence[str] = ("aten::mul",
 
 def _is_host(event: Any) -> bool:
     return str(getattr(event, "device_type", "CPU")).rsplit(".", 1)[-1] == "CPU"
-
-
-#: The device still works after the host's last launch for at least this share of the
-#: whole trace: the host ran ahead.
-AHEAD_THRESHOLD = 0.2
-
-
-def asynchrony_verdict(spans: TraceSpans) -> str:
-    """What a trace's host and device spans say about who waited for whom."""
-    if not isinstance(spans, TraceSpans):
-        raise TypeError(f"spans must be the TraceSpans of trace_spans(prof.events()), got "
-                        f"{type(spans).__name__}")
-    if spans.device_end is None:
-        return (
-            f"The trace holds only host events: {spans.host_ops} operators ran on the calling "
-            f"thread, one after another, and the last ended {spans.host_end / 1e3:.2f} ms after "
-            "the first began. Each did its work before returning, so the host's clock is the "
-            "work's clock."
-        )
-    behind = spans.device_end - spans.host_end
-    if behind >= AHEAD_THRESHOLD * spans.device_end:
-        return (
-            f"The host issued its last call {spans.host_end / 1e3:.2f} ms into the trace; the "
-            f"device finished its {spans.kernels} kernels at {spans.device_end / 1e3:.2f} ms, "
-            f"{behind / 1e3:.2f} ms later: the CPU ran ahead and the GPU worked through the queue."
-        )
-    return (
-        f"The device finished its {spans.kernels} kernels at {spans.device_end / 1e3:.2f} ms, "
-        f"close behind the host's last call at {spans.host_end / 1e3:.2f} ms: the kernels are "
-        "so short that launching them sets the pace (launch-bound)."
-    )
