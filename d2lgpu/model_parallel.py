@@ -8,8 +8,8 @@ so several of them share one :func:`d2lgpu.distributed.launch` through
 * :class:`PipelineRun`: the model's blocks split into one stage per rank
   (``torch.distributed.pipelining``), trained with GPipe or 1F1B on
   microbatches; the activations each stage keeps are counted.
-* :class:`BubbleRun`: how long each stage computes against how long a pipeline
-  step takes, for a growing number of microbatches: the measured bubble.
+* :class:`BubbleRun`: when each stage of a real pipeline computed, timed inside its
+  steps, for a growing number of microbatches: the measured bubble.
 * :class:`TensorParallelRun`: every block split over the ranks by
   ``parallelize_module`` (Megatron-style: column-wise then row-wise), an MLP or
   an attention block, with or without sequence parallelism; the collectives
@@ -80,8 +80,6 @@ __all__ = [
     "TrainResult",
     "TwoDRun",
     "bubble_formula",
-    "bubble_matches",
-    "bubble_verdict",
     "check_2d",
     "check_mesh",
     "check_microbatches",
@@ -513,28 +511,51 @@ def train_pipeline(run: PipelineRun, ctx: DistContext) -> TrainResult:
 
 @dataclass(frozen=True)
 class BubbleResult:
-    """Per number of microbatches: the median step time, and each stage's compute time in it."""
+    """Per number of microbatches, one timed pipeline step of real stages.
+
+    ``events[i]`` is the timeline of the step of ``n_microbatches[i]``: one
+    ``(rank, kind, microbatch, start, end)`` per piece of work, ``kind`` "F" (the stage's
+    forward) or "B" (its backward, from the arrival of the output's gradient to the last
+    weight gradient), in seconds from the step's start. Every piece is timed inside the
+    step it belongs to, so the pieces of one rank never overlap and never leave the step:
+    the idle time, what is left of the step, cannot be negative.
+    """
 
     n_microbatches: list[int]
     step_seconds: list[float]
-    busy_seconds: list[list[float]]  # [m index][stage]
+    busy_seconds: list[list[float]]  # [m index][rank]
+    events: list[list[tuple[int, str, int, float, float]]]
 
     @property
     def idle_fraction(self) -> list[float]:
-        """1 - busy / step time, averaged over the stages."""
+        """1 - busy / step time, averaged over the ranks."""
         return [
             1 - statistics.fmean(busy) / step
             for busy, step in zip(self.busy_seconds, self.step_seconds, strict=True)
         ]
 
+    def piece_seconds(self, index: int, kind: str) -> list[list[float]]:
+        """``[rank][microbatch]``: how long each ``kind`` ("F" or "B") piece of step
+        ``index`` took."""
+        if kind not in ("F", "B"):
+            raise ValueError(f"kind must be 'F' or 'B', got {kind!r}")
+        m, events = self.n_microbatches[index], self.events[index]
+        n_ranks = len(self.busy_seconds[index])
+        out = [[0.0] * m for _ in range(n_ranks)]
+        for rank, k, mb, start, end in events:
+            if k == kind:
+                out[rank][mb] = end - start
+        return out
+
 
 @dataclass(frozen=True)
 class BubbleRun:
-    """Time pipeline steps of a fixed microbatch size for each number of microbatches.
+    """Time pipeline steps of real stages (the model's blocks) for each number of
+    microbatches of a fixed size.
 
-    Each stage also times its own forward and backward on the same microbatches
-    alone (no sends, no waiting): the time it is busy in a step. What is left of
-    the step is idle: the bubble, plus the time spent sending.
+    Each stage records, inside every step, when its forward and its backward of each
+    microbatch began and ended: what is left of the step is idle, the bubble plus the
+    messages. ``repeats`` steps per ``m``; the one of median length is kept.
     """
 
     spec: ModelSpec = ModelSpec(width=256, hidden=1024, depth=4)
@@ -567,51 +588,103 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, repeats: int, device: torch.device | None = None) -> float:
-    """The median of ``repeats`` timings of ``fn()``, the device synchronized around each."""
-    times = []
-    for _ in range(repeats):
-        if device is not None:
-            _synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device is not None:
-            _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+class _BackwardStarts(torch.autograd.Function):
+    """Identity; its backward runs first in the stage's backward and records when."""
+
+    @staticmethod
+    def forward(ctx, x, record):  # type: ignore[override]
+        ctx.record = record
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        _wait_for(grad)
+        ctx.record()
+        return grad, None
+
+
+class _TimedStage(nn.Module):
+    """``module`` as a pipeline stage that records when each forward and backward ran.
+
+    A backward begins when the gradient of the stage's output arrives (the identity
+    function on the output) and ends with the last weight gradient accumulated (a hook
+    on every parameter); the first stage has no input gradient to compute, so the weights'
+    are its last work."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module, self.device = module, device
+        self.forwards: list[tuple[float, float]] = []
+        self.backward_starts: list[float] = []
+        self.accumulated: list[float] = []
+        for param in module.parameters():
+            param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _now(self) -> float:
+        _synchronize(self.device)
+        return time.perf_counter()
+
+    def _accumulated(self, _param: torch.Tensor) -> None:
+        self.accumulated.append(self._now())
+
+    def _backward_starts(self) -> None:
+        self.backward_starts.append(self._now())
+
+    def clear(self) -> None:
+        self.forwards.clear()
+        self.backward_starts.clear()
+        self.accumulated.clear()
+
+    def pieces(self) -> list[tuple[str, int, float, float]]:
+        """``(kind, microbatch, start, end)`` of this step's pieces, in the order they ran
+        (GPipe and 1F1B run each kind's microbatches in order)."""
+        out = [("F", i, a, b) for i, (a, b) in enumerate(self.forwards)]
+        starts = self.backward_starts + [math.inf]
+        for i, start in enumerate(starts[:-1]):
+            ends = [t for t in self.accumulated if start <= t < starts[i + 1]]
+            out.append(("B", i, start, max(ends, default=start)))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = self._now()
+        out = self.module(x)
+        self.forwards.append((start, self._now()))
+        return _BackwardStarts.apply(out, self._backward_starts)
 
 
 def measure_bubble(run: BubbleRun, ctx: DistContext) -> BubbleResult:
+    """Every rank calls it; rank 0 returns the steps' times and their timelines."""
     model = run.spec.build(0)
-    stage_module = split_stages(model, ctx.world_size)[ctx.rank].to(ctx.device)
-    steps, busy = [], []
+    stage = _TimedStage(split_stages(model, ctx.world_size)[ctx.rank].to(ctx.device),
+                        ctx.device)
+    steps, busy, timelines = [], [], []
     for m in run.n_microbatches:
-        batch = m * run.microbatch_size
-        schedule = _build_schedule(stage_module, run, ctx, m)
-        X, Y = (t.to(ctx.device) for t in run.spec.data(batch, run.seq_len, 0))
-        # The stage's input: the right shape; its values do not change the time.
-        mb = X[: run.microbatch_size].clone().requires_grad_(ctx.rank > 0)
-
-        def alone(mb=mb, m=m) -> None:
-            for _ in range(m):
-                out = stage_module(mb)
-                out.backward(torch.ones_like(out))
-
-        def step(schedule=schedule, X=X, Y=Y) -> None:
+        schedule = _build_schedule(stage, run, ctx, m)
+        X, Y = (t.to(ctx.device)
+                for t in run.spec.data(m * run.microbatch_size, run.seq_len, 0))
+        _pipeline_step(schedule, X, Y, ctx)  # warm-up: the first step also sets up buffers
+        records = []
+        for _ in range(run.repeats):
+            stage.clear()
+            stage.zero_grad()
+            _synchronize(ctx.device)
+            dist.barrier()
+            start = time.perf_counter()
             _pipeline_step(schedule, X, Y, ctx)
-
-        step()  # warm-up: the stage's first step also sets up its buffers
-        alone()
-        _synchronize(ctx.device)
-        dist.barrier()
-        step_time = _median_time(step, run.repeats, ctx.device)
-        busy_time = _median_time(alone, run.repeats, ctx.device)
-        stage_module.zero_grad()
-        times: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(times, (step_time, busy_time))
-        steps.append(max(t[0] for t in times))
-        busy.append([t[1] for t in times])
-    return BubbleResult(list(run.n_microbatches), steps, busy)
+            _synchronize(ctx.device)
+            end = time.perf_counter()
+            gathered: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(gathered, (start, end, stage.pieces()))
+            t0 = min(g[0] for g in gathered)
+            records.append((max(g[1] for g in gathered) - t0, t0, gathered))
+        stage.zero_grad()
+        step_s, t0, gathered = sorted(records, key=lambda r: r[0])[len(records) // 2]
+        steps.append(step_s)
+        busy.append([sum(b - a for _, _, a, b in pieces) for _, _, pieces in gathered])
+        timelines.append([(rank, kind, mb, a - t0, b - t0)
+                          for rank, (_, _, pieces) in enumerate(gathered)
+                          for kind, mb, a, b in pieces])
+    return BubbleResult(list(run.n_microbatches), steps, busy, timelines)
 
 
 # ---------------------------------------------------------------------------
@@ -885,30 +958,6 @@ def time_fixed_cost_schedule(run: FixedCostRun, ctx: DistContext) -> ScheduleTim
         timelines.append(timeline)
     return ScheduleTiming(run.schedule, ctx.world_size, run.unit_s, list(run.n_microbatches),
                           steps, busy, timelines)
-
-
-def bubble_matches(measured: Sequence[float], formula: Sequence[float],
-                   tolerance: float = 0.05) -> bool:
-    """Whether every measured bubble (idle fraction) lies within ``tolerance`` of the
-    formula's."""
-    measured = check_sequence("measured", measured, of="idle fractions")
-    formula = check_sequence("formula", formula, of="idle fractions")
-    if len(measured) != len(formula) or not measured:
-        raise ValueError(f"measured and formula need the same number of values (at least "
-                         f"one), got {len(measured)} and {len(formula)}")
-    check_positive_float("tolerance", tolerance)
-    return all(abs(a - b) <= tolerance for a, b in zip(measured, formula, strict=True))
-
-
-def bubble_verdict(name: str, measured: Sequence[float], formula: Sequence[float],
-                   tolerance: float = 0.05) -> str:
-    """One sentence: does the measured bubble of schedule ``name`` follow its formula?"""
-    if bubble_matches(measured, formula, tolerance):
-        return (f"{name}: the measured bubble lies within {tolerance * 100:.0f} points "
-                "of the formula at every m")
-    return (f"{name}: the measured bubble is more than {tolerance * 100:.0f} points "
-            "from the formula at some m: this schedule's plan is not the one the formula "
-            "describes")
 
 
 _KIND_COLORS = {"F": "tab:blue", "I": "tab:orange", "W": "tab:green"}

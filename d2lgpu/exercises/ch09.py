@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from d2lgpu.exercises import (
     attempt,
@@ -71,24 +72,62 @@ def split_into_stages(fn: Callable[[nn.Sequential, int], list[nn.Sequential]]) -
                "model's output")
 
 
+class _MatmulShapes(TorchDispatchMode):
+    """Records the operand shapes of every matrix multiply that runs under it (whichever
+    Python call issued it: ``@``, ``F.linear``, ``einsum``, a module's forward)."""
+
+    _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "_addmm_activation")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[list[tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func.overloadpacket.__name__ in self._MATMULS:
+            self.shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        return func(*args, **(kwargs or {}))
+
+
 def tensor_parallel_mlp(fn: Callable[[MLPBlock, torch.Tensor, int], torch.Tensor]) -> None:
-    """Exercise 9.3: ``fn(block, x, n)`` computes ``block(x)`` as ``n`` tensor-parallel ranks."""
+    """Exercise 9.3: ``fn(block, x, n)`` computes ``block(x)`` as ``n`` tensor-parallel ranks.
+
+    Besides the result, the check watches the matrix multiplies: with ``n > 1`` ranks no
+    multiply may use all the hidden units at once (``block(x)``, ``block.fc1(x)``, or the
+    whole weight in an einsum), since no rank holds them all.
+    """
     ex = "9.3"
     torch.manual_seed(0)
-    block = MLPBlock(16, 64)
-    x = torch.randn(3, 5, 16)
+    width, hidden = 16, 64
+    block = MLPBlock(width, hidden)
+    x = torch.randn(3, 5, width)
     with torch.no_grad():
         want = block(x)
         for n in (1, 2, 4, 8):
-            got = attempt(ex, fn, block, x, n)
+            watch = _MatmulShapes()
+            with watch:
+                got = attempt(ex, fn, block, x, n)
             expect_tensor_close(ex, got, want, f"with n={n} ranks, against block(x)", 1e-5,
-                                "each rank takes rows of fc1 (its share of the hidden units) "
-                                "and the same columns of fc2, and the partial outputs are "
-                                "summed; fc2's bias is added once")
+                                "each rank takes its share of fc1's output features (rows "
+                                "of fc1.weight and of fc1.bias) and the same input features "
+                                "of fc2 (columns of fc2.weight), and the partial outputs are "
+                                "summed; fc2's bias and the residual are added once")
+            if n == 1:
+                continue
+            expect(ex, bool(watch.shapes),
+                   f"with n={n} ranks no matrix multiply ran: compute each rank's share with "
+                   "its slices of the weights (x @ w.T or F.linear)")
+            whole = [s for s in watch.shapes if any(hidden in shape for shape in s)]
+            expect(ex, not whole,
+                   f"with n={n} ranks a matrix multiply used all {hidden} hidden units at "
+                   f"once (operands of shapes {whole[0] if whole else ''}): that is one "
+                   f"device computing the whole block. Each rank multiplies by its own "
+                   f"{hidden}/{n} hidden units only; the sum of the partial outputs is the "
+                   "one place the ranks meet")
     with torch.no_grad():
         expect_value_error(ex, fn, (block, x, 3), "64 hidden units do not split over 3 ranks")
-    passed(ex, "fc1 split by rows and fc2 by columns over 1, 2, 4 and 8 ranks, one sum at the "
-               "end: the block's output")
+    passed(ex, "fc1 split column-wise (its output features) and fc2 row-wise (its input "
+               "features) over 1, 2, 4 and 8 ranks, no rank multiplying by all the hidden "
+               "units, one sum at the end: the block's output")
 
 
 def activations_held(fn: Callable[[str, int, int, int], int]) -> None:
