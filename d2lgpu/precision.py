@@ -745,9 +745,12 @@ def precision_sweep(
     runnable = [mode for mode in modes if reasons[mode] is None]
     bar = None
     if progress:
-        from tqdm.auto import tqdm  # a widget bar in Jupyter, a text bar elsewhere
+        with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
+            warnings.simplefilter("ignore")
+            from tqdm.auto import tqdm  # a widget bar in Jupyter, a text bar elsewhere
 
-        bar = tqdm(total=len(batch_sizes) * repeats * len(runnable), desc="sweep rows")
+        bar = tqdm(total=len(batch_sizes) * repeats * len(runnable), desc="sweep rows",
+                   unit="row")
     for batch_size in batch_sizes:
         for _ in range(repeats):
             for mode in runnable:
