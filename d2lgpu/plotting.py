@@ -212,13 +212,14 @@ def plot_history(history, ax=None, title: str | None = None):
 
 
 def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
-    """Step time and peak memory against batch size, one line per precision mode.
+    """Step time and memory against batch size, one line per precision mode.
 
     The classic mixed-precision figure, drawn from the rows of
-    :func:`d2lgpu.precision_sweep`. Rows that did not run (``"OOM"``, ``"needs
-    CUDA"``) have no point. Where no row has a peak memory (the CPU keeps no
-    peak statistic) there is no memory panel at all, and the time panel's title
-    says that memory is measured on CUDA GPUs only. Returns the figure.
+    :func:`d2lgpu.precision_sweep`: a panel of median step times, a panel of the
+    bytes one step saved for the backward pass (counted on every device, the CPU
+    included) where any row has them, and a panel of peak GPU memory where any row
+    has one (CUDA only: a CPU keeps no peak statistic). Rows that did not run
+    (``"OOM"``, ``"needs CUDA"``) have no point. Returns the figure.
     """
     _check_labels(title=title)
     rows = check_sequence("rows", rows, of="SweepRow (from d2lgpu.precision_sweep)",
@@ -226,7 +227,8 @@ def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
     if not rows:
         raise ValueError("no sweep rows to plot: run d2lgpu.precision_sweep first")
     wrong = [r for r in rows if not all(
-        hasattr(r, f) for f in ("mode", "ok", "batch_size", "median_seconds", "peak_memory_bytes")
+        hasattr(r, f) for f in ("mode", "ok", "batch_size", "median_seconds", "peak_memory_bytes",
+                                "saved_activation_bytes")
     )]
     if wrong:
         raise TypeError(
@@ -235,34 +237,27 @@ def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
         )
     import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
 
-    with_memory = any(r.ok and r.peak_memory_bytes is not None for r in rows)
-    if with_memory:
-        fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(10.0, 3.5))
-    else:
-        fig, time_ax = plt.subplots(figsize=(5.5, 3.5))
-        memory_ax = None
-    for mode in dict.fromkeys(r.mode for r in rows):  # modes in sweep order
-        ran = sorted((r for r in rows if r.mode == mode and r.ok), key=lambda r: r.batch_size)
-        if ran:
-            sizes = [r.batch_size for r in ran]
-            time_ax.plot(sizes, [1000 * r.median_seconds for r in ran], marker="o", label=mode)
-        measured = [r for r in ran if r.peak_memory_bytes is not None]
-        if measured and memory_ax is not None:
-            memory_ax.plot(
-                [r.batch_size for r in measured],
-                [r.peak_memory_bytes / 2**20 for r in measured],
-                marker="o",
-                label=mode,
-            )
-    time_title = "time per training step"
-    if memory_ax is None:
-        time_title += "\n(peak memory is measured on CUDA GPUs only)"
-    _label_axes(time_ax, "batch size", "median step time (ms)", title=time_title, yscale="log")
-    axes = [time_ax]
-    if memory_ax is not None:
-        _label_axes(memory_ax, "batch size", "peak memory (MiB)", title="peak GPU memory")
-        axes.append(memory_ax)
-    for ax in axes:
+    # (what a panel shows, its y label, its title), each drawn only where some row has it.
+    panels = [
+        (lambda r: 1000 * r.median_seconds, "median step time (ms)", "time per training step"),
+        (lambda r: None if r.saved_activation_bytes is None else r.saved_activation_bytes / 2**20,
+         "MiB", "saved for the backward pass"),
+        (lambda r: None if r.peak_memory_bytes is None else r.peak_memory_bytes / 2**20,
+         "MiB", "peak GPU memory"),
+    ]
+    ran = [r for r in rows if r.ok]
+    panels = [panel for i, panel in enumerate(panels)
+              if i == 0 or any(panel[0](r) is not None for r in ran)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1.0, 3.5),
+                             squeeze=False)
+    for ax, (value, ylabel, panel_title) in zip(axes[0], panels, strict=True):
+        for mode in dict.fromkeys(r.mode for r in rows):  # modes in sweep order
+            points = sorted((r.batch_size, value(r)) for r in ran
+                            if r.mode == mode and value(r) is not None)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=mode)
+        _label_axes(ax, "batch size", ylabel, title=panel_title,
+                    yscale="log" if ax is axes[0][0] else "linear")
         ax.set_xscale("log", base=2)  # batch sizes double from point to point
         if ax.lines:
             ax.legend()

@@ -39,7 +39,6 @@ from d2lgpu.checks import (
     check_positive_int,
     check_seed,
     check_sequence,
-    check_str_list,
     loss_diverged,
 )
 from d2lgpu.chips import native_tensor_core_formats
@@ -70,7 +69,6 @@ __all__ = [
     "speed_verdict",
     "sweep_cnn",
     "sweep_mlp",
-    "sweep_row_against_loop",
     "tf32_matmuls",
 ]
 
@@ -538,7 +536,7 @@ def _measure_one(
     device: torch.device,
     steps: int,
     warmup: int,
-    lr: float,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     seed: int,
 ) -> SweepRow:
@@ -555,7 +553,10 @@ def _measure_one(
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise ValueError("model_fn() returned a model whose weights hold NaN or inf: fix its "
                          "initialisation before measuring it")
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = make_optimizer(list(model.parameters()))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("make_optimizer(parameters) must return a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
     batch = make_batch(batch_size, device)
     if not (isinstance(batch, tuple) and len(batch) == 2
             and all(isinstance(t, torch.Tensor) for t in batch)):
@@ -596,7 +597,7 @@ def _measure_one(
         raise FloatingPointError(
             f"the {mode} run at batch {batch_size} ended with loss {last_loss:.4g} after "
             f"{len(losses)} steps, from {float(losses[0]):.4g} at the first: training "
-            f"diverged. Try a smaller lr (this sweep: {lr:g}), {other}."
+            f"diverged. Try a smaller learning rate, {other}."
         )
     return SweepRow(
         mode=mode,
@@ -658,6 +659,7 @@ def _check_sweep_arguments(
     loss_fn: object,
     seed: object,
     repeats: object,
+    make_optimizer: object = None,
 ) -> None:
     """Refuse what cannot be a sweep, naming the argument and what it takes."""
     for name, fn in (("model_fn", model_fn), ("make_batch", make_batch), ("loss_fn", loss_fn)):
@@ -682,6 +684,17 @@ def _check_sweep_arguments(
     check_positive_float("lr", lr)
     check_seed(seed)
     check_positive_int("repeats", repeats)
+    if make_optimizer is not None and not callable(make_optimizer):
+        raise TypeError("make_optimizer must be a function of the parameters (or None: SGD with "
+                        f"lr), got {type(make_optimizer).__name__} {make_optimizer!r}")
+
+
+def _optimizer_maker(make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
+                     lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """``make_optimizer``, or plain SGD with ``lr`` where it is None."""
+    if make_optimizer is not None:
+        return make_optimizer
+    return lambda parameters: torch.optim.SGD(parameters, lr=lr)
 
 
 def precision_sweep(
@@ -697,6 +710,8 @@ def precision_sweep(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
     seed: int = 0,
     repeats: int = 1,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    progress: bool = False,
 ) -> list[SweepRow]:
     """Train ``model_fn()`` briefly in each mode at each batch size and measure it.
 
@@ -716,23 +731,37 @@ def precision_sweep(
     its repeats, and :func:`compare_sweep_modes` can tell a difference from noise.
     A loss that becomes NaN or inf stops the sweep with a ``FloatingPointError``,
     as in :func:`d2lgpu.train`; so do NaN in the batch or the initial weights.
+
+    ``make_optimizer(parameters)`` builds each row's optimizer (None: SGD with
+    ``lr``). ``progress=True`` shows a ``tqdm`` bar over the rows as they run.
     """
     _check_sweep_arguments(model_fn, make_batch, modes, batch_sizes, steps, warmup, lr, loss_fn,
-                           seed, repeats)
+                           seed, repeats, make_optimizer)
+    check_bool("progress", progress)
+    optimizer_maker = _optimizer_maker(make_optimizer, lr)
     device = as_device(device)
     reasons = {mode: mode_unavailable_reason(mode, device) for mode in modes}
     measured: dict[tuple[str, int], SweepRow] = {}
+    runnable = [mode for mode in modes if reasons[mode] is None]
+    bar = None
+    if progress:
+        with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
+            warnings.simplefilter("ignore")
+            from tqdm.auto import tqdm  # a widget bar in Jupyter, a text bar elsewhere
+
+        bar = tqdm(total=len(batch_sizes) * repeats * len(runnable), desc="sweep rows",
+                   unit="row")
     for batch_size in batch_sizes:
         for _ in range(repeats):
-            for mode in modes:
-                if reasons[mode] is not None:
-                    continue
+            for mode in runnable:
                 previous = measured.get((mode, batch_size))
                 if previous is not None and not previous.ok:
+                    if bar is not None:
+                        bar.update()
                     continue  # out of memory once: it will not fit the next time either
                 try:
                     row = _measure_one(model_fn, make_batch, mode, batch_size, device, steps,
-                                       warmup, lr, loss_fn, seed)
+                                       warmup, optimizer_maker, loss_fn, seed)
                 except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
                     # Only running out of memory is expected; any other error is a bug.
                     if not _is_out_of_memory(exc):
@@ -748,6 +777,10 @@ def precision_sweep(
                     row = SweepRow(mode, batch_size, statistics.median(times), peak, row.loss,
                                    row.steps_run, "ok", times, row.saved_activation_bytes)
                 measured[(mode, batch_size)] = row
+                if bar is not None:
+                    bar.update()
+    if bar is not None:
+        bar.close()
     rows = []
     for mode in modes:
         for batch_size in batch_sizes:
@@ -757,29 +790,6 @@ def precision_sweep(
             else:
                 rows.append(measured[(mode, batch_size)])
     return rows
-
-
-def sweep_row_against_loop(row: SweepRow, loop_loss: float, tolerance: float = 1e-6) -> str:
-    """One line setting a sweep row beside a plain training loop's last loss (chapter 6).
-
-    A row that ran says how many steps it took and whether its last loss equals
-    ``loop_loss`` within ``tolerance``. A row that did not run has no loss (None) and
-    its status says why: the mode is unavailable on this device (bf16 below compute
-    capability 8.0: a T4, a V100, where the plain loop still ran it, emulated), or the
-    batch did not fit; the line says that instead of comparing.
-    """
-    if not isinstance(row, SweepRow):
-        raise TypeError(f"row must be one SweepRow of precision_sweep's list, got "
-                        f"{type(row).__name__} {row!r:.60}")
-    if not isinstance(loop_loss, (int, float)) or isinstance(loop_loss, bool):
-        raise TypeError(f"loop_loss must be the plain loop's last loss (a float), got "
-                        f"{type(loop_loss).__name__} {loop_loss!r:.60}")
-    check_positive_float("tolerance", tolerance)
-    if not row.ok or row.loss is None:
-        return (f"the sweep did not run {row.mode} at batch {row.batch_size}: {row.status}; "
-                "no loss to compare with the plain loop's")
-    return (f"steps: {row.steps_run} | the package's last loss equals the plain loop's: "
-            f"{abs(row.loss - loop_loss) < tolerance}")
 
 
 #: A comparison needs this many paired repeats before it names a faster mode.
@@ -998,130 +1008,6 @@ def random_batch_maker(
 # ---------------------------------------------------------------------------
 
 
-def sweep_checks(
-    rows: Sequence[SweepRow],
-    modes: Sequence[str],
-    batch_sizes: Sequence[int],
-    device: torch.device | str,
-    loss_tolerance: float = 0.1,
-) -> dict[str, bool]:
-    """What must hold for a sweep on any machine, as named True/False results.
-
-    One row per mode and batch size, in sweep order; every row measured, out of
-    memory, or saying what it needs; reduced precision compared with fp32 at
-    least once and within ``loss_tolerance`` of its loss (same model, data and
-    weights); the bytes saved for the backward pass counted for every row that ran,
-    and fewer under fp16 or bf16 than under fp32 at the largest batch both ran (at
-    small batches autocast's 16-bit copies of the weights, which it saves too, can
-    outweigh the activations); peak memory recorded exactly on CUDA.
-    """
-    _check_rows(rows)
-    check_str_list("modes", modes)
-    for size in check_sequence("batch_sizes", batch_sizes, of="positive ints"):
-        check_positive_int("batch_sizes entries", size)
-    check_positive_float("loss_tolerance", loss_tolerance)
-    device = as_device(device)
-    fp32_loss = {r.batch_size: r.loss for r in rows if r.mode == "fp32" and r.ok}
-    fp32_saved = {r.batch_size: r.saved_activation_bytes for r in rows if r.mode == "fp32" and r.ok}
-    ran = {(r.mode, r.batch_size) for r in rows if r.ok}
-    tracks_fp32 = [
-        abs(r.loss - fp32_loss[r.batch_size]) < loss_tolerance
-        for r in rows
-        if r.ok and r.mode != "fp32" and r.batch_size in fp32_loss
-    ]
-    expected = [(mode, b) for mode in modes for b in batch_sizes]
-    return {
-        "one row per mode and batch size": [(r.mode, r.batch_size) for r in rows] == expected,
-        "every row measured, OOM, or says what it needs": all(
-            r.ok or r.status == "OOM" or r.status.startswith("needs") for r in rows
-        ),
-        "reduced precision compared with fp32 at least once": len(tracks_fp32) > 0,
-        f"reduced-precision losses within {loss_tolerance:g} of fp32": all(tracks_fp32),
-        "bytes saved for the backward pass counted for every row that ran": all(
-            r.saved_activation_bytes is not None for r in rows if r.ok
-        ),
-        "reduced precision saves fewer bytes than fp32 at the largest batch": all(
-            r.saved_activation_bytes < fp32_saved[r.batch_size]
-            for r in rows
-            if r.ok and r.mode in ("fp16", "bf16") and r.saved_activation_bytes is not None
-            and fp32_saved.get(r.batch_size) is not None
-            and r.batch_size == max(b for b in fp32_saved if fp32_saved[b] is not None
-                                    and (r.mode, b) in ran)
-        ),
-        "peak memory measured exactly when on CUDA": all(
-            (r.peak_memory_bytes is not None) == (device.type == "cuda") for r in rows if r.ok
-        ),
-    }
-
-
-def explain_comparison(
-    comparison: SweepComparison | None,
-    device: torch.device | str,
-    cpu_native_bf16: bool = False,
-) -> str:
-    """The headline of a sweep: what was measured, and what it means on this device.
-
-    The speed verdict is :func:`speed_verdict` of the paired repeats, and the ratio
-    quoted is their median (candidate against baseline, at the batch size named).
-    A ratio below 1 is stated as a slow-down, not as a "0.35x speed-up". Memory is
-    the peak on a GPU and the bytes saved for the backward pass wherever they were
-    counted. On a CPU it adds what the CPU offers (pass ``cpu_native_bf16``, from
-    :func:`cpu_has_native_bf16`). Lines are wrapped at 100 characters.
-    """
-    import textwrap
-
-    device = as_device(device)
-    check_bool("cpu_native_bf16", cpu_native_bf16)
-    if comparison is None:
-        return f"no batch size ran in both modes on {device}: nothing to compare"
-    if not isinstance(comparison, SweepComparison):
-        raise TypeError(f"comparison must be what compare_sweep_modes returns, "
-                        f"got {type(comparison).__name__}")
-    b, cand, base = comparison.batch_size, comparison.candidate, comparison.baseline
-    paired = comparison.repeat_speedups
-    ratio = comparison.paired_speedup
-    basis = (f" (median of {len(paired)} paired repeats, {min(paired):.2f}x to "
-             f"{max(paired):.2f}x; step time of {base} over {cand})" if paired else "")
-    verdict = comparison.verdict
-    if verdict == "too few repeats":
-        measured = (f"{cand} against {base} at batch {b}: ratio {ratio:.2f}x from "
-                    f"{len(paired)} repeat(s); a speed verdict takes "
-                    f"{MIN_REPEATS_FOR_A_VERDICT} or more")
-    elif verdict == "faster":
-        measured = f"{cand} ran {ratio:.2f}x as fast as {base} at batch {b}{basis}"
-    elif verdict == "slower":
-        measured = f"{cand} ran {1 / ratio:.2f}x slower than {base} at batch {b}{basis}"
-    else:
-        measured = (f"{cand} ran as fast as {base} at batch {b}, within "
-                    f"{100 * TIE_TOLERANCE:.0f}%: ratio {ratio:.2f}x{basis}")
-    measured += "."
-    memory = []
-    if comparison.memory_ratio is not None:
-        memory.append(f"{100 * (1 - comparison.memory_ratio):.0f}% less peak memory")
-    if comparison.saved_ratio is not None:
-        memory.append(f"{100 * (1 - comparison.saved_ratio):.0f}% fewer bytes saved for the "
-                      "backward pass")
-    if memory:
-        measured += f" Memory: {cand} used " + " and ".join(memory) + f" than {base}."
-    if device.type == "cpu":
-        offers = ("has bf16 instructions (AVX512-BF16, AMX or Arm BF16)" if cpu_native_bf16
-                  else "has no bf16 instructions, so autocast converts every operand")
-        meaning = f"This CPU {offers}, and the automatic choice here is " + (
-            "bf16." if cpu_native_bf16 else "fp32.")
-        if verdict == "slower" and cpu_native_bf16:
-            meaning += " For this model, on this machine, bf16 did not pay."
-        elif verdict == "faster" and not cpu_native_bf16:
-            meaning += " Unusually, bf16 still won for this model."
-    elif verdict == "slower":
-        meaning = (
-            "At this size kernel launches, not arithmetic, take the time; "
-            "larger batches show the Tensor Cores' gain."
-        )
-    else:
-        meaning = ""
-    return "\n".join(textwrap.fill(text, 100) for text in (measured, meaning) if text)
-
-
 def estimate_sweep_seconds(
     model_fn: Callable[[], nn.Module],
     make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
@@ -1135,6 +1021,8 @@ def estimate_sweep_seconds(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
     seed: int = 0,
     repeats: int = 1,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    progress: bool = False,
 ) -> float:
     """How many seconds :func:`precision_sweep` with these arguments will take, measured.
 
@@ -1146,18 +1034,21 @@ def estimate_sweep_seconds(
     are interpolated linearly in the batch size between the two probes, since a
     small batch uses the hardware less well than a proportional share of a large
     one. A row then costs ``fixed + (warmup - 1 + steps) * step``, times ``repeats``.
-    The probes themselves cost four steps per mode, and a row each.
+    The probes themselves cost four steps per mode, and a row each. ``progress`` is
+    accepted (and ignored) so that the arguments of a sweep can be passed unchanged.
     """
     _check_sweep_arguments(model_fn, make_batch, modes, batch_sizes, steps, warmup, lr, loss_fn,
-                           seed, repeats)
+                           seed, repeats, make_optimizer)
+    check_bool("progress", progress)
+    optimizer_maker = _optimizer_maker(make_optimizer, lr)
     device = as_device(device)
 
     def probe(mode: str, batch_size: int) -> tuple[float, float] | None:
         """(fixed seconds, step seconds) of one short row, or None when it does not fit."""
         start = time.perf_counter()
         try:
-            row = _measure_one(model_fn, make_batch, mode, batch_size, device, 1, 1, lr,
-                               loss_fn, seed)
+            row = _measure_one(model_fn, make_batch, mode, batch_size, device, 1, 1,
+                               optimizer_maker, loss_fn, seed)
         except RuntimeError as exc:
             if not _is_out_of_memory(exc):
                 raise

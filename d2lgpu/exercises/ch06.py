@@ -114,6 +114,7 @@ def safe_scale_exponents(fn: Callable[[torch.Tensor], tuple[int, int]]) -> None:
         "[2**-30], a power of two": torch.tensor([2.0**-30]),
         "[1.5 * 2**-25], above half the smallest subnormal": torch.tensor([1.5 * 2.0**-25]),
         "[65520 * 2**-20], at the tie that rounds to inf": torch.tensor([65520 * 2.0**-20]),
+        "[65510 * 2**-20], between fp16's largest and the tie": torch.tensor([65510 * 2.0**-20]),
         "[3.0, -1e-3, 7e-6]": torch.tensor([3.0, -1e-3, 7e-6]),
         "1000 gradients from 1e-9 to 0.1": signs * 10.0**logs,
     }
