@@ -29,6 +29,7 @@ keep a stage's input only, and recompute the rest during backward).
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -539,7 +540,9 @@ class CheckpointRow:
     #: The CUDA allocator's peak for the same step on a GPU; None elsewhere.
     cuda_peak: int | None
     #: Seconds of forward + backward: the fastest of the timed steps, the one least
-    #: slowed down by whatever else the machine was doing.
+    #: slowed down by whatever else the machine was doing. On a GPU wall-clock time (the
+    #: GPU synchronised); on a CPU the process's CPU time (``time.process_time``), which
+    #: other programs taking turns on the cores do not stretch.
     step_seconds: float
     #: Every timed step's seconds, in the order they ran: their spread is the clock's noise.
     step_times: tuple[float, ...] = ()
@@ -569,7 +572,8 @@ def checkpointing_tradeoff(
     ``make_model()`` must build the same model every time (seed inside it); it
     is built on ``X``'s device. One counted step per variant (which also warms
     it up), then ``repeats`` timed steps of each, taken in turns so that a
-    change in the machine's load hits both alike. ``progress`` shows a tqdm bar
+    change in the machine's load hits both alike (on a CPU they are timed in CPU
+    time of this process, see :class:`CheckpointRow`). ``progress`` shows a tqdm bar
     over all these steps. Returns the two rows and
     the largest difference between the two variants' gradients (checkpointing
     recomputes the same numbers, so it should be zero or rounding).
@@ -661,7 +665,12 @@ def _checkpointing_tradeoff(
                 model.zero_grad(set_to_none=True)
                 _loss(model, X, y).backward()
 
-            times[variant].append(time_fn(step, X.device, warmup=0, repeats=1).median)
+            if X.device.type == "cpu":
+                started = time.process_time()
+                step()
+                times[variant].append(time.process_time() - started)
+            else:
+                times[variant].append(time_fn(step, X.device, warmup=0, repeats=1).median)
             if bar is not None:
                 bar.update(1)
     if bar is not None:
