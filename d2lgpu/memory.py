@@ -56,7 +56,6 @@ __all__ = [
     "checkpoint_stages",
     "checkpointing_tradeoff",
     "check_module",
-    "clock_against_count",
     "check_tensor",
     "format_mib",
     "gradient_bytes",
@@ -541,19 +540,12 @@ class CheckpointRow:
     #: The CUDA allocator's peak for the same step on a GPU; None elsewhere.
     cuda_peak: int | None
     #: Seconds of forward + backward: the fastest of the timed steps, the one least
-    #: slowed down by whatever else the machine was doing.
+    #: slowed down by whatever else the machine was doing. On a GPU wall-clock time (the
+    #: GPU synchronised); on a CPU the process's CPU time (``time.process_time``), which
+    #: other programs taking turns on the cores do not stretch.
     step_seconds: float
-
-
-def _seconds_since(started: float, device: torch.device) -> float:
-    """Seconds from ``started`` (a ``time.perf_counter()``) until ``device`` has finished.
-
-    CUDA kernels run asynchronously: without waiting for them, the host clock
-    reads how long it took to queue the work, not to do it.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
+    #: Every timed step's seconds, in the order they ran: their spread is the clock's noise.
+    step_times: tuple[float, ...] = ()
 
 
 def _counted_step(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
@@ -580,8 +572,9 @@ def checkpointing_tradeoff(
     ``make_model()`` must build the same model every time (seed inside it); it
     is built on ``X``'s device. One counted step per variant (which also warms
     it up), then ``repeats`` timed steps of each, taken in turns so that a
-    change in the machine's load hits both alike. ``progress`` prints an
-    estimate of the time left after the counted steps. Returns the two rows and
+    change in the machine's load hits both alike (on a CPU they are timed in CPU
+    time of this process, see :class:`CheckpointRow`). ``progress`` shows a tqdm bar
+    over all these steps. Returns the two rows and
     the largest difference between the two variants' gradients (checkpointing
     recomputes the same numbers, so it should be zero or rounding).
 
@@ -635,6 +628,15 @@ def _checkpointing_tradeoff(
     allow_tf32: bool,
 ) -> tuple[list[CheckpointRow], float]:
     on_cuda = X.device.type == "cuda"
+    bar = None
+    if progress:
+        import warnings
+
+        with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
+            warnings.simplefilter("ignore")
+            from tqdm.auto import tqdm
+
+        bar = tqdm(total=2 * (1 + repeats), desc="steps", unit="step")
     models, counted, grads = {}, {}, []
     for variant in ("plain", "checkpointed"):
         model = make_model().to(X.device)
@@ -644,18 +646,12 @@ def _checkpointing_tradeoff(
         if on_cuda:
             torch.cuda.synchronize(X.device)
             torch.cuda.reset_peak_memory_stats(X.device)
-        started = time.perf_counter()
         # cuDNN may pick convolution algorithms whose sums run in another order on every
         # call: deterministic ones make "the same gradients" a check of exact equality.
         with _deterministic_cudnn(conv_tf32=allow_tf32):
             held, peak = _counted_step(model, X, y)
-        if progress and models:
-            # The second counted step is warm; a plain step costs about 3/4 of it.
-            seconds = _seconds_since(started, X.device)
-            print(
-                f"a checkpointed step took {seconds:.1f} s; about "
-                f"{repeats * seconds * 7 / 4:.0f} s more for {repeats} timed rounds"
-            )
+        if bar is not None:
+            bar.update(1)
         cuda_peak = torch.cuda.max_memory_allocated(X.device) if on_cuda else None
         counted[variant] = (held, peak, cuda_peak)
         grads.append([p.grad.detach().clone() for p in model.parameters()])
@@ -669,36 +665,17 @@ def _checkpointing_tradeoff(
                 model.zero_grad(set_to_none=True)
                 _loss(model, X, y).backward()
 
-            times[variant].append(time_fn(step, X.device, warmup=0, repeats=1).median)
-    rows = [CheckpointRow(variant, *counted[variant], min(times[variant])) for variant in models]
+            if X.device.type == "cpu":
+                started = time.process_time()
+                step()
+                times[variant].append(time.process_time() - started)
+            else:
+                times[variant].append(time_fn(step, X.device, warmup=0, repeats=1).median)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    rows = [CheckpointRow(variant, *counted[variant], min(times[variant]), tuple(times[variant]))
+            for variant in models]
     diff = max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
     return rows, diff
-
-
-def clock_against_count(time_ratio: float, flop_ratio: float) -> str:
-    """Read a measured time ratio (checkpointed / plain step) against the counted FLOP ratio.
-
-    The FLOP count is exact and the same on every machine; the clock also sees
-    how fast each pass runs and whatever else the machine does. A checkpointed
-    step does strictly more work, so a time ratio at or below 1 means the clock
-    did not resolve the extra forward in this run; within a factor 1.25 of the
-    count it agrees; above that, the extra forward costs more time than its share
-    of the arithmetic (usual on CPUs, where forward runs less efficiently than
-    backward); below it, less.
-    """
-    check_positive_float("time_ratio", time_ratio)
-    check_positive_float("flop_ratio", flop_ratio)
-    if flop_ratio <= 1:
-        raise ValueError(f"flop_ratio must be above 1 (checkpointing adds work), got {flop_ratio}")
-    if time_ratio <= 1:
-        return (f"the clock read x{time_ratio:.2f}, no slower, for x{flop_ratio:.2f} the "
-                "arithmetic: the machine's other work outweighed the extra forward in this run, "
-                "so the count is the measure here")
-    if time_ratio > 1.25 * flop_ratio:
-        return (f"the clock read x{time_ratio:.2f} for x{flop_ratio:.2f} the arithmetic: the "
-                "extra forward costs more time than its share of the FLOPs on this device")
-    if time_ratio < flop_ratio / 1.25:
-        return (f"the clock read x{time_ratio:.2f} for x{flop_ratio:.2f} the arithmetic: the "
-                "extra forward costs less time than its share of the FLOPs on this device")
-    return (f"the clock read x{time_ratio:.2f} for x{flop_ratio:.2f} the arithmetic: time "
-            "follows the count")
