@@ -179,8 +179,9 @@ def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], 
 
     ``model`` is a DDP model on a gloo group of world size 1 built here; the chapter's
     communication hook counts the all-reduces (one per bucket, and this model's gradients
-    fill one bucket). Compared: the count, the gradient (the whole batch's mean loss) and
-    the returned loss.
+    fill one bucket), hooks on the wrapped module count its forward passes (with their rows)
+    and its backward passes. Compared: one forward and one backward per micro-batch, one
+    all-reduce, the gradient (the whole batch's mean loss) and the returned loss.
     """
     ex = "5.3"
     refuse_stub_early(ex, fn, 2)
@@ -198,14 +199,31 @@ def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], 
             counted = {"calls": 0}
             model.register_comm_hook(counted, _count_all_reduces)
             micro_batches = list(zip(X.chunk(k), y.chunk(k), strict=True))
+            # What the model saw: the rows of each forward, and each backward through it.
+            forwards, backwards = [], []
+            model.module.register_forward_pre_hook(
+                lambda _, args, seen=forwards: seen.append(len(args[0])))
+            next(model.module.parameters()).register_post_accumulate_grad_hook(
+                lambda _, seen=backwards: seen.append(1))
             loss = attempt(ex, fn, model, micro_batches)
+            batches = f"{k} micro-batch{'es' if k > 1 else ''}"
+            sizes = [len(rows) for rows, _ in micro_batches]
+            expect(ex, forwards == sizes,
+                   f"{batches} of {sizes} rows: the model's forward passes saw {forwards} rows. "
+                   "Run the model once on each micro-batch, in turn: one forward over the "
+                   "concatenated micro-batches computes the same gradient, but holds the "
+                   "activations of the whole batch at once, which accumulation exists to avoid")
+            expect(ex, len(backwards) == k,
+                   f"{batches}: backward ran {len(backwards)} time(s) through the model, "
+                   f"expected {k}: call backward on each micro-batch's loss right after its "
+                   "forward (a single backward of the summed losses keeps every micro-batch's "
+                   "graph and activations alive until the end)")
             calls = counted["calls"] // per_backward
             expect(ex, calls != k or k == 1,
                    f"{k} micro-batches made {k} all-reduces, one per backward: run forward "
                    "AND backward of all but the last micro-batch inside `with "
                    "model.no_sync():` (DDP decides in forward whether the next backward "
                    "all-reduces)")
-            batches = f"{k} micro-batch{'es' if k > 1 else ''}"
             expect(ex, calls != 0,
                    f"{batches} made no all-reduce at all: the last micro-batch runs outside "
                    "no_sync, so that the ranks share the summed gradient")
