@@ -7,6 +7,7 @@ import contextlib
 import io
 
 import pytest
+
 from d2lgpu.exercises import ExerciseWrong
 from d2lgpu.exercises import ch04 as check
 from d2lgpu.replicas import scaled_learning_rate
