@@ -6,7 +6,7 @@ from torch import nn
 
 from d2lgpu.models import small_cnn
 from d2lgpu.replicas import (
-    MAX_SCALED_LR,
+    MAX_LR_FACTOR,
     ReplicasOnOneDevice,
     compare_across_seeds,
     scaled_learning_rate,
@@ -85,12 +85,15 @@ def test_scaled_learning_rate_is_linear_then_capped():
     assert scaled_learning_rate(0.1, 1) == pytest.approx(0.1)
     assert scaled_learning_rate(0.1, 2) == pytest.approx(0.2)
     assert scaled_learning_rate(0.1, 4) == pytest.approx(0.4)
-    assert scaled_learning_rate(0.1, 8) == MAX_SCALED_LR == 0.4
-    assert scaled_learning_rate(0.1, 8, max_lr=1.0) == pytest.approx(0.8)
+    assert scaled_learning_rate(0.1, 8) == pytest.approx(0.1 * MAX_LR_FACTOR) == 0.4
+    assert scaled_learning_rate(0.2, 8) == pytest.approx(0.8)  # the cap follows the base rate
+    assert scaled_learning_rate(0.1, 8, max_factor=8) == pytest.approx(0.8)
     with pytest.raises((TypeError, ValueError)):
         scaled_learning_rate(0.1, 0)
     with pytest.raises((TypeError, ValueError)):
         scaled_learning_rate(-0.1, 2)
+    with pytest.raises((TypeError, ValueError)):
+        scaled_learning_rate(0.1, 2, max_factor=0.5)
 
 
 def test_the_capped_rate_trains_finite_at_8_replicas():
