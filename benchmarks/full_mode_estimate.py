@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import d2lgpu
 from d2lgpu import chips
 from d2lgpu.memory import measure_activations
+from d2lgpu.models import residual_mlp
 
 # --------------------------------------------------------------------------------------
 # The two GPUs and the machines around them
@@ -181,8 +182,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "small_cnn": d2lgpu.small_cnn,
     "resnet18": d2lgpu.resnet18,
     "sweep_mlp 4096x8": lambda: d2lgpu.sweep_mlp(28 * 28, 4096, 8),
-    "residual_mlp 256/1024/4": lambda: d2lgpu.residual_mlp(width=256, hidden=1024, depth=4),
-    "residual_mlp 2048/8192/8": lambda: d2lgpu.residual_mlp(width=2048, hidden=8192, depth=8),
+    "residual_mlp 256/1024/4": lambda: residual_mlp(width=256, hidden=1024, depth=4),
+    "residual_mlp 2048/8192/8": lambda: residual_mlp(width=2048, hidden=8192, depth=8),
     "mlp blocks 2048/8192/8": lambda: mlp_block_stack(2048, 8192, 8),
     "mlp blocks 256/1024/4": lambda: mlp_block_stack(256, 1024, 4),
 }

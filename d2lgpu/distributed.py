@@ -1291,7 +1291,7 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
             ),
             cause,
         ) from remote
-    notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.launch", *aftermath]
+    notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.distributed.launch", *aftermath]
     exc = pickle.loads(record["exception"]) if record["exception"] is not None else None
     if isinstance(exc, Exception):
         if hasattr(exc, "add_note"):

@@ -121,7 +121,7 @@ def test_default_statistics_are_those_of_fashion_mnist():
     assert abs(mean.item() - FASHION_MNIST_MEAN) < 1e-4
     assert abs(std.item() - FASHION_MNIST_STD) < 1e-4
     # So the quick subset, standardised with them, is centred and of unit spread.
-    train_loader, _ = fashion_mnist_on_device(d2lgpu.QUICK_TRAIN_SIZE, CPU, quick=True)
+    train_loader, _ = fashion_mnist_on_device(d2lgpu.data.QUICK_TRAIN_SIZE, CPU, quick=True)
     (X, _), = list(train_loader)
     assert abs(X.mean().item()) < 0.05 and abs(X.std().item() - 1) < 0.05
 
@@ -207,8 +207,8 @@ def test_bad_batch_size_and_seed():
 def test_fashion_mnist_on_device_quick_subset():
     train_loader, test_loader = fashion_mnist_on_device(64, CPU, quick=True)
     assert train_loader.shuffle and not test_loader.shuffle
-    assert train_loader.num_examples == d2lgpu.QUICK_TRAIN_SIZE
-    assert test_loader.num_examples == d2lgpu.QUICK_TEST_SIZE
+    assert train_loader.num_examples == d2lgpu.data.QUICK_TRAIN_SIZE
+    assert test_loader.num_examples == d2lgpu.data.QUICK_TEST_SIZE
     assert test_loader.batch_size >= 1024
     X, y = next(iter(train_loader))
     assert X.shape == (64, 1, 28, 28) and y.dtype == torch.int64

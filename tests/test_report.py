@@ -472,14 +472,14 @@ def test_format_report_of_this_machine():
 
 
 def test_print_report(capsys):
-    d2lgpu.print_report()
+    d2lgpu.report.print_report()
     assert "-- diagnosis --" in capsys.readouterr().out
 
 
 def test_setup_summary_says_what_runs_where():
-    summary = d2lgpu.setup_summary()
+    summary = d2lgpu.report.setup_summary()
     assert f"torch {torch.__version__}" in summary
-    assert summary.endswith(d2lgpu.describe_mode())
+    assert summary.endswith(d2lgpu.config.describe_mode())
     if _torch_gpu_count() == 0:
         assert "No CUDA GPU here: everything runs on the CPU" in summary
     else:
@@ -726,7 +726,7 @@ def test_format_report_names_the_fix_for_bad_input(bad):
     with pytest.raises(TypeError, match=r"environment_report\(\)"):
         d2lgpu.format_report(bad)
     with pytest.raises(TypeError, match=r"environment_report\(\)"):
-        d2lgpu.print_report(bad if bad is not None else "x")
+        d2lgpu.report.print_report(bad if bad is not None else "x")
 
 
 @pytest.mark.parametrize(("call", "match"), [
@@ -921,7 +921,7 @@ def test_a_p100_without_kernels_falls_back_to_the_cpu_and_the_report_says_why(mo
     text = d2lgpu.format_report(env)
     assert "cuda:0 has compute capability 6.0 (sm_60)" in text
     assert "course runs on the CPU" in text and "whl/cu126" in text
-    summary = d2lgpu.setup_summary()
+    summary = d2lgpu.report.setup_summary()
     assert "CUDA lists 1 GPU(s), but this torch cannot use them: everything runs on the CPU, in " \
         "CPU mode; this torch has no kernels for a GPU here." in summary
     assert main(["info", "--require-gpu"]) == 1
