@@ -1590,14 +1590,16 @@ def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Call
     """``torch.compile(model, fullgraph=fullgraph, **options)`` after ``torch._dynamo.reset()``.
 
     Dynamo keeps compiled code per Python function (a module's ``forward``, shared by
-    every instance of the class), up to ``torch._dynamo.config.recompile_limit`` entries
-    (8 in torch 2.15); a new shape, a train/eval switch, autocast or another
-    memory format adds one. Past the limit it runs the function eagerly with only a log
+    every instance of the class: dynamo inlines ``nn.Module`` s and takes their parameters
+    as inputs, so a fresh instance adds no entry), up to
+    ``torch._dynamo.config.recompile_limit`` entries (8 in torch 2.9 and 2.15); a new
+    shape under ``dynamic=False``, a train/eval switch, autocast or another memory format
+    adds one. Past the limit it runs the function eagerly with only a log
     warning, so a comparison of compiled models would time eager code under a compiled
     label. The reset empties the caches (every earlier compiled wrapper recompiles on its
     next call); ``fullgraph=True`` makes a graph break, or the limit reached anyway, an
-    error instead of a silent fallback. A whole training step has a graph break at
-    ``loss.backward()`` (torch 2.15), so it compiles with ``fullgraph=False``."""
+    error instead of a silent fallback. A whole training step has graph breaks (at
+    ``loss.backward()`` and in the optimizer's step), so it compiles with ``fullgraph=False``."""
     if not callable(model):
         raise TypeError(f"model must be a module or function to compile, got "
                         f"{type(model).__name__}")
