@@ -71,6 +71,7 @@ __all__ = [
     "GraphBreakReport",
     "Roofline",
     "RooflinePoint",
+    "SlowStorage",
     "SYNC_OPS",
     "TraceEvent",
     "TraceSummary",
@@ -1500,6 +1501,30 @@ def format_ablation_table(rows: Sequence[AblationRow]) -> str:
     lines.extend(f"  {r.label}: {COUNT_UNITS[r.step.technique]} {r.counted[0]:.3g} -> "
                  f"{r.counted[1]:.3g}, counted" for r in rows if r.ran and r.counted)
     return "\n".join(lines)
+
+
+class SlowStorage(torch.utils.data.Dataset):
+    """``dataset`` whose every item arrives ``latency`` seconds late, as from a disk or a
+    network share: a sleep, in which the host waits and does no work, so that what
+    DataLoader workers hide shows on any machine, a busy one included. Chapter 7 times
+    its input pipeline on it. In the package rather than the notebook so that worker
+    processes started with ``spawn`` (macOS, Windows) can import it."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, latency: float) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(f"dataset must be a map-style Dataset (len and indexing), got "
+                            f"{type(dataset).__name__}")
+        self.dataset = dataset
+        self.latency = check_positive_float("latency", latency)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        import time
+
+        time.sleep(self.latency)
+        return self.dataset[index]
 
 
 # --------------------------------------------------------------------------- #
