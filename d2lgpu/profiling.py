@@ -85,8 +85,6 @@ __all__ = [
     "capture_training_step",
     "compare_compile_modes",
     "explain_graph_breaks",
-    "BANDWIDTH_TOLERANCE",
-    "bandwidth_verdict",
     "paired_multiply_add_ratio",
     "fresh_compile",
     "previous_ran",
@@ -823,24 +821,6 @@ def measure_stream_bandwidth(
     return gbps(12 * numel, seconds)
 
 
-#: Two elementwise kernels of the same kind move bytes alike when their counted GB/s are
-#: within this share of each other.
-BANDWIDTH_TOLERANCE = 0.25
-
-
-def bandwidth_verdict(ratio: float, tolerance: float = BANDWIDTH_TOLERANCE) -> str:
-    """The verdict on ``ratio``, one kernel's counted GB/s over a reference kernel's (the
-    large multiply over the add): "as fast as the add (within 25%)" for tolerance 0.25,
-    else "slower than the add" or "faster than the add"."""
-    check_positive_float("ratio", ratio)
-    check_positive_float("tolerance", tolerance)
-    if ratio < 1 - tolerance:
-        return "slower than the add"
-    if ratio > 1 + tolerance:
-        return "faster than the add"
-    return f"as fast as the add (within {tolerance:.0%})"
-
-
 def paired_multiply_add_ratio(
     device: torch.device | str, numel: int, *, repeats: int = 15
 ) -> float:
@@ -1177,7 +1157,8 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
     ``full`` (a GPU): ResNet-18 on 15,000 Fashion-MNIST training images and the 10,000 test
     images, the d2l recipe's batch 256: by ``benchmarks/full_mode_estimate.py`` about 24 min
     on a T4 (Colab's free GPU), where all 60,000 would take about 51.
-    ``cpu``: the small CNN on 6,400 training images, batch 64, minutes in all.
+    ``cpu``: the small CNN on 3,200 training images, batch 64, a few minutes in all (short
+    runs, so that the two epochs of a pair run close together on a busy machine).
     ``quick``: the small CNN on the quick subset, batch 32, torch.compile and the fused
     optimizer left out. ``full`` and ``cpu`` run every row twice, interleaved, 3 epochs
     each: 4 paired epochs per row against the row before (:func:`speed_ratios`).
@@ -1193,7 +1174,7 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, 15_000, 10_000, repeats=2)
     if chosen == "cpu":
-        return AblationSettings("small_cnn", 64, 3, 0.1, 6400, 2000, repeats=2)
+        return AblationSettings("small_cnn", 64, 3, 0.1, 3200, 2000, repeats=2)
     if chosen == "quick":
         return AblationSettings("small_cnn", 32, 2, 0.1, None, None,
                                 {"compile": QUICK_COMPILE_SKIP,

@@ -921,20 +921,6 @@ def test_compile_model_compiles_with_fullgraph(monkeypatch):
     assert seen.get("fullgraph") is True
 
 
-@pytest.mark.parametrize("ratio, verdict", [
-    (0.76, "as fast as the add (within 25%)"), (0.74, "slower than the add"),
-    (1.24, "as fast as the add (within 25%)"), (1.26, "faster than the add"),
-])
-def test_bandwidth_verdict_on_both_sides_of_its_tolerance(ratio, verdict):
-    assert P.bandwidth_verdict(ratio) == verdict
-
-
-def test_bandwidth_verdict_refuses_nonsense():
-    with pytest.raises(ValueError):
-        P.bandwidth_verdict(0.0)
-    assert P.bandwidth_verdict(1.1, tolerance=0.05) == "faster than the add"
-
-
 def test_paired_multiply_add_ratio_is_a_positive_median(monkeypatch):
     times = iter([2.0, 1.0, 3.0, 3.0, 1.0, 2.0])  # add, multiply, add, multiply, ...
     monkeypatch.setattr(P, "_best_seconds", lambda fn, device, **kw: next(times))
