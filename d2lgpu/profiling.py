@@ -1338,15 +1338,16 @@ def run_ablation(
 ) -> list[AblationRow]:
     """Train a fresh ``make_model()`` for every row of ``plan`` that is not skipped, with
     :func:`d2lgpu.train` and the row's techniques, from the same seed; ``repeats`` times,
-    interleaved (every row once, then every row again), so that a busy spell of the
-    machine falls on all rows alike rather than on one.
+    interleaved (every row once, then every row again in reverse order, and so on), so
+    that a busy spell of the machine falls on all rows alike rather than on one, and a
+    load that drifts up or down favours neither side of a pair in every round.
 
     Rows without ``device_data`` read ``dataloaders`` (train, test DataLoaders), rows
     with it ``device_loaders`` (:class:`d2lgpu.DeviceLoader` s of the same examples).
     A row's speed is the median images/s of all its epochs after the first.
     ``flops_per_example`` (:func:`d2lgpu.training_flops_per_example`) and ``peak``
     (:func:`d2lgpu.peak_tflops`) give the MFU; without a peak it is None. ``on_row`` is
-    called once per row, after its last run (e.g. to print progress); ``on_run`` after
+    called once per row, in the order of ``plan``, when all runs are done; ``on_run`` after
     every run of every row, skipped ones included (e.g. to move a progress bar on).
     """
     if not callable(make_model):
@@ -1363,9 +1364,13 @@ def run_ablation(
     if on_run is not None and not callable(on_run):
         raise TypeError(f"on_run must be a function of one AblationStep, got {on_run!r}")
     histories: list[list[History]] = [[] for _ in plan]
-    rows: list[AblationRow] = []
     for round_ in range(repeats):
-        for i, step in enumerate(plan):
+        # Every other round runs the rows in reverse order: a load that rises or falls
+        # during the ablation then favours the later row of a pair in one round and the
+        # earlier one in the next, instead of every row over the one before it.
+        order = range(len(plan)) if round_ % 2 == 0 else reversed(range(len(plan)))
+        for i in order:
+            step = plan[i]
             if step.skip_reason is None:
                 train_iter, test_iter = (device_loaders if step.techniques.device_data
                                          else dataloaders)
@@ -1381,15 +1386,16 @@ def run_ablation(
                 ))
             if on_run is not None:
                 on_run(step)
-            if round_ == repeats - 1:  # the row is complete: report it
-                row = _ablation_row(step, histories[i], flops_per_example, peak)
-                if row.ran and device.type == "cpu" and step.technique in COUNTED_ON_CPU:
-                    before = next(r for r in reversed(rows) if r.ran).step.techniques
-                    row = dataclasses.replace(row, counted=count_technique_effect(
-                        step.technique, make_model, device_loaders[0], lr, device, before))
-                rows.append(row)
-                if on_row is not None:
-                    on_row(rows[-1])
+    rows: list[AblationRow] = []
+    for step, runs in zip(plan, histories, strict=True):
+        row = _ablation_row(step, runs, flops_per_example, peak)
+        if row.ran and device.type == "cpu" and step.technique in COUNTED_ON_CPU:
+            before = next(r for r in reversed(rows) if r.ran).step.techniques
+            row = dataclasses.replace(row, counted=count_technique_effect(
+                step.technique, make_model, device_loaders[0], lr, device, before))
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 

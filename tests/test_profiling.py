@@ -784,10 +784,11 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
     rows = P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU,
                           repeats=2, on_row=seen.append)
     labels = [str(step.techniques) for step in plan]
-    assert order == labels + labels  # round 1 of every row, then round 2
-    assert seen == rows
-    assert rows[0].speeds == (10.0, 10.0, 40.0, 40.0) and rows[0].images_per_second == 25.0
-    assert rows[0].round_speeds == ((10.0, 10.0), (40.0, 40.0))
+    assert order == labels + labels[::-1]  # round 1 of every row, then round 2 backwards
+    assert seen == rows and [r.label for r in rows] == [s.label for s in plan]
+    # The baseline ran first in round 1 and last (the 6th run) in round 2:
+    assert rows[0].speeds == (10.0, 10.0, 60.0, 60.0) and rows[0].images_per_second == 35.0
+    assert rows[0].round_speeds == ((10.0, 10.0), (60.0, 60.0))
     with pytest.raises(ValueError, match="repeats"):
         P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU, repeats=0)
 
@@ -907,7 +908,8 @@ def test_run_ablation_resets_dynamo_before_every_compiled_run(monkeypatch):
     if plan[-1].skip_reason:
         pytest.skip(f"no torch.compile here: {plan[-1].skip_reason}")
     P.run_ablation(tiny_net, plan, (None, None), (None, None), 2, 0.1, CPU, repeats=2)
-    assert events == ["eager", "reset", "compiled"] * 2
+    # round 2 runs the rows backwards: the compiled row first
+    assert events == ["eager", "reset", "compiled", "reset", "compiled", "eager"]
 
 
 def test_compile_model_compiles_with_fullgraph(monkeypatch):
