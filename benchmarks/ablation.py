@@ -17,7 +17,7 @@ start from an emptied dynamo cache and compile with fullgraph=True. Chapter 7 ru
 ablation.
 
     python benchmarks/ablation.py                 # this machine's workload: full on a GPU
-    python benchmarks/ablation.py --workload cpu  # the CPU size: small CNN, 6,400 images
+    python benchmarks/ablation.py --workload cpu  # the CPU size: small CNN, 3,200 images
     python benchmarks/ablation.py --quick         # seconds: quick subset, no compile
     python benchmarks/ablation.py --output runs/ablation.txt
 """

@@ -60,7 +60,10 @@ from d2lgpu.training import History, train
 
 __all__ = [
     "ABLATION_LABELS",
+    "AblationNumbers",
     "AblationRow",
+    "COUNT_UNITS",
+    "COUNTED_ON_CPU",
     "AblationStep",
     "CompileModeRow",
     "DATALOADER_PREFIX",
@@ -68,6 +71,7 @@ __all__ = [
     "GraphBreakReport",
     "Roofline",
     "RooflinePoint",
+    "SlowStorage",
     "SYNC_OPS",
     "TraceEvent",
     "TraceSummary",
@@ -75,20 +79,16 @@ __all__ = [
     "QUICK_COMPILE_SKIP",
     "QUICK_FUSED_SKIP",
     "ablation_data",
+    "ablation_numbers",
     "ablation_plan",
     "ablation_settings",
     "capture_training_step",
     "compare_compile_modes",
     "explain_graph_breaks",
-    "BANDWIDTH_TOLERANCE",
-    "SPEED_MARGIN",
-    "bandwidth_verdict",
     "paired_multiply_add_ratio",
-    "ablation_verdict",
     "fresh_compile",
     "previous_ran",
     "speed_ratios",
-    "speed_verdict",
     "format_ablation_table",
     "idle_gaps",
     "measure_roofline",
@@ -98,7 +98,6 @@ __all__ = [
     "merge_intervals",
     "mfu_note",
     "op_table",
-    "plot_ablation",
     "plot_memory_timeline",
     "plot_roofline",
     "plot_timeline",
@@ -822,24 +821,6 @@ def measure_stream_bandwidth(
     return gbps(12 * numel, seconds)
 
 
-#: Two elementwise kernels of the same kind move bytes alike when their counted GB/s are
-#: within this share of each other.
-BANDWIDTH_TOLERANCE = 0.25
-
-
-def bandwidth_verdict(ratio: float, tolerance: float = BANDWIDTH_TOLERANCE) -> str:
-    """The verdict on ``ratio``, one kernel's counted GB/s over a reference kernel's (the
-    large multiply over the add): "as fast as the add (within 25%)" for tolerance 0.25,
-    else "slower than the add" or "faster than the add"."""
-    check_positive_float("ratio", ratio)
-    check_positive_float("tolerance", tolerance)
-    if ratio < 1 - tolerance:
-        return "slower than the add"
-    if ratio > 1 + tolerance:
-        return "faster than the add"
-    return f"as fast as the add (within {tolerance:.0%})"
-
-
 def paired_multiply_add_ratio(
     device: torch.device | str, numel: int, *, repeats: int = 15
 ) -> float:
@@ -1054,8 +1035,9 @@ class AblationRow:
     # round ran one after the other, so their epochs pair up (see speed_ratios).
     round_speeds: tuple[tuple[float, ...], ...] = ()
     # On a CPU, for the techniques of COUNTED_ON_CPU: what the technique changes,
-    # counted on this row's model and data (count_technique_effect); the verdict.
-    counted: str | None = None
+    # counted on this row's model and data (count_technique_effect): (before, after),
+    # in the unit of COUNT_UNITS[technique]. Shown beside the timed ratio, not instead.
+    counted: tuple[float, float] | None = None
 
     @property
     def label(self) -> str:
@@ -1099,11 +1081,6 @@ def steady_images_per_second(history: History) -> float:
     return statistics.median(speeds[1:] or speeds)
 
 
-#: A technique changes the speed when the median of its paired ratios lies beyond
-#: 1 + SPEED_MARGIN (faster) or 1 / (1 + SPEED_MARGIN) (slower).
-SPEED_MARGIN = 0.10
-
-
 def speed_ratios(row: AblationRow, before: AblationRow) -> tuple[float, ...]:
     """``row``'s speed over ``before``'s, epoch by epoch: epoch k after the first of run r
     of ``row`` over epoch k of run r of ``before``. The runs are interleaved, so the two
@@ -1116,45 +1093,6 @@ def speed_ratios(row: AblationRow, before: AblationRow) -> tuple[float, ...]:
         for run, run_before in zip(row.round_speeds, before.round_speeds, strict=False)
         for mine, theirs in zip(run, run_before, strict=False)
     )
-
-
-def speed_verdict(ratios: Sequence[float], margin: float = SPEED_MARGIN) -> str:
-    """The verdict of paired speed ratios (row over reference): "faster" when their median
-    is at least ``1 + margin``, "slower" when it is at most ``1 / (1 + margin)``, else
-    "same speed (within 10%)" for margin 0.1. The median of paired ratios: one epoch that
-    other work slowed moves it little, and a slow spell that hit both epochs of a pair
-    cancels."""
-    ratios = check_sequence("ratios", ratios, of="speed ratios (positive numbers)")
-    for r in ratios:
-        check_positive_float("ratio", r)
-    check_positive_float("margin", margin)
-    middle = statistics.median(ratios)
-    if middle >= 1 + margin:
-        return "faster"
-    if middle <= 1 / (1 + margin):
-        return "slower"
-    return f"same speed (within {margin:.0%})"
-
-
-def ablation_verdict(row: AblationRow, before: AblationRow) -> str:
-    """What ``row``'s technique did to the speed against ``before``, the row that ran
-    just before it (``row`` itself: "baseline"): :func:`speed_verdict` of
-    :func:`speed_ratios`. "skipped" for a row that did not run. A row that carries a
-    count (on a CPU, the techniques of :data:`COUNTED_ON_CPU`) is judged by it:
-    "counted: ..." with what the technique changed."""
-    if not (isinstance(row, AblationRow) and isinstance(before, AblationRow)):
-        raise TypeError("ablation_verdict compares two AblationRow s of run_ablation")
-    if not row.ran:
-        return "skipped"
-    if row is before:
-        return "baseline"
-    if row.counted is not None:
-        return f"counted: {row.counted}"
-    ratios = speed_ratios(row, before)
-    if not ratios:
-        raise ValueError(f"{row.label!r} and {before.label!r} have no epochs to pair: "
-                         "run_ablation's rows carry them")
-    return speed_verdict(ratios)
 
 
 def previous_ran(rows: Sequence[AblationRow], row: AblationRow) -> AblationRow:
@@ -1219,7 +1157,8 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
     ``full`` (a GPU): ResNet-18 on 15,000 Fashion-MNIST training images and the 10,000 test
     images, the d2l recipe's batch 256: by ``benchmarks/full_mode_estimate.py`` about 24 min
     on a T4 (Colab's free GPU), where all 60,000 would take about 51.
-    ``cpu``: the small CNN on 6,400 training images, batch 64, minutes in all.
+    ``cpu``: the small CNN on 3,200 training images, batch 64, a few minutes in all (short
+    runs, so that the two epochs of a pair run close together on a busy machine).
     ``quick``: the small CNN on the quick subset, batch 32, torch.compile and the fused
     optimizer left out. ``full`` and ``cpu`` run every row twice, interleaved, 3 epochs
     each: 4 paired epochs per row against the row before (:func:`speed_ratios`).
@@ -1235,7 +1174,7 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, 15_000, 10_000, repeats=2)
     if chosen == "cpu":
-        return AblationSettings("small_cnn", 64, 3, 0.1, 6400, 2000, repeats=2)
+        return AblationSettings("small_cnn", 64, 3, 0.1, 3200, 2000, repeats=2)
     if chosen == "quick":
         return AblationSettings("small_cnn", 32, 2, 0.1, None, None,
                                 {"compile": QUICK_COMPILE_SKIP,
@@ -1292,10 +1231,17 @@ def ablation_data(
 
 #: The techniques whose gain on a GPU comes from something a CPU does not have: host
 #: reads that stall a GPU's queue (``no_sync``), Tensor Cores (``precision``), kernel
-#: launches (``fused_optimizer``). On a CPU their rows change the speed by about 10% or
-#: less, up or down with the CPU model and with whatever else runs, so a timed verdict
-#: there would flip from run to run. Their CPU verdict is what they change, counted.
+#: launches (``fused_optimizer``). On a CPU their rows are timed like every row, and what
+#: they change is counted as well (:func:`count_technique_effect`), since the CPU's clock
+#: cannot show what they save on a GPU.
 COUNTED_ON_CPU = ("no_sync", "precision", "fused_optimizer")
+
+#: What :func:`count_technique_effect` counts for each technique, before -> after.
+COUNT_UNITS = {
+    "no_sync": ".item() reads a training step",
+    "precision": "MiB autograd saves for backward a step",
+    "fused_optimizer": "ATen operators an optimizer.step()",
+}
 
 
 def _host_reads(fn: Callable[[], Any]) -> int:
@@ -1322,10 +1268,10 @@ def count_technique_effect(
     lr: float,
     device: torch.device | str,
     before: Techniques,
-) -> str:
-    """What switching ``technique`` on (on top of ``before``) changes, counted, in a
-    few words for the ablation's verdict column. ``batches``: training batches on
-    ``device`` (the row's own loader; the first 4 are used).
+) -> tuple[float, float]:
+    """What switching ``technique`` on (on top of ``before``) changes, counted: the count
+    without it and with it, in the unit of :data:`COUNT_UNITS` ``[technique]``.
+    ``batches``: training batches on ``device`` (the row's own loader; the first 4 are used).
 
     * ``no_sync``: host reads (``.item()``) per training step, from epochs of 2 and 4
       of ``batches`` (at least 4); on a GPU each one waits for everything queued;
@@ -1351,8 +1297,7 @@ def count_technique_effect(
                 techniques=switches, progress=False, plot=False)) for n in (2, 4)]
             return (reads[1] - reads[0]) / 2
 
-        per_step = [reads_per_step(flag) for flag in (False, True)]
-        return f".item() {per_step[0]:g} -> {per_step[1]:g} a step"
+        return reads_per_step(False), reads_per_step(True)
     if technique == "precision":
         X, y = batches[0]
         saved = []
@@ -1360,8 +1305,7 @@ def count_technique_effect(
             torch.manual_seed(0)
             saved.append(saved_activation_bytes(make_model().to(device), X, y,
                                                 precision_policy(device, precision)))
-        unit, size = ("MiB", 2**20) if max(saved) >= 2**20 else ("KiB", 2**10)
-        return f"saved {saved[0] / size:.2f} -> {saved[1] / size:.2f} {unit} a step"
+        return saved[0] / 2**20, saved[1] / 2**20
     if technique == "fused_optimizer":
         ops = []
         for make in (lambda ps: torch.optim.SGD(ps, lr=lr), lambda ps: make_sgd(ps, lr, device)):
@@ -1372,7 +1316,7 @@ def count_technique_effect(
             nn.functional.cross_entropy(net(X), y).backward()
             optimizer.step()  # the first step creates state; count the second
             ops.append(_top_level_ops(optimizer.step))
-        return f"{ops[0]} -> {ops[1]} ops an optimizer step"
+        return float(ops[0]), float(ops[1])
     raise ValueError(f"technique must be one of {COUNTED_ON_CPU} to be counted, got {technique!r}")
 
 
@@ -1389,19 +1333,22 @@ def run_ablation(
     flops_per_example: float | None = None,
     peak: float | None = None,
     on_row: Callable[[AblationRow], None] | None = None,
+    on_run: Callable[[AblationStep], None] | None = None,
     repeats: int = 1,
 ) -> list[AblationRow]:
     """Train a fresh ``make_model()`` for every row of ``plan`` that is not skipped, with
     :func:`d2lgpu.train` and the row's techniques, from the same seed; ``repeats`` times,
-    interleaved (every row once, then every row again), so that a busy spell of the
-    machine falls on all rows alike rather than on one.
+    interleaved (every row once, then every row again in reverse order, and so on), so
+    that a busy spell of the machine falls on all rows alike rather than on one, and a
+    load that drifts up or down favours neither side of a pair in every round.
 
     Rows without ``device_data`` read ``dataloaders`` (train, test DataLoaders), rows
     with it ``device_loaders`` (:class:`d2lgpu.DeviceLoader` s of the same examples).
     A row's speed is the median images/s of all its epochs after the first.
     ``flops_per_example`` (:func:`d2lgpu.training_flops_per_example`) and ``peak``
     (:func:`d2lgpu.peak_tflops`) give the MFU; without a peak it is None. ``on_row`` is
-    called once per row, after its last run (e.g. to print progress).
+    called once per row, in the order of ``plan``, when all runs are done; ``on_run`` after
+    every run of every row, skipped ones included (e.g. to move a progress bar on).
     """
     if not callable(make_model):
         raise TypeError("make_model must be a function that returns a fresh model, e.g. "
@@ -1414,10 +1361,16 @@ def run_ablation(
     device = as_device(device)
     if on_row is not None and not callable(on_row):
         raise TypeError(f"on_row must be a function of one AblationRow, got {on_row!r}")
+    if on_run is not None and not callable(on_run):
+        raise TypeError(f"on_run must be a function of one AblationStep, got {on_run!r}")
     histories: list[list[History]] = [[] for _ in plan]
-    rows: list[AblationRow] = []
     for round_ in range(repeats):
-        for i, step in enumerate(plan):
+        # Every other round runs the rows in reverse order: a load that rises or falls
+        # during the ablation then favours the later row of a pair in one round and the
+        # earlier one in the next, instead of every row over the one before it.
+        order = range(len(plan)) if round_ % 2 == 0 else reversed(range(len(plan)))
+        for i in order:
+            step = plan[i]
             if step.skip_reason is None:
                 train_iter, test_iter = (device_loaders if step.techniques.device_data
                                          else dataloaders)
@@ -1431,15 +1384,18 @@ def run_ablation(
                     make_model(), train_iter, test_iter, num_epochs, lr, device, seed=seed,
                     techniques=step.techniques, progress=False, plot=False,
                 ))
-            if round_ == repeats - 1:  # the row is complete: report it
-                row = _ablation_row(step, histories[i], flops_per_example, peak)
-                if row.ran and device.type == "cpu" and step.technique in COUNTED_ON_CPU:
-                    before = next(r for r in reversed(rows) if r.ran).step.techniques
-                    row = dataclasses.replace(row, counted=count_technique_effect(
-                        step.technique, make_model, device_loaders[0], lr, device, before))
-                rows.append(row)
-                if on_row is not None:
-                    on_row(rows[-1])
+            if on_run is not None:
+                on_run(step)
+    rows: list[AblationRow] = []
+    for step, runs in zip(plan, histories, strict=True):
+        row = _ablation_row(step, runs, flops_per_example, peak)
+        if row.ran and device.type == "cpu" and step.technique in COUNTED_ON_CPU:
+            before = next(r for r in reversed(rows) if r.ran).step.techniques
+            row = dataclasses.replace(row, counted=count_technique_effect(
+                step.technique, make_model, device_loaders[0], lr, device, before))
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -1457,89 +1413,105 @@ def _ablation_row(step: AblationStep, runs: Sequence[History],
     return AblationRow(step, runs[0], speed, mfu, speeds, round_speeds)
 
 
-def format_ablation_table(rows: Sequence[AblationRow]) -> str:
-    """The ablation as a text table (lines of at most 100 characters): the median
-    images/s of the epochs after the first; "x prev", the median of the paired ratios
-    against the row before (:func:`speed_ratios`: what this row's technique did);
-    "x base", the median images/s over the baseline's (everything so far); MFU;
-    first-epoch seconds (compiling included); test accuracy; and the verdict on the
-    technique against the row before (:func:`ablation_verdict`). Skipped rows give
-    their reason; counted rows (:data:`COUNTED_ON_CPU`) get their counts under the table."""
+@dataclass(frozen=True)
+class AblationNumbers:
+    """One row of the ablation in numbers that agree with each other, all from the paired
+    ratios of :func:`speed_ratios`: ``x_prev`` is their median against the row that ran
+    before (1.0 for the baseline), ``low``/``high`` their smallest and largest, and
+    ``images_per_second`` the baseline's median images/s times every ``x_prev`` down to
+    this row, so that a row is drawn faster than the row before exactly when its
+    ``x_prev`` is above 1. ``x_base`` is that speed over the baseline's; ``mfu`` is
+    computed from it (None without a peak)."""
+
+    row: AblationRow
+    x_prev: float
+    low: float
+    high: float
+    images_per_second: float
+    x_base: float
+    mfu: float | None
+
+
+def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None]:
+    """:class:`AblationNumbers` for every row of ``rows`` (run_ablation's result), None
+    for a skipped row. The first row that ran is the baseline."""
     rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
                           allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
-        raise TypeError("format_ablation_table takes the AblationRow s of run_ablation")
-    base_row = next((r for r in rows if r.ran), None)
-    width = max(len(r.label) for r in rows)
-    header = (f"{'step':<{width}}  {'img/s':>7}  {'x prev':>6}  {'x base':>6}  {'MFU':>6}  "
-              f"{'epoch1 s':>8}  {'test acc':>8}  verdict (vs prev)")
-    lines = [header, "-" * len(header)]
+        raise TypeError("ablation_numbers takes the AblationRow s of run_ablation")
+    numbers: list[AblationNumbers | None] = []
+    base_speed = speed = None
     for r in rows:
         if not r.ran:
-            lines.append(f"{r.label:<{width}}  skipped: {r.step.skip_reason}")
+            numbers.append(None)
             continue
         before = previous_ran(rows, r)
-        mfu = "n/a" if r.mfu is None else f"{100 * r.mfu:.1f}%"
-        prev = "" if before is r else f"{statistics.median(speed_ratios(r, before)):.2f}x"
-        verdict = "counted (below)" if r.counted is not None else ablation_verdict(r, before)
+        if before is r:
+            ratios = (1.0,)
+            base_speed = speed = r.images_per_second
+        else:
+            ratios = speed_ratios(r, before)
+            if not ratios:
+                raise ValueError(f"{r.label!r} and {before.label!r} have no epochs to pair: "
+                                 "run_ablation's rows carry them")
+            speed *= statistics.median(ratios)
+        mfu = None if r.mfu is None else r.mfu * speed / r.images_per_second
+        numbers.append(AblationNumbers(r, statistics.median(ratios), min(ratios), max(ratios),
+                                       speed, speed / base_speed, mfu))
+    return numbers
+
+
+def format_ablation_table(rows: Sequence[AblationRow]) -> str:
+    """The ablation's numbers (:func:`ablation_numbers`) as a text table of at most 100
+    characters a line: "x prev" (the median of the paired ratios against the row before)
+    and their range, images/s chained from the baseline by those medians, "x base", MFU,
+    first-epoch seconds (compiling included) and test accuracy. Skipped rows give their
+    reason; counted rows (:data:`COUNTED_ON_CPU`) their counts under the table. No verdict:
+    the reader of the numbers draws it."""
+    numbers = ablation_numbers(rows)
+    width = max(len(r.label) for r in rows)
+    header = (f"{'step':<{width}}  {'x prev':>6}  {'pairs':>9}  {'img/s':>7}  {'x base':>6}  "
+              f"{'MFU':>5}  {'epoch1 s':>8}  {'test acc':>8}")
+    lines = [header, "-" * len(header)]
+    for r, n in zip(rows, numbers, strict=True):
+        if n is None:
+            lines.append(f"{r.label:<{width}}  skipped: {r.step.skip_reason}")
+            continue
+        mfu = "n/a" if n.mfu is None else f"{100 * n.mfu:.1f}%"
+        pairs = f"{n.low:.2f}-{n.high:.2f}"
         lines.append(
-            f"{r.label:<{width}}  {r.images_per_second:>7,.0f}  {prev:>6}  "
-            f"{r.images_per_second / base_row.images_per_second:>5.2f}x  {mfu:>6}  "
-            f"{r.first_epoch_seconds:>8.2f}  {r.test_acc:>8.3f}  {verdict}"
-        )
-    lines.append("x prev: median of the epoch-by-epoch ratios to the row before (this row's "
-                 "technique);")
-    lines.append("x base: median img/s over the baseline's (every technique so far)")
-    counted = [r for r in rows if r.ran and r.counted is not None]
-    if counted:
-        lines.append("counted, not timed (what the technique saves on a GPU, which a CPU's "
-                     "clock does not show):")
-        lines.extend(f"  {r.label}: {r.counted}" for r in counted)
+            f"{r.label:<{width}}  {n.x_prev:>5.2f}x  {pairs:>9}  {n.images_per_second:>7,.0f}  "
+            f"{n.x_base:>5.2f}x  {mfu:>5}  {r.first_epoch_seconds:>8.2f}  {r.test_acc:>8.3f}")
+    lines.append("x prev: median of the epoch-by-epoch ratios to the row before; pairs: "
+                 "their range")
+    lines.append("img/s: the baseline's median times the x prev of every row down to this one")
+    lines.extend(f"  {r.label}: {COUNT_UNITS[r.step.technique]} {r.counted[0]:.3g} -> "
+                 f"{r.counted[1]:.3g}, counted" for r in rows if r.ran and r.counted)
     return "\n".join(lines)
 
 
-_VERDICT_COLOURS = {"baseline": "tab:blue", "faster": "tab:green", "slower": "tab:red"}
+class SlowStorage(torch.utils.data.Dataset):
+    """``dataset`` whose every item arrives ``latency`` seconds late, as from a disk or a
+    network share: a sleep, in which the host waits and does no work, so that what
+    DataLoader workers hide shows on any machine, a busy one included. Chapter 7 times
+    its input pipeline on it. In the package rather than the notebook so that worker
+    processes started with ``spawn`` (macOS, Windows) can import it."""
 
+    def __init__(self, dataset: torch.utils.data.Dataset, latency: float) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(f"dataset must be a map-style Dataset (len and indexing), got "
+                            f"{type(dataset).__name__}")
+        self.dataset = dataset
+        self.latency = check_positive_float("latency", latency)
 
-def plot_ablation(rows: Sequence[AblationRow], ax=None, *, title: str | None = None):
-    """Median images/s per row as horizontal bars, baseline on top, with a line from the
-    slowest to the fastest epoch. The colour is the verdict on the row's technique
-    against the row before (:func:`ablation_verdict`): green faster, red slower, grey
-    the same speed. Each bar carries its paired ratio to the row before ("x prev") and
-    its MFU. Skipped rows are marked as such. Returns the axes."""
-    import matplotlib.pyplot as plt
+    def __len__(self) -> int:
+        return len(self.dataset)
 
-    rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
-                          allow_empty=True)
-    if not rows or not all(isinstance(r, AblationRow) for r in rows):
-        raise TypeError("plot_ablation takes the AblationRow s of run_ablation")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-    top = max((max(r.speeds or (r.images_per_second,)) for r in rows if r.ran), default=1.0)
-    for i, r in enumerate(rows):
-        if not r.ran:
-            ax.text(0, i, "  skipped (see the table)", va="center", fontsize="small",
-                    color="grey")
-            continue
-        before = previous_ran(rows, r)
-        verdict = ablation_verdict(r, before)
-        ax.barh(i, r.images_per_second, color=_VERDICT_COLOURS.get(verdict, "tab:gray"))
-        if len(r.speeds) > 1:
-            ax.plot([min(r.speeds), max(r.speeds)], [i, i], color="black", linewidth=1.2)
-        mfu = "" if r.mfu is None else f", MFU {100 * r.mfu:.1f}%"
-        note = ("baseline" if before is r else
-                f"{statistics.median(speed_ratios(r, before)):.2f}x prev ({verdict})")
-        ax.text(max(r.speeds or (r.images_per_second,)) + 0.01 * top, i,
-                f"{note}{mfu}", va="center", fontsize="small")
-    ax.set_yticks(range(len(rows)), [r.label for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, top * 1.6)
-    ax.set_xlabel("training images per second: median of the epochs after the first "
-                  "(line: slowest to fastest)", fontsize="small")
-    if title:
-        ax.set_title(title)
-    ax.grid(True, axis="x", alpha=0.3)
-    return ax
+    def __getitem__(self, index: int):
+        import time
+
+        time.sleep(self.latency)
+        return self.dataset[index]
 
 
 # --------------------------------------------------------------------------- #
@@ -1630,14 +1602,16 @@ def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Call
     """``torch.compile(model, fullgraph=fullgraph, **options)`` after ``torch._dynamo.reset()``.
 
     Dynamo keeps compiled code per Python function (a module's ``forward``, shared by
-    every instance of the class), up to ``torch._dynamo.config.recompile_limit`` entries
-    (8 in torch 2.15); a new shape, a train/eval switch, autocast or another
-    memory format adds one. Past the limit it runs the function eagerly with only a log
+    every instance of the class: dynamo inlines ``nn.Module`` s and takes their parameters
+    as inputs, so a fresh instance adds no entry), up to
+    ``torch._dynamo.config.recompile_limit`` entries (8 in torch 2.9 and 2.15); a new
+    shape under ``dynamic=False``, a train/eval switch, autocast or another memory format
+    adds one. Past the limit it runs the function eagerly with only a log
     warning, so a comparison of compiled models would time eager code under a compiled
     label. The reset empties the caches (every earlier compiled wrapper recompiles on its
     next call); ``fullgraph=True`` makes a graph break, or the limit reached anyway, an
-    error instead of a silent fallback. A whole training step has a graph break at
-    ``loss.backward()`` (torch 2.15), so it compiles with ``fullgraph=False``."""
+    error instead of a silent fallback. A whole training step has graph breaks (at
+    ``loss.backward()`` and in the optimizer's step), so it compiles with ``fullgraph=False``."""
     if not callable(model):
         raise TypeError(f"model must be a module or function to compile, got "
                         f"{type(model).__name__}")
