@@ -10,7 +10,7 @@
 #   1. info       python3 -m d2lgpu info and nvidia-smi
 #   2. gpu-tests  the tests marked gpu or multigpu
 #   3. smoke      every chapter, then its solutions, in smoke mode (D2LGPU_SMOKE=1: full
-#                 mode's code path, the work cut), in four lanes side by side, with
+#                 mode's code path, the work cut), in five lanes side by side, with
 #                 per-cell wall times and every error kept (benchmarks/smoke_notebooks.py)
 #   4. P1         the d2l recipe (ResNet-18, batch 256, lr 0.1, 10 epochs) on the fast
 #                 path against the d2l-style loop, in one run (benchmarks/train_speed.py)
@@ -44,10 +44,12 @@ else
         exit 1
     fi
     quick= workers=8 p1_epochs= p3_models= gpu_tests=tests
-    # Four lanes of chapters and their solutions, the slowest (compile) alone.
+    # Five lanes of chapters and their solutions, the slowest (compile, the GPT's training)
+    # alone.
     s=notebooks/solutions
     lanes=(
         "notebooks/07_profiling_and_compile.ipynb $s/07_profiling_and_compile_solutions.ipynb"
+        "notebooks/10_small_gpt.ipynb $s/10_small_gpt_solutions.ipynb"
         "notebooks/06_mixed_precision.ipynb notebooks/04_multi_gpu_concise.ipynb $s/06_mixed_precision_solutions.ipynb $s/04_multi_gpu_concise_solutions.ipynb"
         "notebooks/05_distributed_data_parallel.ipynb notebooks/08_memory_and_sharding.ipynb notebooks/09_model_parallelism.ipynb $s/05_distributed_data_parallel_solutions.ipynb $s/08_memory_and_sharding_solutions.ipynb $s/09_model_parallelism_solutions.ipynb"
         "notebooks/02_device_placement.ipynb notebooks/03_multi_gpu_from_scratch.ipynb notebooks/01_cuda_checks.ipynb $s/02_device_placement_solutions.ipynb $s/03_multi_gpu_from_scratch_solutions.ipynb $s/01_cuda_checks_solutions.ipynb"

@@ -67,7 +67,7 @@ def _is_check(cell: dict) -> bool:
 
 
 def test_every_chapter_has_its_solutions():
-    assert len(CHAPTERS) == 9
+    assert len(CHAPTERS) == 10
     missing = [p.name for p in CHAPTERS if not solutions_of(p).is_file()]
     assert not missing, f"no solutions notebook for {missing} in notebooks/solutions/"
     names = {p.name for p in (REPO_ROOT / "notebooks" / "solutions").glob("*.ipynb")}
