@@ -557,16 +557,18 @@ def _rendezvous_holder(host: str, port: int) -> str | None:
         try:
             store = dist.TCPStore(host, port, is_master=False,
                                   timeout=datetime.timedelta(seconds=2))
-            if store.check([_SERVED_BY]):
-                found["holder"] = store.get(_SERVED_BY).decode()
-        except Exception:
+            # The server writes its name just after it starts listening: on a busy machine
+            # this process can ask in between, so wait for the name rather than check once.
+            store.wait([_SERVED_BY], datetime.timedelta(seconds=2))
+            found["holder"] = store.get(_SERVED_BY).decode()
+        except Exception:  # no store there, or no name within the wait: not a d2lgpu rank 0
             pass
 
     thread = threading.Thread(target=ask, name="d2lgpu-rendezvous-probe", daemon=True)
     thread.start()
-    thread.join(3.0)
+    thread.join(5.0)
     if thread.is_alive():
-        _abandon(thread, host, port, 2.0)
+        _abandon(thread, host, port, 4.0)
     return found.get("holder")
 
 
@@ -1291,7 +1293,8 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
             ),
             cause,
         ) from remote
-    notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.distributed.launch", *aftermath]
+    notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.distributed.launch",
+             *aftermath]
     exc = pickle.loads(record["exception"]) if record["exception"] is not None else None
     if isinstance(exc, Exception):
         if hasattr(exc, "add_note"):
