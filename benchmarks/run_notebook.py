@@ -41,6 +41,31 @@ def drop_widget_warning(cell) -> None:
                        if not (o.get("output_type") == "stream" and not o.get("text"))]
 
 
+def keep_last_frame(cell) -> None:
+    """Keep only the last frame of each text progress bar in an ignored cell's output.
+
+    A text bar redraws itself after a carriage return, and the kernel may deliver each frame
+    as an output of its own; a reader of the committed notebook that does not redraw (GitHub)
+    would show every frame, from 0 % on."""
+    if "nbval-ignore-output" not in cell.get("metadata", {}).get("tags", []):
+        return
+    kept = []
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "stream":
+            text = output["text"] if isinstance(output["text"], str) else "".join(output["text"])
+            text = "".join(line.rsplit("\r", 1)[-1] for line in text.splitlines(keepends=True))
+            output["text"] = text
+            last = kept[-1] if kept else None
+            if (last is not None and last.get("output_type") == "stream"
+                    and last["name"] == output["name"] and not last["text"].endswith("\n")
+                    and not text.startswith("\n")):
+                kept.pop()  # an unfinished frame that this output draws over
+            if not text:
+                continue
+        kept.append(output)
+    cell["outputs"] = kept
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebook", type=Path)
@@ -67,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             if "raises-exception" in cell.get("metadata", {}).get("tags", []):
                 cell.outputs, cell.execution_count = [], None
             drop_widget_warning(cell)
+            keep_last_frame(cell)
         nbformat.write(nb, args.notebook)
     print(f"executed {args.notebook} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

@@ -25,3 +25,19 @@ def test_the_ipywidgets_warning_goes_and_the_bar_stays():
                                             "text": warning}]}
     run_notebook.drop_widget_warning(checked)  # nbval compares it with CI's run: it stays
     assert checked["outputs"][0]["text"] == warning
+
+
+def test_a_text_bar_keeps_only_its_last_frame():
+    frames = ("train:   0%|          | 0/3\rtrain:  33%|###3      | 1/3\r"
+              "train: 100%|##########| 3/3\n")
+    cell = {"metadata": {"tags": ["nbval-ignore-output"]},
+            "outputs": [{"output_type": "stream", "name": "stderr", "text": [frames, "done\n"]}]}
+    run_notebook.keep_last_frame(cell)
+    assert cell["outputs"][0]["text"] == "train: 100%|##########| 3/3\ndone\n"
+    # Frames delivered as outputs of their own: the last one stays.
+    cell["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "x:   0%| 0/3"},
+                       {"output_type": "stream", "name": "stderr", "text": "x: 100%| 3/3"},
+                       {"output_type": "stream", "name": "stderr", "text": "\n"},
+                       {"output_type": "stream", "name": "stdout", "text": "loss 1.9\n"}]
+    run_notebook.keep_last_frame(cell)
+    assert [o["text"] for o in cell["outputs"]] == ["x: 100%| 3/3", "\n", "loss 1.9\n"]
