@@ -34,6 +34,10 @@ from d2lgpu.distributed import (
     run_together,
 )
 
+# Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs
+# them (pyproject.toml's "slow" marker).
+pytestmark = pytest.mark.slow
+
 
 def _synthetic_images(n_train: int = 96, n_test: int = 40, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)

@@ -40,6 +40,10 @@ from d2lgpu.distributed import (
 )
 from d2lgpu.healthcheck import health_check
 
+# Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs
+# them (pyproject.toml's "slow" marker).
+pytestmark = pytest.mark.slow
+
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 

@@ -315,6 +315,7 @@ def test_train_fast_bad_arguments(kwargs, message):
     shutil.which("c++") is None and shutil.which("g++") is None,
     reason="torch.compile on the CPU needs a C++ compiler; this machine has none",
 )
+@pytest.mark.slow  # inductor compiles C++ for each graph: about 40 s with a cold cache
 def test_compiled_fast_path_matches_eager():
     generator = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (256, 1, 8, 8), dtype=torch.uint8, generator=generator)

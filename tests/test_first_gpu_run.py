@@ -6,6 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs
+# them (pyproject.toml's "slow" marker).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "first_gpu_run.sh"
 

@@ -41,6 +41,10 @@ from d2lgpu.model_parallel import (
 )
 from d2lgpu.sharding import fsdp2_unavailable_reason, sharding_worker
 
+# Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs
+# them (pyproject.toml's "slow" marker).
+pytestmark = pytest.mark.slow
+
 SPEC = ModelSpec(width=32, hidden=64, depth=4)
 ATTENTION = ModelSpec(width=32, depth=4, kind="attention", heads=4)
 NORMED = ModelSpec(width=32, hidden=64, depth=4, norm=True)

@@ -26,6 +26,10 @@ from d2lgpu.model_parallel import (
 )
 from d2lgpu.sharding import CheckpointError, fsdp2_unavailable_reason, load_checkpoint
 
+# Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs
+# them (pyproject.toml's "slow" marker).
+pytestmark = pytest.mark.slow
+
 NO_FSDP2_ON_CPU = fsdp2_unavailable_reason("cpu")
 needs_fsdp2_on_cpu = pytest.mark.skipif(NO_FSDP2_ON_CPU is not None, reason=str(NO_FSDP2_ON_CPU))
 

@@ -287,15 +287,54 @@ def test_run_notebook_executes_in_place_and_keeps_outputs(tmp_path):
 
 def test_ci_runs_every_notebook_in_smoke_mode_and_the_other_cpu_branch():
     ci_script = (REPO_ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    # Every notebook (chapters and solutions) in smoke mode, failing on any error.
-    assert re.search(r"^D2LGPU_SMOKE=1 pytest --nbval-lax notebooks \|\| smoke_status=\$\?$",
-                     ci_script, re.MULTILINE)
-    # The floor job runs with the CPU's bf16 answer flipped, read before it is overridden.
+    # The floor job runs every test, the slow ones and the notebooks included, in smoke mode,
+    # with the CPU's bf16 answer flipped, read before it is overridden.
     assert "flipped=$((1 - machine_bf16))" in ci_script
-    assert re.search(r"D2LGPU_CPU_BF16=\$flipped pytest \|\| floor_status=\$\?", ci_script)
+    assert re.search(r'&& D2LGPU_SMOKE=1 D2LGPU_CPU_BF16=\$flipped pytest -m "slow or not slow" '
+                     r"\|\| floor_status=\$\?", ci_script)
     assert ci_script.index("machine_bf16=$(") < ci_script.index("D2LGPU_CPU_BF16=$flipped")
     # And every part's status decides CI.
-    assert 'for s in "$status" "$smoke_status" "$floor_status"' in ci_script
+    assert 'for s in "$status" "$floor_status"' in ci_script
+
+
+def _root_conftest():
+    spec = importlib.util.spec_from_file_location("root_conftest", REPO_ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Item:
+    def __init__(self, nodeid, tags=None):
+        self.nodeid = nodeid
+        if tags is not None:  # a notebook cell
+            self.cell = {"metadata": {"tags": tags}}
+        self.options = {"check": True}
+
+
+def test_smoke_mode_compares_every_checked_cell_but_the_tagged_ones():
+    # A tagged cell is run and not compared in smoke mode, and compared in quick mode.
+    conftest = _root_conftest()
+    tagged = _Item("notebooks/x.ipynb::Cell 1", [conftest.SMOKE_IGNORE_TAG])
+    plain = _Item("notebooks/x.ipynb::Cell 2", ["raises-exception"])
+    for smoke, expected in ((True, False), (False, True)):
+        tagged.options["check"] = plain.options["check"] = True
+        conftest.SMOKE = smoke
+        conftest.pytest_collection_modifyitems(None, [tagged, plain, _Item("tests/t.py::f")])
+        assert tagged.options["check"] is expected and plain.options["check"] is True
+
+
+def test_the_slowest_files_go_first_and_keep_their_order():
+    conftest = _root_conftest()
+    for path in conftest.SLOWEST_FIRST:
+        assert (REPO_ROOT / path).is_file(), f"SLOWEST_FIRST names {path}, which is gone"
+    first, second = conftest.SLOWEST_FIRST[:2]
+    items = [_Item("tests/a.py::x"), _Item(f"{second}::Cell 0"), _Item(f"{first}::Cell 0"),
+             _Item(f"{second}::Cell 1"), _Item("tests/a.py::y"), _Item(f"{first}::Cell 1")]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.nodeid for i in items] == [
+        f"{first}::Cell 0", f"{first}::Cell 1", f"{second}::Cell 0", f"{second}::Cell 1",
+        "tests/a.py::x", "tests/a.py::y"]
 
 
 def test_the_root_conftest_leaves_smoke_mode_alone():

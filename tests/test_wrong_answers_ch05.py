@@ -214,6 +214,7 @@ print(json.dumps(outcomes))
 """
 
 
+@pytest.mark.slow  # a fresh process, and two gloo ranks for each answer
 def test_5_3_refuses_answers_that_do_not_accumulate_with_one_all_reduce_and_accepts_the_solution():
     import json
     import subprocess
