@@ -43,7 +43,7 @@ from d2lgpu.data import (
     load_data_fashion_mnist,
 )
 from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
-from d2lgpu.estimate import start_chapter
+from d2lgpu.estimate import elapsed_bar, start_chapter
 from d2lgpu.fast import Techniques, technique_skip_reason
 from d2lgpu.models import Residual, resnet18, small_cnn
 from d2lgpu.parallel import (
@@ -94,6 +94,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "start_chapter",
+    "elapsed_bar",
     "DeviceLoader",
     "History",
     "PRECISION_MODES",

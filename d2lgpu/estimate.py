@@ -16,8 +16,9 @@ of their own.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from numbers import Real
 from time import perf_counter
 
@@ -280,3 +281,39 @@ def start_chapter(
 ) -> ChapterClock:
     """A chapter's first cell: the times it took on the reference machine, stated up front."""
     return ChapterClock(cpu_seconds, quick_seconds, gpu_seconds, gpu_name)
+
+
+@contextlib.contextmanager
+def elapsed_bar(desc: str) -> Iterator[None]:
+    """A progress bar that counts the seconds while its body waits on other processes
+    (``torchrun``, :func:`d2lgpu.distributed.launch`), which report no steps of their own::
+
+        with elapsed_bar("torchrun, 2 ranks"):
+            subprocess.run([...])
+
+    A thread ticks the bar once a second; the body runs undisturbed in this one.
+    """
+    import threading
+
+    from tqdm.auto import tqdm
+
+    if not isinstance(desc, str) or not desc:
+        raise TypeError(f"desc must be a non-empty str naming what runs, got {desc!r}")
+    done = threading.Event()
+    start = perf_counter()
+    with tqdm(desc=desc, bar_format="{desc}: {n:.0f} s") as bar:
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                bar.n = perf_counter() - start
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+            bar.n = perf_counter() - start
+            bar.refresh()

@@ -1,8 +1,12 @@
 """Tests of d2lgpu.estimate: the arithmetic and the message of run-time estimates."""
 
+import re
+import time
+
 import pytest
 import torch
 
+import d2lgpu
 from d2lgpu.estimate import (
     StepEstimate,
     announce,
@@ -199,3 +203,21 @@ def test_chapter_clock_refuses_bad_figures(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ChapterClock(**kwargs, out=lambda line: None)
 
+
+
+def test_elapsed_bar_counts_the_seconds_of_its_body_and_stops_with_it(capsys):
+    import threading
+
+    with d2lgpu.elapsed_bar("two ranks"):
+        time.sleep(2.3)
+    frames = re.findall(r"two ranks: (\d+) s", capsys.readouterr().err)
+    # Ticked while the body waited, and the last frame says how long it took.
+    assert len(frames) >= 3 and frames[-1] == "2", frames
+    assert [int(f) for f in frames] == sorted(int(f) for f in frames)
+    threads = threading.active_count()
+    with pytest.raises(RuntimeError, match="rank 1 failed"), d2lgpu.elapsed_bar("failing"):
+        raise RuntimeError("rank 1 failed")
+    assert threading.active_count() == threads  # the ticker ended with the body
+    with pytest.raises(TypeError, match="desc must be a non-empty str"):
+        with d2lgpu.elapsed_bar(""):
+            pass
