@@ -41,27 +41,40 @@ def drop_widget_warning(cell) -> None:
                        if not (o.get("output_type") == "stream" and not o.get("text"))]
 
 
+def _last_frame(line: str) -> str:
+    """What a terminal shows of one line: the text after its last carriage return. A line
+    that ends in "\r\n" (a shell command's output, through a pseudo-terminal) ends there."""
+    body, end = line, ""
+    for ending in ("\r\n", "\n"):
+        if line.endswith(ending):
+            body, end = line[: -len(ending)], "\n"
+            break
+    return body.rsplit("\r", 1)[-1] + end
+
+
 def keep_last_frame(cell) -> None:
     """Keep only the last frame of each text progress bar in an ignored cell's output.
 
     A text bar redraws itself after a carriage return, and the kernel may deliver each frame
-    as an output of its own; a reader of the committed notebook that does not redraw (GitHub)
-    would show every frame, from 0 % on."""
+    as an output of its own, between the outputs of the other stream (a shell command's
+    lines, say); a reader of the committed notebook that does not redraw (GitHub) would show
+    every frame, from 0 % on."""
     if "nbval-ignore-output" not in cell.get("metadata", {}).get("tags", []):
         return
     kept = []
+    unfinished = {}  # stream name -> its last output, when that ends inside a line
     for output in cell.get("outputs", []):
         if output.get("output_type") == "stream":
             text = output["text"] if isinstance(output["text"], str) else "".join(output["text"])
-            text = "".join(line.rsplit("\r", 1)[-1] for line in text.splitlines(keepends=True))
+            text = "".join(_last_frame(line) for line in text.splitlines(keepends=True))
             output["text"] = text
-            last = kept[-1] if kept else None
-            if (last is not None and last.get("output_type") == "stream"
-                    and last["name"] == output["name"] and not last["text"].endswith("\n")
-                    and not text.startswith("\n")):
-                kept.pop()  # an unfinished frame that this output draws over
             if not text:
                 continue
+            earlier = unfinished.pop(output["name"], None)
+            if earlier is not None and not text.startswith("\n"):
+                kept.remove(earlier)  # an unfinished frame that this output draws over
+            if not text.endswith("\n"):
+                unfinished[output["name"]] = output
         kept.append(output)
     cell["outputs"] = kept
 

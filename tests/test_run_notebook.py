@@ -41,3 +41,12 @@ def test_a_text_bar_keeps_only_its_last_frame():
                        {"output_type": "stream", "name": "stdout", "text": "loss 1.9\n"}]
     run_notebook.keep_last_frame(cell)
     assert [o["text"] for o in cell["outputs"]] == ["x: 100%| 3/3", "\n", "loss 1.9\n"]
+    # A shell command's lines end in "\r\n" and stay whole; a bar's frames between them go.
+    cell["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "run: 1 s"},
+                       {"output_type": "stream", "name": "stdout", "text": "step 1\r\n"},
+                       {"output_type": "stream", "name": "stderr", "text": "\rrun: 2 s"},
+                       {"output_type": "stream", "name": "stdout", "text": "done\r\n\r\n"},
+                       {"output_type": "stream", "name": "stderr", "text": "\rrun: 3 s"},
+                       {"output_type": "stream", "name": "stderr", "text": "\n"}]
+    run_notebook.keep_last_frame(cell)
+    assert [o["text"] for o in cell["outputs"]] == ["step 1\n", "done\n\n", "run: 3 s", "\n"]
