@@ -300,12 +300,11 @@ def elapsed_bar(desc: str) -> Iterator[None]:
     if not isinstance(desc, str) or not desc:
         raise TypeError(f"desc must be a non-empty str naming what runs, got {desc!r}")
     done = threading.Event()
-    start = perf_counter()
-    with tqdm(desc=desc, bar_format="{desc}: {n:.0f} s") as bar:
+    # tqdm keeps the elapsed time itself; the thread only redraws, once a second.
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed}") as bar:
 
         def tick() -> None:
             while not done.wait(1.0):
-                bar.n = perf_counter() - start
                 bar.refresh()
 
         ticker = threading.Thread(target=tick, daemon=True)
@@ -315,5 +314,3 @@ def elapsed_bar(desc: str) -> Iterator[None]:
         finally:
             done.set()
             ticker.join()
-            bar.n = perf_counter() - start
-            bar.refresh()

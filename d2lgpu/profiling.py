@@ -52,7 +52,7 @@ from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, 
 from d2lgpu.chips import peak_format
 from d2lgpu.config import small_data, smoke_mode, workload
 from d2lgpu.data import DeviceLoader
-from d2lgpu.devices import as_device
+from d2lgpu.devices import as_device, cuda_usable
 from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason
 from d2lgpu.precision import precision_policy, saved_activation_bytes
 from d2lgpu.timing import format_table, gbps, tflops, time_fn
@@ -1172,7 +1172,7 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
         # On a CPU, technique_skip_reason leaves the compile row out in smoke mode, and the
         # chapter's cells train CPU mode's model: with ResNet-18 on two cores, the smoke run
         # of chapter 7 took about 190 s of test time, most of it in cells outside the ablation.
-        model = "resnet18" if torch.cuda.is_available() else "small_cnn"
+        model = "resnet18" if cuda_usable() else "small_cnn"
         return AblationSettings(model, 8, 2, 0.1, 32, 16, repeats=1)
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, 15_000, 10_000, repeats=2)
