@@ -5,10 +5,15 @@ setting the variables here puts every notebook in quick mode (unless smoke mode 
 for), points it at the offline data, and gives each process one OpenMP thread.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
+import nbval.kernel
 import pytest
+from jupyter_client.manager import KernelManager
 
 # Smoke mode (D2LGPU_SMOKE=1, full mode's code with the work cut; .ci/run runs every notebook
 # in it) must not be overridden by quick mode, which wins over it.
@@ -24,6 +29,29 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _shared_data = Path(__file__).resolve().parent.parent / "shared" / "data"
 if "D2LGPU_DATA" not in os.environ and (_shared_data / "FashionMNIST" / "raw").is_dir():
     os.environ["D2LGPU_DATA"] = str(_shared_data)
+
+
+# nbval's kernels talk to pytest over Unix sockets instead of TCP ports. jupyter_client
+# picks a kernel's five ports by binding to port 0 and closing again; the kernel binds them
+# a second later. Meanwhile the other workers' ranks open gloo and TCPStore connections,
+# whose outgoing ports come from the same ephemeral range. One CI run lost chapter 10's
+# kernel at its start ("Kernel died before replying to kernel_info"), most likely to that
+# race: zmq's "Address already in use" would go to the kernel's stderr, which nbval
+# discards, so the run could not say. A socket file in a folder of this process's own
+# cannot be taken by another process.
+_KERNEL_SOCKETS = tempfile.mkdtemp(prefix="nbval-kernels-")
+atexit.register(shutil.rmtree, _KERNEL_SOCKETS, ignore_errors=True)
+
+
+class UnixSocketKernelManager(KernelManager):
+    def __init__(self, **kwargs):
+        folder = tempfile.mkdtemp(dir=_KERNEL_SOCKETS)
+        # The sockets are files named <ip>-<n>: an absolute path, since the kernel runs in
+        # the notebook's folder and pytest in the repository's.
+        super().__init__(transport="ipc", ip=os.path.join(folder, "kernel"), **kwargs)
+
+
+nbval.kernel.KernelManager = UnixSocketKernelManager
 
 
 #: A notebook cell whose checked output states what its workload did (how many images, steps

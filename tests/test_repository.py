@@ -346,3 +346,25 @@ def test_the_root_conftest_leaves_smoke_mode_alone():
                               capture_output=True, env={**env, "D2LGPU_SMOKE": smoke},
                               timeout=60, check=True)
         assert done.stdout.strip() == quick
+
+
+def test_notebook_kernels_listen_on_socket_files_not_ports():
+    # The root conftest, loaded by this session, gives nbval's kernels Unix sockets: no port
+    # that another process's connection can take between its choice and the kernel's bind.
+    import nbval.kernel
+
+    kernel = nbval.kernel.RunningKernel(nbval.kernel.CURRENT_ENV_KERNEL_NAME,
+                                        cwd=str(REPO_ROOT / "notebooks"))
+    try:
+        info = json.loads(Path(kernel.km.connection_file).read_text())
+        assert info["transport"] == "ipc" and Path(info["ip"]).is_absolute()
+        assert Path(f"{info['ip']}-{info['shell_port']}").exists()
+        msg_id = kernel.execute_cell_input("print(6 * 7)", allow_stdin=False)
+        kernel.await_reply(msg_id, timeout=60)
+        printed = ""
+        while "42" not in printed:
+            msg = kernel.get_message("iopub", timeout=30)
+            if msg["msg_type"] == "stream":
+                printed += msg["content"]["text"]
+    finally:
+        kernel.stop()
