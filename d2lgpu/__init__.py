@@ -11,15 +11,17 @@ A chapter's helpers live in its own modules:
 4. ``data`` (Fashion-MNIST: loaders, tensors, ``DeviceLoader`` on the device),
    ``models``, ``training`` (the train loop), ``replicas`` (DataParallel's arithmetic
    on one device, the lr for k devices) and ``fast`` (the fast path's switches, chapter 7);
-5. ``distributed``, ``ddp_train`` and ``healthcheck`` (torch.distributed, torchrun);
+5. ``ddp_demos``, ``ddp_train`` and ``healthcheck`` (torch.distributed, torchrun);
 6. ``precision`` (the precision vocabulary and policy, the sweep);
 7. ``profiling`` (traces, the roofline, the ablation, torch.compile, CUDA graphs);
 8. ``memory``, ``sharding`` and ``fsdp_train`` (where memory goes; FSDP2,
    collectives counted, distributed checkpoints);
 9. ``model_parallel`` and ``model_parallel_train`` (pipelines, tensor parallel).
 
-Every chapter uses ``config`` (the workload), ``estimate`` (the chapter clock),
-``plotting`` and ``checks`` (argument checks that name the fix). A helper that a
+Every chapter uses ``plotting``. Below the lesson modules sits ``d2lgpu.runtime``, the
+machinery a learner need not read: ``checks`` (argument checks that name the fix),
+``config`` (the workload), ``gpus`` (what CUDA can use here), ``distributed`` (process
+groups, the launcher, fault reports) and ``estimate`` (the chapter clock). A helper that a
 second chapter needs moves down to a shared module (``devices``, ``chips``,
 ``timing``, ``data``, ``models``), never sideways. The names the notebooks use
 are re-exported here; the distributed entry points and ``sharding``,
@@ -35,15 +37,13 @@ from d2lgpu.chips import (
     peak_tflops,
     training_flops_per_example,
 )
-from d2lgpu.config import data_root, pick, quick_mode, smoke_mode, workload
 from d2lgpu.data import (
     DeviceLoader,
     fashion_mnist_on_device,
     fashion_mnist_tensors,
     load_data_fashion_mnist,
 )
-from d2lgpu.devices import cpu, gpu, num_gpus, try_all_gpus, try_gpu
-from d2lgpu.estimate import elapsed_bar, start_chapter
+from d2lgpu.devices import cpu, gpu, try_all_gpus, try_gpu
 from d2lgpu.fast import Techniques, technique_skip_reason
 from d2lgpu.models import Residual, resnet18, small_cnn
 from d2lgpu.parallel import (
@@ -81,6 +81,9 @@ from d2lgpu.report import (
     print_setup,
     read_nvml,
 )
+from d2lgpu.runtime.config import data_root, pick, quick_mode, smoke_mode, workload
+from d2lgpu.runtime.estimate import elapsed_bar, start_chapter
+from d2lgpu.runtime.gpus import num_gpus
 from d2lgpu.timing import tflops, time_fn
 from d2lgpu.training import (
     History,

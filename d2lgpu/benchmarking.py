@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from d2lgpu.checks import (
+from d2lgpu.runtime.checks import (
     check_callable,
     check_positive_float,
     check_positive_int,

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from d2lgpu.checks import check_capability, check_positive_int
-from d2lgpu.devices import as_device, require_cuda_device
+from d2lgpu.devices import require_cuda_device
+from d2lgpu.runtime.checks import check_capability, check_positive_int
+from d2lgpu.runtime.gpus import as_device
 
 __all__ = [
     "CUDA_13_DROPPED_BELOW",
@@ -83,7 +84,7 @@ def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
 #: the x86-64 cu126 wheels sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90 and every later CUDA
 #: sm_75 and up, so a P100 (6.0) or V100 (7.0) needs a cu126 wheel. Other CUDA 12 wheels of
 #: older releases need not carry them; ``torch.cuda.get_arch_list()`` says, and
-#: :func:`d2lgpu.devices.build_runs_on` reads it.
+#: :func:`d2lgpu.runtime.gpus.build_runs_on` reads it.
 CUDA_13_DROPPED_BELOW = (7, 5)
 
 
@@ -202,7 +203,7 @@ PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
     # "NVIDIA V100 Tensor Core GPU" datasheet, Tensor Performance (fp16): 125 (SXM2),
     # 112 (PCIe), 130 (V100S PCIe). Volta has no sparsity, so these are dense.
     # A V100 (sm_70) needs a cu126 wheel: CUDA 13 builds carry no sm_70 kernels (see
-    # CUDA_13_DROPPED_BELOW and d2lgpu.devices.build_runs_on).
+    # CUDA_13_DROPPED_BELOW and d2lgpu.runtime.gpus.build_runs_on).
     ("v100", "sxm2"): (125.0, None),
     ("v100", "pcie"): (112.0, None),
     ("v100s", "pcie"): (130.0, None),

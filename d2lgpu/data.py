@@ -37,13 +37,14 @@ from pathlib import Path
 import torch
 from torch.utils import data
 
-from d2lgpu.checks import (
+from d2lgpu.devices import require_cuda_device, try_gpu
+from d2lgpu.runtime.checks import (
     check_bool,
     check_positive_int,
     check_seed,
     check_writable_path,
 )
-from d2lgpu.config import (
+from d2lgpu.runtime.config import (
     DATA_ENV,
     data_root,
     default_cache_dir,
@@ -51,7 +52,7 @@ from d2lgpu.config import (
     small_data,
     smoke_mode,
 )
-from d2lgpu.devices import num_gpus, require_cuda_device, try_gpu
+from d2lgpu.runtime.gpus import num_gpus
 
 __all__ = [
     "FASHION_MNIST_FILES",

@@ -64,7 +64,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from d2lgpu.checks import (
+from d2lgpu.devices import try_gpu
+from d2lgpu.precision import PRECISIONS, PrecisionPolicy, check_precision, precision_policy
+from d2lgpu.runtime.checks import (
     check_bool,
     check_positive_float,
     check_positive_int,
@@ -74,9 +76,8 @@ from d2lgpu.checks import (
     positive_number_flag,
     seed_flag,
 )
-from d2lgpu.config import small_data
-from d2lgpu.devices import try_gpu
-from d2lgpu.distributed import (
+from d2lgpu.runtime.config import small_data
+from d2lgpu.runtime.distributed import (
     DEFAULT_TIMEOUT_S,
     CollectiveTimeout,
     DistContext,
@@ -86,7 +87,6 @@ from d2lgpu.distributed import (
     mark_progress,
     process_group,
 )
-from d2lgpu.precision import PRECISIONS, PrecisionPolicy, check_precision, precision_policy
 from d2lgpu.training import History
 
 __all__ = [
@@ -561,7 +561,7 @@ def _record_epoch(
 
     Checked once per epoch (no extra GPU sync per step), on the totals every rank
     shares, so all ranks stop together; the snapshot keeps the last good epoch. The rule
-    is the course's one (:func:`d2lgpu.checks.check_training_loss`), against
+    is the course's one (:func:`d2lgpu.runtime.checks.check_training_loss`), against
     ``start_loss``, the job's first step's loss.
     """
     loss_sum, correct, seen, _, test_correct, test_seen = stats
@@ -741,7 +741,7 @@ def ddp_worker(
     data: Tensors4 | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> DDPResult:
-    """Entry point for :func:`d2lgpu.distributed.launch`: join the group, train, leave."""
+    """Entry point for :func:`d2lgpu.runtime.distributed.launch`: join the group, train, leave."""
     with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
         return train_ddp(cfg, ctx, data)
 

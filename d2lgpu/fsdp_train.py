@@ -35,10 +35,10 @@ from collections.abc import Sequence
 
 import torch
 
-from d2lgpu.checks import positive_int_flag, positive_number_flag
-from d2lgpu.config import small_data
-from d2lgpu.distributed import add_job_flags, process_group
 from d2lgpu.precision import PRECISIONS
+from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag
+from d2lgpu.runtime.config import small_data
+from d2lgpu.runtime.distributed import add_job_flags, process_group
 from d2lgpu.sharding import (
     CheckpointError,
     FSDPResult,
@@ -182,6 +182,6 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
 
 
 if __name__ == "__main__":
-    from d2lgpu.distributed import end_process, exit_status_of
+    from d2lgpu.runtime.distributed import end_process, exit_status_of
 
     end_process(exit_status_of(main))  # never through interpreter teardown: see end_process

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from d2lgpu.checks import positive_number_flag
-from d2lgpu.distributed import DistContext, end_process, mark_progress, process_group
 from d2lgpu.report import nccl_version
+from d2lgpu.runtime.checks import positive_number_flag
+from d2lgpu.runtime.distributed import DistContext, end_process, mark_progress, process_group
 
 __all__ = ["health_check", "healthcheck_worker", "main"]
 
@@ -89,7 +89,8 @@ def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
 def healthcheck_worker(
     rank: int, world_size: int, master_port: int, timeout_s: float = 60.0
 ) -> tuple[bool, list[str]]:
-    """Entry point for :func:`d2lgpu.distributed.launch` (one machine, spawned processes)."""
+    """Entry point for :func:`d2lgpu.runtime.distributed.launch` (one machine, spawned
+    processes)."""
     with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
         return health_check(ctx)
 

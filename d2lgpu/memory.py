@@ -41,8 +41,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from d2lgpu.checks import check_module, check_positive_float, check_positive_int, check_tensor
 from d2lgpu.precision import precision_policy, tf32_switches
+from d2lgpu.runtime.checks import (
+    check_module,
+    check_positive_float,
+    check_positive_int,
+    check_tensor,
+)
 from d2lgpu.timing import format_table, time_fn
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Model parallelism on CPUs (gloo) and GPUs: pipeline stages, tensor-parallel shards, a 2-D mesh.
 
 Chapter 9's helpers. Each job is a small dataclass with a ``run(ctx)`` method,
-so several of them share one :func:`d2lgpu.distributed.launch` through
+so several of them share one :func:`d2lgpu.runtime.distributed.launch` through
 :func:`d2lgpu.sharding.sharding_worker`, and each has a one-process reference
 (:func:`train_reference`) that it must equal:
 
@@ -37,7 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from d2lgpu.checks import (
+from d2lgpu.models import MLPBlock
+from d2lgpu.precision import check_precision, precision_policy
+from d2lgpu.runtime.checks import (
     check_bool,
     check_positive_float,
     check_positive_int,
@@ -45,9 +47,7 @@ from d2lgpu.checks import (
     check_sequence,
     check_training_loss,
 )
-from d2lgpu.distributed import DistContext, mark_progress
-from d2lgpu.models import MLPBlock
-from d2lgpu.precision import check_precision, precision_policy
+from d2lgpu.runtime.distributed import DistContext, mark_progress
 from d2lgpu.sharding import (
     CheckpointError,
     CollectiveCounter,

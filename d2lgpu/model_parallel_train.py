@@ -30,8 +30,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 
-from d2lgpu.checks import flag_type, positive_int_flag, positive_number_flag, seed_flag
-from d2lgpu.distributed import add_job_flags, process_group
 from d2lgpu.model_parallel import (
     ModelSpec,
     ResumableTwoDRun,
@@ -40,6 +38,8 @@ from d2lgpu.model_parallel import (
     check_2d,
 )
 from d2lgpu.precision import PRECISIONS, check_precision, precision_policy
+from d2lgpu.runtime.checks import flag_type, positive_int_flag, positive_number_flag, seed_flag
+from d2lgpu.runtime.distributed import add_job_flags, process_group
 from d2lgpu.sharding import CheckpointError, fsdp2_unavailable_reason, prepare_checkpoint_root
 
 __all__ = ["main"]
@@ -203,6 +203,6 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
 
 
 if __name__ == "__main__":
-    from d2lgpu.distributed import end_process, exit_status_of
+    from d2lgpu.runtime.distributed import end_process, exit_status_of
 
     end_process(exit_status_of(main))  # never through interpreter teardown: see end_process

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from d2lgpu.checks import check_bool, check_positive_int
+from d2lgpu.runtime.checks import check_bool, check_positive_int
 
 __all__ = ["MLPBlock", "Residual", "resnet18", "residual_mlp", "small_cnn"]
 

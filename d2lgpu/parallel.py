@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from d2lgpu.checks import (
+from d2lgpu.devices import require_cuda_device
+from d2lgpu.runtime.checks import (
     check_positive_float,
     check_sequence,
     check_tensor,
     check_training_loss,
 )
-from d2lgpu.devices import require_cuda_device
 
 __all__ = [
     "allreduce",
@@ -336,7 +336,7 @@ def data_parallel_step(
     entropy with ``reduction="none"``). Returns the mean loss over the batch.
 
     Before the update is applied, one host read checks what a training loop checks
-    (:func:`d2lgpu.checks.check_training_loss`): the replicas still agree, the inputs
+    (:func:`d2lgpu.runtime.checks.check_training_loss`): the replicas still agree, the inputs
     and loss are finite (NaN in ``X`` is blamed on the data, not on ``lr``), and the
     update is not absurdly large (more than :data:`MAX_UPDATE_RATIO` times the
     size of the weights, plus one). On an error no replica has been changed.

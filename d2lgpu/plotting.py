@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from d2lgpu.checks import check_finite_float, check_sequence, check_str_list
+from d2lgpu.runtime.checks import check_finite_float, check_sequence, check_str_list
 
 #: The axis scales matplotlib offers (``ax.set_xscale``).
 _SCALES = ("linear", "log", "symlog", "asinh", "logit")

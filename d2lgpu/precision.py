@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from d2lgpu.checks import (
+from d2lgpu.chips import native_tensor_core_formats
+from d2lgpu.runtime.checks import (
     check_bool,
     check_capability,
     check_positive_float,
@@ -41,9 +42,8 @@ from d2lgpu.checks import (
     check_sequence,
     loss_diverged,
 )
-from d2lgpu.chips import native_tensor_core_formats
-from d2lgpu.config import cpu_bf16_override
-from d2lgpu.devices import as_device
+from d2lgpu.runtime.config import cpu_bf16_override
+from d2lgpu.runtime.gpus import as_device
 from d2lgpu.timing import time_fn
 
 __all__ = [
@@ -590,7 +590,7 @@ def _measure_one(
         timing = time_fn(train_step, device, warmup=max(warmup - 1, 0), repeats=steps)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     last_loss = float(losses[-1])
-    # The course's one divergence rule (d2lgpu.checks): not finite, or ten times the start.
+    # The course's one divergence rule (d2lgpu.runtime.checks): not finite, or ten times the start.
     if loss_diverged(last_loss, float(losses[0])):
         other = ("or use bf16 or fp32: fp16 overflows above 65504" if mode == "fp16"
                  else "or check that the model trains in fp32 at all")

@@ -48,13 +48,18 @@ import torch
 from torch import nn
 
 from d2lgpu.benchmarking import copy_buffer_bytes, measure_copy_bandwidth
-from d2lgpu.checks import check_bool, check_positive_float, check_positive_int, check_sequence
 from d2lgpu.chips import peak_format
-from d2lgpu.config import small_data, smoke_mode, workload
 from d2lgpu.data import DeviceLoader
-from d2lgpu.devices import as_device, cuda_usable
 from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason
 from d2lgpu.precision import precision_policy, saved_activation_bytes
+from d2lgpu.runtime.checks import (
+    check_bool,
+    check_positive_float,
+    check_positive_int,
+    check_sequence,
+)
+from d2lgpu.runtime.config import small_data, smoke_mode, workload
+from d2lgpu.runtime.gpus import as_device, cuda_usable
 from d2lgpu.timing import format_table, gbps, tflops, time_fn
 from d2lgpu.training import History, train
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from d2lgpu.checks import check_module, check_positive_float, check_positive_int
+from d2lgpu.runtime.checks import check_module, check_positive_float, check_positive_int
 
 __all__ = [
     "MAX_LR_FACTOR",

@@ -29,16 +29,16 @@ from pathlib import Path
 
 import torch
 
-from d2lgpu.checks import check_bool, check_positive_int
 from d2lgpu.chips import GPU_DATASHEETS, native_tensor_core_formats
-from d2lgpu.config import describe_mode
-from d2lgpu.devices import (
+from d2lgpu.devices import require_cuda_device
+from d2lgpu.runtime.checks import check_bool, check_positive_int
+from d2lgpu.runtime.config import describe_mode
+from d2lgpu.runtime.gpus import (
     as_device,
     build_runs_on,
     capability_or_none,
     cuda_arch_list,
     num_gpus,
-    require_cuda_device,
 )
 
 __all__ = [
@@ -84,7 +84,7 @@ def setup_summary() -> str:
     Introduced in chapter 1; every chapter's first cell calls it.
     """
     import d2lgpu
-    from d2lgpu.config import workload
+    from d2lgpu.runtime.config import workload
 
     mode = {"quick": "quick mode", "cpu": "CPU mode", "full": "full mode"}[workload()]
     lines = [f"d2lgpu {d2lgpu.__version__}, torch {torch.__version__}, "
@@ -440,7 +440,7 @@ def diagnose_cuda(
         The compute capability of each visible GPU (None: unreadable, skipped) and
         ``torch.cuda.get_arch_list()`` (None: not to be checked): a GPU the build has no
         kernels for is reported (``arch_missing``), and CUDA is then not usable, as
-        :func:`d2lgpu.devices.cuda_usable` decides.
+        :func:`d2lgpu.runtime.gpus.cuda_usable` decides.
     """
     _check_cuda_facts(
         cuda_build, visible_devices_env, driver_found, device_count, physical_gpu_count

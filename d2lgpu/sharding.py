@@ -16,7 +16,7 @@ collectives (:class:`CollectiveCounter` for FSDP's, :func:`counting_allreduce_ho
 for DDP's), and distributed checkpoints (:func:`save_checkpoint`,
 :func:`load_checkpoint`) that a different number of ranks, or one process, can
 load. :func:`sharding_worker` is the entry point for
-:func:`d2lgpu.distributed.launch`; it runs a list of jobs (:class:`FSDPRun`,
+:func:`d2lgpu.runtime.distributed.launch`; it runs a list of jobs (:class:`FSDPRun`,
 :class:`AccumulationRun`) in one launch.
 
 FSDP2 is ``torch.distributed.fsdp.fully_shard`` from torch 2.6 on and
@@ -50,7 +50,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from d2lgpu.checks import (
+from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
+from d2lgpu.models import MLPBlock, residual_mlp
+from d2lgpu.precision import check_precision, precision_policy
+from d2lgpu.runtime.checks import (
     check_bool,
     check_module,
     check_positive_float,
@@ -59,10 +62,7 @@ from d2lgpu.checks import (
     check_tensor,
     check_training_loss,
 )
-from d2lgpu.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
-from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
-from d2lgpu.models import MLPBlock, residual_mlp
-from d2lgpu.precision import check_precision, precision_policy
+from d2lgpu.runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
 
 try:  # public from torch 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1145,7 +1145,7 @@ def _resume(
 def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
     """Stop on a loss that is not finite, or far above the first step's: training diverged.
 
-    The course's one divergence rule (:func:`d2lgpu.checks.check_training_loss`: not
+    The course's one divergence rule (:func:`d2lgpu.runtime.checks.check_training_loss`: not
     finite, or ten times the first step's loss) on every loss from index ``first_new`` on.
     """
     for step in range(first_new, len(losses)):
@@ -1345,7 +1345,8 @@ def sharding_worker(
     jobs: Sequence[FSDPRun | AccumulationRun],
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
-    """Entry point for :func:`d2lgpu.distributed.launch`: join the group, run ``jobs``, leave.
+    """Entry point for :func:`d2lgpu.runtime.distributed.launch`: join the group, run
+    ``jobs``, leave.
 
     Returns each job's result (an :class:`FSDPResult` or an
     :class:`AccumulationResult`). Several jobs share one launch, so that

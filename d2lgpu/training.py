@@ -43,7 +43,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from d2lgpu.checks import (
+from d2lgpu.data import DeviceLoader
+from d2lgpu.devices import resolve_devices, try_gpu
+from d2lgpu.plotting import LivePlot, in_notebook
+from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
+from d2lgpu.runtime.checks import (
     check_batch,
     check_bool,
     check_finite_float,
@@ -57,12 +61,9 @@ from d2lgpu.checks import (
     check_training_loss,
     find_non_finite_batch,
 )
-from d2lgpu.config import smoke_mode
-from d2lgpu.data import DeviceLoader
-from d2lgpu.devices import as_device, resolve_devices, try_gpu
-from d2lgpu.estimate import training_estimate
-from d2lgpu.plotting import LivePlot, in_notebook
-from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
+from d2lgpu.runtime.config import smoke_mode
+from d2lgpu.runtime.estimate import training_estimate
+from d2lgpu.runtime.gpus import as_device
 
 __all__ = [
     "COMPILE_MODES",
@@ -510,7 +511,7 @@ def train_epoch(
     """One pass over ``train_iter``; returns (mean loss, accuracy, number of examples).
 
     When ``first_step_loss`` is an empty list, the first step's loss is appended to it:
-    the start that the divergence rule (:func:`d2lgpu.checks.check_training_loss`)
+    the start that the divergence rule (:func:`d2lgpu.runtime.checks.check_training_loss`)
     measures later losses against. With ``no_sync`` it is a device tensor, not read here.
 
     With ``techniques.no_sync`` (the default) the sums stay on ``device`` during the
@@ -772,7 +773,7 @@ def check_finite_loss(
     An error, not a warning: once the loss is not a number the weights are too, and
     every further epoch is wasted. Called once per epoch on the loss that
     :func:`train_epoch` has already read, so it costs no extra host synchronisation.
-    The check itself is :func:`d2lgpu.checks.check_training_loss`, shared by every
+    The check itself is :func:`d2lgpu.runtime.checks.check_training_loss`, shared by every
     function that trains; this adds the advice that fits the precision.
     """
     if policy.dtype == torch.float16:

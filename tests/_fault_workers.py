@@ -1,7 +1,7 @@
 """Workers that fail in the ways real jobs fail, for the launcher tests.
 
 They live in a module of their own (not in a test file) so that the processes
-:func:`d2lgpu.distributed.launch` spawns can import them by name; pytest puts
+:func:`d2lgpu.runtime.distributed.launch` spawns can import them by name; pytest puts
 this directory on ``sys.path`` and spawned processes inherit it.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from d2lgpu.distributed import all_reduce_sum, mark_progress, process_group
+from d2lgpu.runtime.distributed import all_reduce_sum, mark_progress, process_group
 
 
 def return_rank(rank: int) -> int:

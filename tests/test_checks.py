@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from d2lgpu.checks import (
+from d2lgpu.runtime.checks import (
     DIVERGENCE_FACTOR,
     check_batch,
     check_bool,

@@ -1,10 +1,10 @@
-"""Tests of d2lgpu.config: quick mode, pick, the data root and the mode line."""
+"""Tests of d2lgpu.runtime.config: quick mode, pick, the data root and the mode line."""
 
 from pathlib import Path
 
 import pytest
 
-from d2lgpu import config
+from d2lgpu.runtime import config
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", " on "])

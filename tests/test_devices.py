@@ -8,8 +8,8 @@ import torch
 from _fake_cuda import CU13_ARCHS, CU126_ARCHS, fake_cuda_gpus
 
 import d2lgpu
-from d2lgpu import devices as devices_module
 from d2lgpu.devices import require_cuda_device, resolve_devices
+from d2lgpu.runtime import gpus
 
 
 def _torch_gpu_count() -> int:
@@ -92,12 +92,13 @@ def test_every_gpu_is_addressable():
 
 
 def test_as_device_reads_what_torch_reads_and_names_the_spellings_otherwise():
-    assert d2lgpu.devices.as_device("cpu") == torch.device("cpu")
-    assert d2lgpu.devices.as_device(1) == torch.device("cuda", 1)  # an int is a GPU, as in torch
+    assert d2lgpu.runtime.gpus.as_device("cpu") == torch.device("cpu")
+    # an int is a GPU, as in torch
+    assert d2lgpu.runtime.gpus.as_device(1) == torch.device("cuda", 1)
     with pytest.raises(ValueError, match="'cuda:0'"):
-        d2lgpu.devices.as_device("cuda0")
+        d2lgpu.runtime.gpus.as_device("cuda0")
     with pytest.raises(TypeError, match="not a device"):
-        d2lgpu.devices.as_device(True)
+        d2lgpu.runtime.gpus.as_device(True)
 
 
 def test_resolve_devices():
@@ -174,7 +175,7 @@ def test_require_cuda_device_names_the_spellings_of_a_bad_device():
     lambda device: d2lgpu.Techniques.fast(device),
     lambda device: d2lgpu.technique_skip_reason("precision", device),
     lambda device: d2lgpu.precision_policy(device),
-    lambda device: d2lgpu.estimate.training_estimate([1], 1, device),
+    lambda device: d2lgpu.runtime.estimate.training_estimate([1], 1, device),
     lambda device: d2lgpu.DeviceLoader(torch.zeros(2, 1, 2, 2, dtype=torch.uint8),
                                        torch.zeros(2, dtype=torch.long), 1, device=device),
 ], ids=["require_cuda_device", "resolve_devices", "peak_tflops", "time_fn", "Techniques.fast",
@@ -187,13 +188,13 @@ def test_a_misspelt_device_gets_one_error_everywhere(call):
 # --- a GPU this torch build has no kernels for -----------------------------------------
 
 def test_a_p100_under_a_build_without_sm_60_is_not_usable(monkeypatch):
-    from d2lgpu import config
+    from d2lgpu.runtime import config
 
     fake_cuda_gpus(monkeypatch, [(6, 0)], CU13_ARCHS)
     for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
         monkeypatch.delenv(name, raising=False)
-    assert devices_module.gpus_without_kernels() == [0]
-    assert not devices_module.cuda_usable()
+    assert gpus.gpus_without_kernels() == [0]
+    assert not gpus.cuda_usable()
     assert d2lgpu.num_gpus() == 0
     assert d2lgpu.try_gpu() == torch.device("cpu")
     assert d2lgpu.try_all_gpus() == [torch.device("cpu")]
@@ -204,25 +205,25 @@ def test_a_p100_under_a_build_without_sm_60_is_not_usable(monkeypatch):
 
 
 def test_a_t4_under_a_build_with_sm_75_is_usable(monkeypatch):
-    from d2lgpu import config
+    from d2lgpu.runtime import config
 
     fake_cuda_gpus(monkeypatch, [(7, 5)], CU13_ARCHS)
     for name in ("D2LGPU_QUICK", "D2LGPU_FULL", "D2LGPU_SMOKE"):
         monkeypatch.delenv(name, raising=False)
-    assert devices_module.cuda_usable() and devices_module.gpus_without_kernels() == []
+    assert gpus.cuda_usable() and gpus.gpus_without_kernels() == []
     assert d2lgpu.num_gpus() == 1 and d2lgpu.try_gpu() == torch.device("cuda", 0)
     assert config.workload() == "full"
 
 
 def test_the_p100_is_usable_under_a_cu126_build(monkeypatch):
     fake_cuda_gpus(monkeypatch, [(6, 0)], CU126_ARCHS, cuda_build="12.6")
-    assert devices_module.cuda_usable() and d2lgpu.num_gpus() == 1
+    assert gpus.cuda_usable() and d2lgpu.num_gpus() == 1
 
 
 def test_one_gpu_without_kernels_makes_cuda_unusable_for_all(monkeypatch):
     # try_all_gpus would hand DataParallel the V100 too, and its first kernel would fail.
     fake_cuda_gpus(monkeypatch, [(7, 5), (7, 0)], CU13_ARCHS)
-    assert devices_module.gpus_without_kernels() == [1]
+    assert gpus.gpus_without_kernels() == [1]
     assert d2lgpu.try_all_gpus() == [torch.device("cpu")]
 
 
@@ -232,8 +233,8 @@ def test_a_build_whose_arch_list_cannot_be_checked_is_taken_at_its_word(
     # A ROCm build (its list names gfx targets) and a build that recorded no list:
     # torch's own start-up check skips both, and so does cuda_usable.
     fake_cuda_gpus(monkeypatch, [(9, 0)], arch_list, cuda_build=cuda_build)
-    assert devices_module.cuda_arch_list() is None
-    assert devices_module.cuda_usable() and d2lgpu.num_gpus() == 1
+    assert gpus.cuda_arch_list() is None
+    assert gpus.cuda_usable() and d2lgpu.num_gpus() == 1
 
 
 def test_an_unreadable_gpu_does_not_hide_the_others(monkeypatch):
@@ -245,7 +246,7 @@ def test_an_unreadable_gpu_does_not_hide_the_others(monkeypatch):
         return (6, 0)
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
-    assert devices_module.gpus_without_kernels() == [0]
+    assert gpus.gpus_without_kernels() == [0]
 
 
 # --- NCCL_P2P_DISABLE: the peer-to-peer decision, with faked GPUs ---------------------
@@ -255,11 +256,11 @@ def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
     """Pretend this machine has GPUs called ``names``; record whether the copy check ran.
     ``copy_ok`` None: the check could not start (a GPU busy in exclusive mode, say)."""
     ran = []
-    monkeypatch.setattr(devices_module, "_PEER_COPY_VERDICTS", {})
-    monkeypatch.setattr(devices_module, "num_gpus", lambda: len(names))
+    monkeypatch.setattr(gpus, "_PEER_COPY_VERDICTS", {})
+    monkeypatch.setattr(gpus, "num_gpus", lambda: len(names))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: peer)
-    monkeypatch.setattr(devices_module, "_nvlink_active", lambda i: nvlink)
+    monkeypatch.setattr(gpus, "_nvlink_active", lambda i: nvlink)
 
     def copy_check():
         ran.append(True)
@@ -267,7 +268,7 @@ def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
             return None, "the peer copy check could not prepare its GPUs (OutOfMemoryError: x)"
         return (True, "") if copy_ok else (False, "peer copies arrived wrong (0->1)")
 
-    monkeypatch.setattr(devices_module, "_peer_copies_correct", copy_check)
+    monkeypatch.setattr(gpus, "_peer_copies_correct", copy_check)
     return ran
 
 
@@ -275,7 +276,7 @@ def test_p2p_user_value_is_kept(monkeypatch):
     _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"])
     for value, disabled in (("0", False), ("1", True)):
         env = {"NCCL_P2P_DISABLE": value}
-        decision = devices_module.apply_nccl_p2p_decision(env)
+        decision = gpus.apply_nccl_p2p_decision(env)
         assert env == {"NCCL_P2P_DISABLE": value}
         assert decision.user_set and decision.disable is disabled
         assert "already set" in decision.reason
@@ -285,14 +286,14 @@ def test_p2p_user_value_is_kept(monkeypatch):
 def test_p2p_fewer_than_two_gpus_sets_nothing(monkeypatch, count):
     ran = _fake_gpus(monkeypatch, ["Tesla T4"] * count)
     env = {}
-    decision = devices_module.apply_nccl_p2p_decision(env)
+    decision = gpus.apply_nccl_p2p_decision(env)
     assert not decision.disable and env == {} and not ran
 
 
 def test_p2p_two_t4s_without_nvlink_disable(monkeypatch):
     ran = _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"], nvlink=None)
     env = {}
-    decision = devices_module.apply_nccl_p2p_decision(env)
+    decision = gpus.apply_nccl_p2p_decision(env)
     assert decision.disable and env == {"NCCL_P2P_DISABLE": "1"}
     assert "T4" in decision.reason and "\n" not in decision.reason
     assert not ran  # decided from the names, without copying
@@ -301,14 +302,14 @@ def test_p2p_two_t4s_without_nvlink_disable(monkeypatch):
 
 def test_p2p_t4s_with_nvlink_go_to_the_copy_check(monkeypatch):
     ran = _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"], nvlink=True)
-    assert not devices_module.apply_nccl_p2p_decision({}).disable
+    assert not gpus.apply_nccl_p2p_decision({}).disable
     assert ran
 
 
 def test_p2p_broken_copy_disables(monkeypatch):
     ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-40GB"] * 2, peer=True, copy_ok=False)
     env = {}
-    decision = devices_module.apply_nccl_p2p_decision(env)
+    decision = gpus.apply_nccl_p2p_decision(env)
     assert ran and decision.disable and env == {"NCCL_P2P_DISABLE": "1"}
     assert "peer access is reported" in decision.reason
 
@@ -316,14 +317,14 @@ def test_p2p_broken_copy_disables(monkeypatch):
 def test_p2p_working_copy_keeps_p2p(monkeypatch):
     ran = _fake_gpus(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 4, peer=True, copy_ok=True)
     env = {}
-    decision = devices_module.apply_nccl_p2p_decision(env)
+    decision = gpus.apply_nccl_p2p_decision(env)
     assert ran and not decision.disable and env == {}
     assert "intact" in decision.reason
 
 
 def test_p2p_no_peer_access_needs_no_check(monkeypatch):
     ran = _fake_gpus(monkeypatch, ["NVIDIA L4", "NVIDIA L4"], peer=False)
-    decision = devices_module.apply_nccl_p2p_decision({})
+    decision = gpus.apply_nccl_p2p_decision({})
     assert not decision.disable and not ran and "no pair" in decision.reason
 
 
@@ -331,17 +332,17 @@ def test_p2p_decision_is_remembered_for_the_process(monkeypatch):
     ran = _fake_gpus(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 2, peer=True, copy_ok=True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for _ in range(3):  # three launches
-        assert not devices_module.apply_nccl_p2p_decision({}).disable
+        assert not gpus.apply_nccl_p2p_decision({}).disable
     assert len(ran) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")  # other GPUs: checked anew
-    devices_module.apply_nccl_p2p_decision({})
+    gpus.apply_nccl_p2p_decision({})
     assert len(ran) == 2
 
 
 def test_p2p_broken_copies_are_remembered_too(monkeypatch):
     ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-40GB"] * 2, peer=True, copy_ok=False)
-    assert devices_module.apply_nccl_p2p_decision({}).disable
-    assert devices_module.apply_nccl_p2p_decision({}).disable and len(ran) == 1
+    assert gpus.apply_nccl_p2p_decision({}).disable
+    assert gpus.apply_nccl_p2p_decision({}).disable and len(ran) == 1
 
 
 def test_p2p_a_check_that_cannot_start_leaves_p2p_on_and_says_why(monkeypatch):
@@ -349,11 +350,11 @@ def test_p2p_a_check_that_cannot_start_leaves_p2p_on_and_says_why(monkeypatch):
     # NVLink must not be switched off for it.
     ran = _fake_gpus(monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 2, peer=True, copy_ok=None)
     env = {}
-    decision = devices_module.apply_nccl_p2p_decision(env)
+    decision = gpus.apply_nccl_p2p_decision(env)
     assert not decision.disable and env == {}
     assert "untested" in decision.reason and "OutOfMemoryError" in decision.reason
     assert "NCCL_P2P_DISABLE=1 yourself" in decision.reason
-    devices_module.apply_nccl_p2p_decision({})
+    gpus.apply_nccl_p2p_decision({})
     assert len(ran) == 2  # not remembered: the next launch tries again
 
 
@@ -367,34 +368,34 @@ def test_p2p_copy_check_reads_the_child(monkeypatch):
     def child(*args, **kwargs):
         return lambda *a, **k: Run(*args, **kwargs)
 
-    check = devices_module._peer_copies_correct
-    monkeypatch.setattr(devices_module.subprocess, "run", child("STARTED\nOK\n"))
+    check = gpus._peer_copies_correct
+    monkeypatch.setattr(gpus.subprocess, "run", child("STARTED\nOK\n"))
     assert check() == (True, "")
-    monkeypatch.setattr(devices_module.subprocess, "run", child("STARTED\nBAD 0->1\n"))
+    monkeypatch.setattr(gpus.subprocess, "run", child("STARTED\nBAD 0->1\n"))
     assert check() == (False, "peer copies arrived wrong (0->1)")
-    monkeypatch.setattr(devices_module.subprocess, "run",
+    monkeypatch.setattr(gpus.subprocess, "run",
                         child("STARTED\n", -11, "Segmentation fault"))
     ok, why = check()
     assert ok is False and "crashed during the copies" in why and "Segmentation" in why
     busy = ("CANNOT START AcceleratorError: CUDA error: CUDA-capable device(s) is/are busy "
             "or unavailable\n")
-    monkeypatch.setattr(devices_module.subprocess, "run", child(busy))
+    monkeypatch.setattr(gpus.subprocess, "run", child(busy))
     ok, why = check()
     assert ok is None and "could not prepare its GPUs" in why and "busy" in why
-    monkeypatch.setattr(devices_module.subprocess, "run",
+    monkeypatch.setattr(gpus.subprocess, "run",
                         child("", 1, "RuntimeError: CUDA driver initialization failed"))
     ok, why = check()
     assert ok is None and "before its first copy" in why and "initialization" in why
 
     def hang(output):
         def run(*a, **k):
-            raise devices_module.subprocess.TimeoutExpired("python", 1, output=output)
+            raise gpus.subprocess.TimeoutExpired("python", 1, output=output)
         return run
 
-    monkeypatch.setattr(devices_module.subprocess, "run", hang(b"STARTED\n"))
+    monkeypatch.setattr(gpus.subprocess, "run", hang(b"STARTED\n"))
     ok, why = check(timeout_s=1)
     assert ok is False and "did not finish" in why
-    monkeypatch.setattr(devices_module.subprocess, "run", hang(None))
+    monkeypatch.setattr(gpus.subprocess, "run", hang(None))
     ok, why = check(timeout_s=1)
     assert ok is None and "did not get to its first copy" in why
 
@@ -403,11 +404,11 @@ def test_p2p_copy_check_runs(monkeypatch):
     # The real child, shown no GPU (it inherits this variable): it starts, has no pair
     # to copy between, and says OK.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert devices_module._peer_copies_correct() == (True, "")
+    assert gpus._peer_copies_correct() == (True, "")
 
 
 def test_launcher_rank_environment_applies_the_decision(monkeypatch):
-    from d2lgpu import distributed
+    from d2lgpu.runtime import distributed
 
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
     _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"])

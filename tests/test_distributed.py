@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from _torchrun import CHILD_ENV, two_node_torchrun
 
+from d2lgpu.ddp_demos import faulty_worker, hogwild_train
 from d2lgpu.ddp_train import (
     DDPConfig,
     build_model,
@@ -21,14 +22,12 @@ from d2lgpu.ddp_train import (
     strip_batchnorm,
     train_ddp,
 )
-from d2lgpu.distributed import (
+from d2lgpu.runtime.distributed import (
     DistContext,
     RemoteTraceback,
     all_reduce_sum,
     choose_backend,
-    faulty_worker,
     find_free_port,
-    hogwild_train,
     launch,
     process_group,
     run_together,
@@ -283,7 +282,7 @@ def test_torchrun_on_two_nodes_trains_one_job_that_only_global_rank_0_reports(tm
 # --- DataParallel against DDP: the counts and the verdicts on them ----------------------
 
 def test_busiest_gpu_bytes_counts_both_wrappers():
-    from d2lgpu.distributed import busiest_gpu_bytes
+    from d2lgpu.ddp_demos import busiest_gpu_bytes
 
     counts = busiest_gpu_bytes(1000, 4, input_bytes=400, output_bytes=40, buffer_bytes=8)
     # DataParallel, all through GPU 0: broadcast of parameters and buffers, reduce of the
@@ -305,7 +304,7 @@ def test_busiest_gpu_bytes_counts_both_wrappers():
 
 
 def test_traffic_verdict_on_both_sides_of_its_margin():
-    from d2lgpu.distributed import dp_or_ddp_traffic_verdict
+    from d2lgpu.ddp_demos import dp_or_ddp_traffic_verdict
 
     assert dp_or_ddp_traffic_verdict(130, 100).startswith("DDP")
     assert dp_or_ddp_traffic_verdict(110, 100).startswith("a tie")
@@ -314,7 +313,7 @@ def test_traffic_verdict_on_both_sides_of_its_margin():
 
 
 def test_speed_verdict_on_both_sides_of_its_margin():
-    from d2lgpu.distributed import dp_or_ddp_speed_verdict
+    from d2lgpu.ddp_demos import dp_or_ddp_speed_verdict
 
     assert dp_or_ddp_speed_verdict(100, 115).startswith("DDP")
     assert dp_or_ddp_speed_verdict(100, 105).startswith("a tie")
@@ -329,7 +328,7 @@ def test_launch_preloads_what_every_rank_would_import_again(monkeypatch):
     seconds in every rank otherwise) and the launched function's module, once."""
     import torch.multiprocessing as mp
 
-    from d2lgpu import distributed
+    from d2lgpu.runtime import distributed
 
     preloads = []
 
@@ -339,15 +338,16 @@ def test_launch_preloads_what_every_rank_would_import_again(monkeypatch):
 
     monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["fork", "spawn", "forkserver"])
     monkeypatch.setattr(mp, "get_context", lambda method: Context())
-    assert distributed._rank_start_method(distributed.faulty_worker) == "forkserver"
-    assert preloads[-1] == ["torch", "torch._dynamo", "d2lgpu.distributed"]
+    assert distributed._rank_start_method(faulty_worker) == "forkserver"
+    assert preloads[-1] == ["torch", "torch._dynamo", "d2lgpu.runtime.distributed",
+                            "d2lgpu.ddp_demos"]
 
     def in_main(rank):
         return rank
 
     in_main.__module__ = "__main__"  # a script's function: the server cannot import it by name
     distributed._rank_start_method(in_main)
-    assert preloads[-1] == ["torch", "torch._dynamo", "d2lgpu.distributed"]
+    assert preloads[-1] == ["torch", "torch._dynamo", "d2lgpu.runtime.distributed"]
     from d2lgpu.sharding import sharding_worker
 
     distributed._rank_start_method(sharding_worker)

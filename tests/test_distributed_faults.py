@@ -21,8 +21,10 @@ import _fault_workers as workers
 import pytest
 import torch
 
-from d2lgpu import distributed
-from d2lgpu.distributed import (
+from d2lgpu.ddp_demos import hogwild_train
+from d2lgpu.healthcheck import health_check
+from d2lgpu.runtime import distributed
+from d2lgpu.runtime.distributed import (
     CollectiveTimeout,
     DistContext,
     RankError,
@@ -32,13 +34,11 @@ from d2lgpu.distributed import (
     all_reduce_sum,
     end_process,
     find_free_port,
-    hogwild_train,
     launch,
     mark_progress,
     process_group,
     run_together,
 )
-from d2lgpu.healthcheck import health_check
 
 # Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs
 # them (pyproject.toml's "slow" marker).
@@ -92,7 +92,7 @@ time.sleep(120)
 # with status 0 and its unflushed output printed.
 _RENDEZVOUS_SCRIPT = """
 import os, sys, time
-from d2lgpu.distributed import all_reduce_sum, end_process, find_free_port, process_group
+from d2lgpu.runtime.distributed import all_reduce_sum, end_process, find_free_port, process_group
 jobs, statuses = 10, []
 for job in range(jobs):
     port, children = find_free_port(), []
@@ -538,7 +538,7 @@ def test_hogwild_that_diverges_raises_instead_of_returning_exploded_weights(monk
 
 
 def test_exit_status_of_is_0_after_a_return_and_1_after_a_raise_with_the_traceback(capsys):
-    from d2lgpu.distributed import exit_status_of
+    from d2lgpu.runtime.distributed import exit_status_of
 
     assert exit_status_of(lambda: None) == 0
 

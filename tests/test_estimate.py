@@ -1,4 +1,4 @@
-"""Tests of d2lgpu.estimate: the arithmetic and the message of run-time estimates."""
+"""Tests of d2lgpu.runtime.estimate: the arithmetic and the message of run-time estimates."""
 
 import re
 import time
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import d2lgpu
-from d2lgpu.estimate import (
+from d2lgpu.runtime.estimate import (
     StepEstimate,
     announce,
     estimate_message,
@@ -118,7 +118,7 @@ def test_train_announces_a_long_run_once(monkeypatch, capsys):
     # Every reading of the estimate's clock is 100 s after the one before: batches 2-6
     # then take 20 s each, 16 batches about 5 min, and train() must say so once.
     ticks = iter(range(0, 10_000, 100))
-    monkeypatch.setattr("d2lgpu.estimate.perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr("d2lgpu.runtime.estimate.perf_counter", lambda: float(next(ticks)))
     X, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=8)
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 10))
@@ -164,7 +164,7 @@ def test_training_estimate_needs_a_loader():
 
 
 def test_chapter_clock_states_the_reference_times_and_the_elapsed_time():
-    from d2lgpu.estimate import ChapterClock
+    from d2lgpu.runtime.estimate import ChapterClock
 
     lines = []
     clock = ChapterClock(60, 10, mode="cpu", clock=_ticks(0.0, 150.0), out=lines.append)
@@ -176,7 +176,7 @@ def test_chapter_clock_states_the_reference_times_and_the_elapsed_time():
 
 
 def test_chapter_clock_full_mode_names_the_gpu_or_says_none_was_recorded():
-    from d2lgpu.estimate import ChapterClock
+    from d2lgpu.runtime.estimate import ChapterClock
 
     lines = []
     full = ChapterClock(300, 20, 45, "NVIDIA H100", mode="full", out=lines.append,
@@ -198,7 +198,7 @@ def test_chapter_clock_full_mode_names_the_gpu_or_says_none_was_recorded():
     ({"cpu_seconds": 1, "quick_seconds": 1, "mode": "fast"}, "mode"),
 ])
 def test_chapter_clock_refuses_bad_figures(kwargs, match):
-    from d2lgpu.estimate import ChapterClock
+    from d2lgpu.runtime.estimate import ChapterClock
 
     with pytest.raises(ValueError, match=match):
         ChapterClock(**kwargs, out=lambda line: None)

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from _fake_cuda import CU13_ARCHS, CU126_ARCHS, fake_cuda_gpus
 
-from d2lgpu import chips, config, data, devices, distributed, precision, profiling, report
+from d2lgpu import chips, data, devices, precision, profiling, report
+from d2lgpu.runtime import config, distributed, gpus
 from d2lgpu.training import TECHNIQUES, Techniques, technique_skip_reason
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ class Row:
 
     The decisions, read on GPU 0 where they concern one GPU:
 
-    * ``usable``: ``devices.cuda_usable()``; ``course_devices``: ``try_all_gpus()``;
+    * ``usable``: ``gpus.cuda_usable()``; ``course_devices``: ``try_all_gpus()``;
       ``workload``: ``config.workload()`` with no ``D2LGPU_*`` variable set.
     * ``auto``: the name of ``precision_policy(cuda:0, "auto")``.
     * ``skips``: ``technique_skip_reason(t, cuda:0)`` for the techniques it refuses (a
@@ -72,7 +73,7 @@ class Row:
     * ``formats``, ``narrow``: ``chips.native_tensor_core_formats`` and
       ``narrow_tensor_core_formats``; ``peak``: ``chips.peak_tflops(cuda:0)`` (None:
       unknown; a str: the fragment of the error it raises) in ``peak_format``.
-    * ``p2p``: ``devices.nccl_p2p_decision({})`` as (NCCL_P2P_DISABLE=1?, did the peer-copy
+    * ``p2p``: ``gpus.nccl_p2p_decision({})`` as (NCCL_P2P_DISABLE=1?, did the peer-copy
       check run?, a fragment of the reason).
     * ``backends``: ``distributed.choose_backend(ranks)`` for a few rank counts.
     * ``workers``: ``data.default_num_workers()`` outside quick mode on 16 cores;
@@ -174,8 +175,8 @@ def row(request, monkeypatch) -> Row:
                    machine.cuda_build, names=[machine.name] * machine.count,
                    multiprocessors=machine.sms, total_memory=int(machine.memory_gib * GIB))
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: machine.peer)
-    monkeypatch.setattr(devices, "_nvlink_active", lambda index: machine.nvlink)
-    monkeypatch.setattr(devices, "_PEER_COPY_VERDICTS", {})
+    monkeypatch.setattr(gpus, "_nvlink_active", lambda index: machine.nvlink)
+    monkeypatch.setattr(gpus, "_PEER_COPY_VERDICTS", {})
     # Triton installed, as on Colab and Kaggle; a CUDA build, not ROCm.
     import torch.utils._triton as triton_utils
 
@@ -196,10 +197,10 @@ def row(request, monkeypatch) -> Row:
 
 
 def test_usable_cuda_and_the_workload(row):
-    assert devices.cuda_usable() is row.usable
+    assert gpus.cuda_usable() is row.usable
     assert [str(d) for d in devices.try_all_gpus()] == row.course_devices
     assert str(devices.try_gpu()) == row.course_devices[0]
-    assert devices.num_gpus() == (row.count if row.usable else 0)
+    assert gpus.num_gpus() == (row.count if row.usable else 0)
     assert config.workload() == row.workload
     # Chapter 1's diagnosis says the same, and names the missing kernels where they are.
     diagnosis = report.diagnose_this_machine(report.NvmlView(None, (), "NVML: faked"))
@@ -274,14 +275,14 @@ def test_nccl_peer_to_peer_decision(row, monkeypatch):
         children.append(args)
         return types.SimpleNamespace(stdout="STARTED\nOK\n", returncode=0, stderr="")
 
-    monkeypatch.setattr(devices.subprocess, "run", child)
+    monkeypatch.setattr(gpus.subprocess, "run", child)
     disable, checked, why = row.p2p
-    decision = devices.nccl_p2p_decision({})
+    decision = gpus.nccl_p2p_decision({})
     assert decision.disable is disable and not decision.user_set
     assert bool(children) is checked
     assert why in decision.reason
     environment = {}
-    devices.apply_nccl_p2p_decision(environment)
+    gpus.apply_nccl_p2p_decision(environment)
     assert environment == ({"NCCL_P2P_DISABLE": "1"} if disable else {})
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from d2lgpu.distributed import find_free_port, process_group
 from d2lgpu.healthcheck import health_check
+from d2lgpu.runtime.distributed import find_free_port, process_group
 
 
 def test_health_check_single_rank():

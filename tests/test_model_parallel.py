@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 import d2lgpu.model_parallel as model_parallel
-from d2lgpu.distributed import DistContext, find_free_port, launch
 from d2lgpu.model_parallel import (
     BubbleResult,
     BubbleRun,
@@ -39,6 +38,7 @@ from d2lgpu.model_parallel import (
     split_table,
     train_reference,
 )
+from d2lgpu.runtime.distributed import DistContext, find_free_port, launch
 from d2lgpu.sharding import fsdp2_unavailable_reason, sharding_worker
 
 # Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs

@@ -16,7 +16,6 @@ import pytest
 import torch
 from _torchrun import CHILD_ENV, TORCHRUN
 
-from d2lgpu.distributed import find_free_port, process_group
 from d2lgpu.model_parallel import (
     ModelSpec,
     ResumableTwoDRun,
@@ -24,6 +23,7 @@ from d2lgpu.model_parallel import (
     max_abs_diff,
     train_reference,
 )
+from d2lgpu.runtime.distributed import find_free_port, process_group
 from d2lgpu.sharding import CheckpointError, fsdp2_unavailable_reason, load_checkpoint
 
 # Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs

@@ -17,8 +17,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from d2lgpu import data, estimate, models, parallel, plotting, training  # noqa: E402
+from d2lgpu import data, models, parallel, plotting, training  # noqa: E402
 from d2lgpu.precision import SweepRow, precision_policy  # noqa: E402
+from d2lgpu.runtime import estimate  # noqa: E402
 
 CPU = torch.device("cpu")
 

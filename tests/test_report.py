@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import d2lgpu
-from d2lgpu import chips, devices, report
+from d2lgpu import chips, report
 from d2lgpu.__main__ import main
 from d2lgpu.report import (
     CudaDiagnosis,
@@ -23,6 +23,7 @@ from d2lgpu.report import (
     diagnose_cuda,
     parse_cuda_visible_devices,
 )
+from d2lgpu.runtime import gpus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -479,7 +480,7 @@ def test_print_report(capsys):
 def test_setup_summary_says_what_runs_where():
     summary = d2lgpu.report.setup_summary()
     assert f"torch {torch.__version__}" in summary
-    assert summary.endswith(d2lgpu.config.describe_mode())
+    assert summary.endswith(d2lgpu.runtime.config.describe_mode())
     if _torch_gpu_count() == 0:
         assert "No CUDA GPU here: everything runs on the CPU" in summary
     else:
@@ -855,7 +856,7 @@ def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
     ((7, 0), ["sm_50", "sm_60", "sm_70", "sm_75"], True),  # a CUDA 12 build
 ])
 def test_build_runs_on_follows_cudas_compatibility_rules(capability, archs, runs):
-    assert devices.build_runs_on(capability, archs) is runs
+    assert gpus.build_runs_on(capability, archs) is runs
 
 
 def test_diagnose_cuda_reports_a_gpu_missing_from_the_arch_list(monkeypatch):

@@ -2,7 +2,6 @@
 
 import pytest
 
-from d2lgpu.config import describe_mode
 from d2lgpu.report import (
     NvmlGpuReading,
     NvmlView,
@@ -10,11 +9,13 @@ from d2lgpu.report import (
     read_nvml_while_busy,
     setup_summary,
 )
+from d2lgpu.runtime.config import describe_mode
 
 
 def _summary(monkeypatch, gpus, cuda_build="12.4", listed=None, workload="cpu"):
     """setup_summary on a made-up machine: ``gpus`` usable, ``listed`` seen by CUDA."""
-    from d2lgpu import config, report
+    from d2lgpu import report
+    from d2lgpu.runtime import config
 
     monkeypatch.setattr(report, "num_gpus", lambda: len(gpus))
     monkeypatch.setattr(report.torch.version, "cuda", cuda_build)

@@ -1,11 +1,11 @@
-"""Tests of d2lgpu.distributed.run_together: command-line jobs started side by side."""
+"""Tests of d2lgpu.runtime.distributed.run_together: command-line jobs started side by side."""
 
 import sys
 import time
 
 import pytest
 
-from d2lgpu.distributed import run_together
+from d2lgpu.runtime.distributed import run_together
 
 # Each side creates its own file, then waits for the other's: run one after the other,
 # the first would wait forever; run together, both finish at once.

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from d2lgpu.distributed import (
+from d2lgpu.memory import make_optimizer
+from d2lgpu.runtime.distributed import (
     RemoteTraceback,
     find_free_port,
     launch,
     process_group,
 )
-from d2lgpu.memory import make_optimizer
 from d2lgpu.sharding import (
     ACCUMULATION_VARIANTS,
     AccumulationRun,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from numbers import Real
 from time import perf_counter
 
-from d2lgpu.checks import check_positive_int
+from d2lgpu.runtime.checks import check_positive_int
 
 __all__ = [
     "MIN_SECONDS_TO_ANNOUNCE",
@@ -189,7 +189,7 @@ def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEsti
     """
     check_positive_int("num_epochs", num_epochs)
     if device is not None:
-        from d2lgpu.devices import as_device  # imported here: this module stays light
+        from d2lgpu.runtime.gpus import as_device  # imported here: this module stays light
 
         device = as_device(device)
     if train_iter is None or isinstance(train_iter, (str, bytes)) or not hasattr(
@@ -243,7 +243,7 @@ class ChapterClock:
                  gpu_seconds: float | None = None, gpu_name: str | None = None, *,
                  mode: str | None = None, clock: Callable[[], float] = perf_counter,
                  out: Callable[[str], object] = print) -> None:
-        from d2lgpu.config import workload
+        from d2lgpu.runtime.config import workload
 
         if gpu_seconds is not None and not gpu_name:
             raise ValueError("gpu_seconds needs gpu_name: say which GPU it was measured on")
@@ -286,7 +286,7 @@ def start_chapter(
 @contextlib.contextmanager
 def elapsed_bar(desc: str) -> Iterator[None]:
     """A progress bar that counts the seconds while its body waits on other processes
-    (``torchrun``, :func:`d2lgpu.distributed.launch`), which report no steps of their own::
+    (``torchrun``, :func:`d2lgpu.runtime.distributed.launch`), which report no steps of their own::
 
         with elapsed_bar("torchrun, 2 ranks"):
             subprocess.run([...])

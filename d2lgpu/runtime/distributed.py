@@ -20,9 +20,11 @@ Three pieces, each small enough to read in one go:
   workers of this package): the new process finds the function by its module
   and name, and a function defined in a notebook cell has no module it can be
   imported from.
-* :func:`hogwild_train`: several processes training one model whose tensors
-  live in shared memory (``share_memory_()``), each updating it in place
-  without locks ("Hogwild!"), the pattern of PyTorch's own MNIST Hogwild example.
+* :func:`run_together` runs several command lines at once (pretend machines on one
+  computer) and keeps what each printed.
+
+Chapter 5's demonstrations that run on them (a failing rank, Hogwild training,
+DataParallel against DDP counted) are the lesson module ``d2lgpu.ddp_demos``.
 """
 
 from __future__ import annotations
@@ -52,17 +54,14 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
-from d2lgpu.checks import (
+from d2lgpu.runtime.checks import (
     check_positive_float,
     check_positive_int,
-    check_seed,
-    check_training_loss,
     positive_int_flag,
     positive_number_flag,
 )
-from d2lgpu.devices import apply_nccl_p2p_decision, num_gpus
+from d2lgpu.runtime.gpus import apply_nccl_p2p_decision, num_gpus
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -72,17 +71,15 @@ __all__ = [
     "RankError",
     "add_job_flags",
     "all_reduce_sum",
-    "busiest_gpu_bytes",
     "choose_backend",
-    "dp_or_ddp_speed_verdict",
-    "dp_or_ddp_traffic_verdict",
     "end_process",
-    "faulty_worker",
     "find_free_port",
-    "hogwild_train",
     "launch",
     "mark_progress",
     "process_group",
+    "exit_status_of",
+    "run_together",
+    "CommandResult",
 ]
 
 #: Seconds a collective waits for the other ranks before it fails. Long enough
@@ -659,7 +656,7 @@ def _torchrun_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
 
 
 def _check_int(name: str, value: object) -> int:
-    # The same wording as d2lgpu.checks; bool is refused although it is an int.
+    # The same wording as d2lgpu.runtime.checks; bool is refused although it is an int.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
     return value
@@ -688,7 +685,7 @@ def _resolve_ranks(
         if master_port is None:
             raise ValueError(
                 "master_port is required with an explicit rank: choose one in the parent with "
-                "d2lgpu.distributed.find_free_port() and pass the same port to every rank"
+                "d2lgpu.runtime.distributed.find_free_port() and pass the same port to every rank"
             )
         if _check_int("master_port", master_port) not in range(1, 65536):
             raise ValueError(f"master_port must be in 1..65535, got {master_port}")
@@ -765,7 +762,7 @@ def _rendezvous(
         world_size,
         serve=rank == 0,
         timeout_s=timeout_s,
-        fix="Choose a free port in the parent with d2lgpu.distributed.find_free_port() and "
+        fix="Choose a free port in the parent with d2lgpu.runtime.distributed.find_free_port() and "
         "pass the same one to every rank",
     )
 
@@ -1163,8 +1160,8 @@ class _Outcome:
                 parts.append(f"all at the same step ({_progress_lines(progress)})")
         else:
             parts.append(
-                "no rank reported its progress (call d2lgpu.distributed.mark_progress before "
-                "each collective to see where each rank was)"
+                "no rank reported its progress (call d2lgpu.runtime.distributed.mark_progress "
+                "before each collective to see where each rank was)"
             )
         return "; ".join(parts) + ". Give them more time, or look for a rank that never reached "\
             "a collective the others wait in"
@@ -1293,7 +1290,7 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
             ),
             cause,
         ) from remote
-    notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.distributed.launch",
+    notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.runtime.distributed.launch",
              *aftermath]
     exc = pickle.loads(record["exception"]) if record["exception"] is not None else None
     if isinstance(exc, Exception):
@@ -1337,7 +1334,7 @@ def _rank_start_method(fn: Callable[..., Any]) -> str:
     """
     if "forkserver" not in mp.get_all_start_methods():  # Windows
         return "spawn"
-    preload = ["torch", "torch._dynamo", "d2lgpu.distributed"]
+    preload = ["torch", "torch._dynamo", "d2lgpu.runtime.distributed"]
     module = getattr(fn, "__module__", None)
     if module and module != "__main__" and module not in preload:
         preload.append(module)
@@ -1368,7 +1365,7 @@ def _check_launch(
 
 def _rank_environment() -> dict[str, str]:
     """The ranks' environment: this process's, plus the loopback interface for gloo and
-    the NCCL peer-to-peer decision of :func:`d2lgpu.devices.apply_nccl_p2p_decision`.
+    the NCCL peer-to-peer decision of :func:`d2lgpu.runtime.gpus.apply_nccl_p2p_decision`.
 
     Set for the ranks only, not in this process, whose later children inherit it.
     """
@@ -1525,122 +1522,6 @@ def launch(
         return _rank0_result(workdir, fn, nprocs)
 
 
-def faulty_worker(
-    rank: int, world_size: int, master_port: int, bad_rank: int, timeout_s: float = 30.0
-) -> float:
-    """A worker that goes wrong on purpose, to show what :func:`launch` does with a failure.
-
-    Rank ``bad_rank`` raises ``ValueError`` before the all-reduce; the other
-    ranks are already waiting in it and would wait until ``timeout_s`` if the
-    launcher did not notice the failure and stop them.
-    """
-    with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
-        if ctx.rank == bad_rank:
-            raise ValueError(f"rank {ctx.rank} found a bad batch (raised on purpose)")
-        value = torch.ones(1, device=ctx.device)
-        dist.all_reduce(value)
-        return value.item()
-
-
-# ---------------------------------------------------------------------------
-# Hogwild: several processes, one model in shared memory
-# ---------------------------------------------------------------------------
-
-
-def _hogwild_worker(
-    rank: int,
-    model: nn.Module,
-    features: torch.Tensor,
-    targets: torch.Tensor,
-    nprocs: int,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-) -> None:
-    """One Hogwild process: SGD on its own shard, writing straight into the shared parameters."""
-    torch.manual_seed(seed + rank)
-    shard_x, shard_y = features[rank::nprocs], targets[rank::nprocs]
-    # The optimizer holds the shared parameter tensors themselves, so step()
-    # updates the memory every process reads from; no copy, no lock.
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    loss_fn = nn.MSELoss()
-    for _ in range(epochs):
-        order = torch.randperm(len(shard_x))
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            optimizer.zero_grad()
-            loss_fn(model(shard_x[idx]), shard_y[idx]).backward()
-            optimizer.step()
-
-
-def hogwild_train(
-    model: nn.Module,
-    features: torch.Tensor,
-    targets: torch.Tensor,
-    nprocs: int = 2,
-    *,
-    epochs: int = 1,
-    batch_size: int = 32,
-    lr: float = 0.05,
-    seed: int = 0,
-    timeout_s: float = 300.0,
-) -> nn.Module:
-    """Train a CPU model with ``nprocs`` processes that all update the same shared parameters.
-
-    Regression (MSE loss). The model's tensors are moved into shared memory
-    (``model.share_memory()``, which calls
-    ``share_memory_()`` on every parameter and buffer), then every process gets a handle to that
-    memory, not a copy: when the call returns, ``model`` in the caller holds
-    the result of everybody's updates. The updates race (no locks); for sparse
-    or small updates that costs little accuracy, which is the point of Hogwild.
-    Like ``d2lgpu.training.train``, it refuses data or weights holding nan or inf, and
-    raises ``FloatingPointError`` when training diverged (the loss over the data is not
-    finite afterwards, or ten times what it was) instead of returning exploded weights.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for name, tensor in (("features", features), ("targets", targets)):
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            raise TypeError(
-                f"{name} must be a floating-point torch.Tensor, got "
-                f"{tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__}"
-            )
-        if not torch.isfinite(tensor).all():
-            raise ValueError(f"{name} hold nan or inf: clean the data before training")
-    check_positive_int("nprocs", nprocs)
-    check_positive_int("epochs", epochs)
-    check_positive_int("batch_size", batch_size)
-    check_positive_float("lr", lr)
-    check_seed(seed)
-    check_positive_float("timeout_s", timeout_s)
-    if any(p.device.type != "cpu" for p in model.parameters()):
-        raise ValueError(
-            "hogwild_train shares CPU memory between processes; move the model to the CPU first"
-        )
-    if any(not torch.isfinite(p).all() for p in model.parameters()):
-        raise ValueError("the model's weights hold nan or inf before training: initialise it anew")
-    if len(features) != len(targets):
-        raise ValueError(f"{len(features)} feature rows but {len(targets)} targets")
-    with torch.no_grad():
-        before = nn.functional.mse_loss(model(features), targets).item()
-    model.share_memory()
-    launch(
-        _hogwild_worker,
-        nprocs,
-        (model, features, targets, nprocs, epochs, batch_size, lr, seed),
-        timeout_s=timeout_s,
-    )
-    # The course's one divergence rule (d2lgpu.checks): a loss that is not finite, or ten
-    # times the one training started from, is a diverged run, never a result. The ranks'
-    # steps race, so the loss over all the data, before and after, is what can be read.
-    with torch.no_grad():
-        after = nn.functional.mse_loss(model(features), targets).item()
-    check_training_loss(after, when=f"hogwild training ({epochs} epoch(s))", lr=lr,
-                        first_loss=before, advice="or a smaller batch_size")
-    return model
-
-
 # ---------------------------------------------------------------------------
 # Several command-line jobs at once (pretend machines on one computer)
 # ---------------------------------------------------------------------------
@@ -1721,96 +1602,3 @@ def run_together(
         CommandResult(tuple(command), process.returncode, output)
         for command, process, output in zip(commands, processes, outputs, strict=True)
     ]
-
-
-# --- DataParallel against DDP, counted: the bytes over the busiest GPU's link in one step ---
-
-
-def busiest_gpu_bytes(
-    param_bytes: int,
-    world_size: int,
-    input_bytes: int = 0,
-    output_bytes: int = 0,
-    buffer_bytes: int = 0,
-) -> dict[str, float]:
-    """The fewest bytes the busiest GPU's link carries in one training step, for both wrappers.
-
-    Counted are the bytes that must cross one GPU's link, one phase after another, when
-    every collective runs as fast as its link allows. Divided by the link's bandwidth (one
-    direction) they give the least time the step's communication takes, by the bounds in
-    NVIDIA's nccl-tests (``doc/PERFORMANCE.md``): a broadcast must send all ``S`` bytes out
-    of its root and a reduce must bring ``S`` bytes into its root, ``t >= S/B`` each; an
-    all-reduce over ``N`` ranks needs ``t >= 2 (N - 1)/N * S/B`` on every rank.
-
-    ``DataParallel`` (``torch/nn/parallel/data_parallel.py``; the batch starts on GPU 0):
-    everything passes GPU 0. Per step it scatters ``(N - 1)/N`` of the input out, broadcasts
-    the parameters and buffers to the replicas (``replicate`` -> ``comm.broadcast_coalesced``,
-    an NCCL broadcast), gathers ``(N - 1)/N`` of the outputs in and sends their gradient back
-    out (``Gather`` and its backward), and reduces the replicas' gradients into GPU 0
-    (``Broadcast``'s backward -> ``comm.reduce_add_coalesced``, an NCCL reduce)::
-
-        2 * param_bytes + buffer_bytes + (N - 1)/N * (input_bytes + 2 * output_bytes)
-
-    ``DDP`` (``torch/nn/parallel/distributed.py``): each rank loads its own share of the
-    batch; the gradients are all-reduced, and rank 0's buffers are broadcast before every
-    forward (``forward_sync_buffers``, formerly ``broadcast_buffers``, True by default)::
-
-        2 (N - 1)/N * param_bytes + buffer_bytes
-
-    The parameter terms differ by a factor ``N/(N - 1)`` (2 on two GPUs, 8/7 on eight): what
-    makes DataParallel slower is less the bytes than when and how they move (chapters 4 and
-    5). One device moves nothing.
-    """
-    check_positive_int("world_size", world_size)
-    for name, value in (("param_bytes", param_bytes), ("input_bytes", input_bytes),
-                        ("output_bytes", output_bytes), ("buffer_bytes", buffer_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a whole number of bytes, 0 or more, got {value!r}")
-    n = world_size
-    if n == 1:  # DataParallel on one device calls the module; DDP has no peer
-        return {"DataParallel": 0, "DDP": 0}
-    share = (n - 1) / n
-    return {
-        "DataParallel": 2 * param_bytes + buffer_bytes + share * (input_bytes + 2 * output_bytes),
-        "DDP": 2 * share * param_bytes + buffer_bytes,
-    }
-
-
-def _larger_by(first: float, second: float, margin: float) -> str | None:
-    """"first" or "second", whichever exceeds the other by more than ``margin`` times;
-    None for a tie. The rule of both DataParallel-or-DDP verdicts."""
-    if first > margin * second:
-        return "first"
-    if second > margin * first:
-        return "second"
-    return None
-
-
-def dp_or_ddp_traffic_verdict(dp_bytes: float, ddp_bytes: float, margin: float = 1.2) -> str:
-    """Which wrapper moves fewer bytes over its busiest GPU's link, from the two counts
-    (:func:`busiest_gpu_bytes`).
-
-    A count has no noise; ``margin`` only keeps a near tie from being called a win.
-    """
-    check_positive_float("margin", margin)
-    if dp_bytes < 0 or ddp_bytes < 0:
-        raise ValueError(f"byte counts must be 0 or more, got {dp_bytes!r} and {ddp_bytes!r}")
-    larger = _larger_by(dp_bytes, ddp_bytes, margin)
-    if larger == "first":
-        return f"DDP: its busiest GPU moves {dp_bytes / ddp_bytes:.1f}x fewer bytes"
-    if larger == "second":
-        return f"DataParallel: its busiest GPU moves {ddp_bytes / dp_bytes:.1f}x fewer bytes"
-    return f"a tie: within {margin:g}x of each other"
-
-
-def dp_or_ddp_speed_verdict(dp_rate: float, ddp_rate: float, margin: float = 1.1) -> str:
-    """Which wrapper trained faster, from two throughputs (examples/s) of the same job."""
-    check_positive_float("margin", margin)
-    if not (dp_rate > 0 and ddp_rate > 0):
-        raise ValueError(f"throughputs must be positive, got {dp_rate!r} and {ddp_rate!r}")
-    larger = _larger_by(ddp_rate, dp_rate, margin)
-    if larger == "first":
-        return f"DDP, {ddp_rate / dp_rate:.2f}x the throughput of DataParallel"
-    if larger == "second":
-        return f"DataParallel, {dp_rate / ddp_rate:.2f}x the throughput of DDP"
-    return f"a tie: within {margin:g}x of each other"

@@ -42,6 +42,24 @@ import sys
 from pathlib import Path
 from typing import Literal, TypeVar
 
+__all__ = [
+    "CPU_BF16_ENV",
+    "DATA_ENV",
+    "FULL_ENV",
+    "QUICK_ENV",
+    "SMOKE_ENV",
+    "Workload",
+    "cpu_bf16_override",
+    "data_root",
+    "default_cache_dir",
+    "describe_mode",
+    "pick",
+    "quick_mode",
+    "small_data",
+    "smoke_mode",
+    "workload",
+]
+
 QUICK_ENV = "D2LGPU_QUICK"
 FULL_ENV = "D2LGPU_FULL"
 SMOKE_ENV = "D2LGPU_SMOKE"
@@ -100,7 +118,7 @@ def cpu_bf16_override() -> bool | None:
 
 def _cuda_usable() -> bool:
     # Imported here so that reading a setting does not import torch by itself.
-    from d2lgpu.devices import cuda_usable
+    from d2lgpu.runtime.gpus import cuda_usable
 
     return cuda_usable()
 

@@ -1,0 +1,324 @@
+"""What CUDA can use in this process: device spellings, GPU counts, and whether this torch
+build has kernels for the GPUs it sees; and the NCCL peer-to-peer decision made before a
+job starts.
+
+Chapter 1 explains these checks (``build_runs_on``: "no kernel image is available");
+every other part of the package asks them here, so that one answer decides whether the
+course runs on a GPU or on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from d2lgpu.runtime.checks import check_capability
+
+__all__ = [
+    "P2PDecision",
+    "apply_nccl_p2p_decision",
+    "as_device",
+    "build_runs_on",
+    "capability_or_none",
+    "cuda_arch_list",
+    "cuda_usable",
+    "gpus_without_kernels",
+    "nccl_p2p_decision",
+    "num_gpus",
+]
+
+
+def as_device(device: torch.device | str | int) -> torch.device:
+    """``torch.device(device)``, with an error that shows the accepted spellings.
+
+    torch's own errors for a misspelt device list twenty device types or its C++
+    overloads; this names the few that the course uses.
+    """
+    if isinstance(device, torch.device):
+        return device
+    hint = "use 'cpu', 'cuda', 'cuda:0' or torch.device('cuda', 0)"
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise TypeError(f"{device!r} is not a device ({type(device).__name__}); {hint}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{device!r} is not a device PyTorch understands; {hint}") from err
+
+
+def _arch_number(entry: str) -> tuple[str, int] | None:
+    """("sm", 86) for "sm_86", ("compute", 90) for "compute_90"; "sm_90a" counts as sm_90."""
+    kind, _, number = entry.partition("_")
+    digits = "".join(ch for ch in number if ch.isdigit())
+    if kind not in ("sm", "compute") or not digits:
+        return None
+    return kind, int(digits)
+
+
+def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
+    """Whether a torch build whose ``torch.cuda.get_arch_list()`` is ``arch_list`` has
+    kernels for a GPU of compute capability ``capability``.
+
+    CUDA's rules: machine code built for ``sm_XY`` runs on GPUs of the same major
+    version X and minor version Y or higher (sm_80 code runs on an 8.6 GPU); PTX
+    (``compute_XY``) is compiled by the driver for any GPU of capability XY or higher.
+    Without either, every kernel fails with "no kernel image is available".
+    """
+    major, minor = check_capability(capability)
+    mine = major * 10 + minor
+    for entry in arch_list:
+        parsed = _arch_number(str(entry))
+        if parsed is None:
+            continue
+        kind, number = parsed
+        if kind == "sm" and number // 10 == major and number % 10 <= minor:
+            return True
+        if kind == "compute" and number <= mine:
+            return True
+    return False
+
+
+def cuda_arch_list() -> list[str] | None:
+    """``torch.cuda.get_arch_list()`` where it can be held against a GPU's compute
+    capability; None where it cannot.
+
+    torch's own check at CUDA start-up (``_check_capability`` in torch/cuda/__init__.py)
+    skips the same two cases: a ROCm build (``torch.version.cuda`` is None; its list
+    names gfx targets, not compute capabilities) and a build that recorded no list.
+    """
+    if torch.version.cuda is None:
+        return None
+    try:
+        arch_list = list(torch.cuda.get_arch_list())
+    except Exception:  # noqa: BLE001 - without the list there is nothing to compare
+        return None
+    return arch_list or None
+
+
+def capability_or_none(index: int) -> tuple[int, int] | None:
+    """GPU ``index``'s compute capability (from its properties, which create no CUDA
+    context); None for a GPU that cannot be read, so that the others are still judged."""
+    try:
+        return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - a lost or busy GPU must not stop the others
+        return None
+
+
+def gpus_without_kernels() -> list[int]:
+    """The visible GPUs this torch build has no kernels for (a P100, sm_60, under a wheel
+    whose arch list starts at sm_75, say): CUDA lists them, and every kernel launched on
+    them fails with "no kernel image is available for execution on the device"."""
+    if not torch.cuda.is_available():
+        return []
+    arch_list = cuda_arch_list()
+    if arch_list is None:
+        return []
+    missing = []
+    for index in range(torch.cuda.device_count()):
+        capability = capability_or_none(index)
+        if capability is not None and not build_runs_on(capability, arch_list):
+            missing.append(index)
+    return missing
+
+
+def cuda_usable() -> bool:
+    """True when torch finds CUDA and this build has kernels for every visible GPU.
+
+    Every GPU, not just GPU 0: ``try_all_gpus``, DataParallel and the launcher of
+    chapter 5 spread work over all of them, and one GPU without kernels fails the
+    whole step. Where some GPUs work, hiding the others with ``CUDA_VISIBLE_DEVICES``
+    makes CUDA usable again (``python -m d2lgpu info`` names them).
+    """
+    return torch.cuda.is_available() and not gpus_without_kernels()
+
+
+def num_gpus() -> int:
+    """How many CUDA GPUs this process can use (0 on a CPU-only build or machine).
+
+    Honours ``CUDA_VISIBLE_DEVICES``: hidden GPUs are not counted. 0 too where CUDA
+    lists GPUs that this torch build has no kernels for (:func:`cuda_usable`): the
+    course then runs on the CPU instead of failing at its first kernel.
+    """
+    return torch.cuda.device_count() if cuda_usable() else 0
+
+
+@dataclass(frozen=True)
+class P2PDecision:
+    """Whether NCCL should copy between GPUs through host memory (``NCCL_P2P_DISABLE=1``).
+
+    ``disable``: the variable is (to be) set to 1; ``reason``: one line saying why;
+    ``user_set``: the environment already held a value, which is left as it is.
+    """
+
+    disable: bool
+    reason: str
+    user_set: bool = False
+
+    def __str__(self) -> str:
+        verdict = "NCCL_P2P_DISABLE=1" if self.disable else "NCCL peer-to-peer left on"
+        return f"{verdict}: {self.reason}"
+
+
+#: Run in a fresh interpreter, so that the caller's process creates no CUDA context on
+#: every GPU and a copy that hangs cannot hang the caller. First every GPU of a peer pair
+#: gets its context and its buffers; a GPU that cannot have them (held by another process
+#: in exclusive mode, out of memory) makes it print "CANNOT START" and why, before any
+#: copy. Then "STARTED", and the copies: 1 Mi known floats from GPU i into a buffer on
+#: GPU j for every pair that reports peer access; the pairs that came out wrong are printed.
+_PEER_COPY_CHECK = """
+import torch
+try:
+    n = torch.cuda.device_count()
+    pairs = [(i, j) for i in range(n) for j in range(n)
+             if i != j and torch.cuda.can_device_access_peer(i, j)]
+    expected = torch.arange(1 << 20, dtype=torch.float32)
+    sources = {i: expected.to(f"cuda:{i}") for i, _ in pairs}
+    targets = {(i, j): torch.empty_like(expected, device=f"cuda:{j}") for i, j in pairs}
+    for gpu in {g for pair in pairs for g in pair}:
+        torch.cuda.synchronize(gpu)
+except Exception as exc:
+    lines = str(exc).strip().splitlines()
+    print("CANNOT START", type(exc).__name__ + ":", lines[0] if lines else "")
+    raise SystemExit(0)
+print("STARTED", flush=True)
+bad = []
+for i, j in pairs:
+    targets[(i, j)].copy_(sources[i])
+    torch.cuda.synchronize(j)
+    if not torch.equal(targets[(i, j)].cpu(), expected):
+        bad.append(f"{i}->{j}")
+print("BAD " + " ".join(bad) if bad else "OK")
+"""
+
+
+def _as_text(output: str | bytes | None) -> str:
+    # subprocess.TimeoutExpired carries the output so far as bytes, even with text=True.
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
+    """Whether peer copies between this machine's GPUs arrive intact, and if not, why.
+
+    (True, ''): every copy arrived intact. (False, why): one came out wrong, or the check
+    hung or crashed once its copies had begun. (None, why): the check could not even get
+    to its first copy (a GPU held in exclusive mode, out of memory, CUDA failing to start),
+    which says nothing about the peer path.
+    """
+    try:
+        run = subprocess.run([sys.executable, "-c", _PEER_COPY_CHECK], capture_output=True,
+                             text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        if "STARTED" in _as_text(exc.stdout).split():
+            return False, f"a peer copy did not finish within {timeout_s:g} s"
+        return None, f"the peer copy check did not get to its first copy within {timeout_s:g} s"
+    lines = run.stdout.strip().splitlines()
+    if lines and lines[0].startswith("CANNOT START"):
+        return None, ("the peer copy check could not prepare its GPUs "
+                      f"({lines[0].removeprefix('CANNOT START').strip()})")
+    tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+    if "STARTED" not in lines:
+        return None, (f"the peer copy check failed before its first copy "
+                      f"(exit {run.returncode}: {tail})")
+    if run.returncode != 0 or lines[-1] == "STARTED":
+        return False, (f"the peer copy check crashed during the copies "
+                       f"(exit {run.returncode}: {tail})")
+    if lines[-1] != "OK":
+        return False, f"peer copies arrived wrong ({lines[-1][4:]})"
+    return True, ""
+
+
+#: The peer copy check's verdicts in this process, by the CUDA_VISIBLE_DEVICES its child
+#: inherited: the check costs a process and a CUDA context per GPU, and its answer does
+#: not change while the process lives, so every launch after the first reuses it. Only a
+#: verdict on the copies is kept; a check that could not start is tried again.
+_PEER_COPY_VERDICTS: dict[str | None, tuple[bool, str]] = {}
+
+
+def _nvlink_active(index: int) -> bool | None:
+    """Whether GPU ``index`` has an active NVLink, from NVML; None when NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                        return True
+                except pynvml.NVMLError:
+                    break  # no such link: the links of this GPU are counted
+            return False
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, or a GPU NVML does not know: cannot say
+        return None
+
+
+def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
+    """Decide whether NCCL's direct GPU-to-GPU copies (P2P) should be switched off here.
+
+    Some machines, Kaggle's two T4s among them, report peer access between their
+    GPUs that does not work: NCCL then hangs or returns wrong sums. The rules, in order:
+
+    1. ``NCCL_P2P_DISABLE`` already in ``environ`` (default ``os.environ``): the user's
+       value stands.
+    2. Fewer than two GPUs: NCCL has no peer to copy to; nothing to set.
+    3. Two T4s without NVLink (T4 boards have no NVLink connector; NVML is asked where
+       it answers): set it. Their PCIe peer path is the one known to fail.
+    4. No pair of GPUs reports peer access (``torch.cuda.can_device_access_peer``):
+       NCCL does not use P2P anyway; nothing to set.
+    5. Peer access is reported: copy a known tensor between every such pair, in a
+       child process with a time limit. A copy that arrives wrong, hangs or crashes:
+       set it. All intact: leave P2P on, it is the fast path. A check that cannot get
+       to its first copy (a GPU held in exclusive mode, out of memory) leaves P2P on
+       and says why: that failure says nothing about the peer path, and switching P2P
+       off would cost NVLink on every machine that merely was busy. The verdict on the
+       copies is remembered for the rest of the process.
+    """
+    environ = os.environ if environ is None else environ
+    if "NCCL_P2P_DISABLE" in environ:
+        value = environ["NCCL_P2P_DISABLE"]
+        return P2PDecision(value.strip() not in ("", "0"),
+                           f"NCCL_P2P_DISABLE={value} was already set, and is kept", True)
+    count = num_gpus()
+    if count < 2:
+        return P2PDecision(False, f"{count} GPU(s) here: no peer for NCCL to copy to")
+    names = [torch.cuda.get_device_name(i) for i in range(count)]
+    t4s = [i for i, name in enumerate(names) if "T4" in name.split()]
+    if len(t4s) >= 2 and not any(_nvlink_active(i) for i in t4s):
+        return P2PDecision(True, f"{len(t4s)} T4s without NVLink: their PCIe peer copies "
+                           "are known to hang or sum wrong (as on Kaggle)")
+    pairs = [(i, j) for i in range(count) for j in range(count)
+             if i != j and torch.cuda.can_device_access_peer(i, j)]
+    if not pairs:
+        return P2PDecision(False, "no pair of GPUs reports peer access: NCCL copies through "
+                           "host memory already")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible not in _PEER_COPY_VERDICTS:
+        ok, problem = _peer_copies_correct()
+        if ok is None:
+            return P2PDecision(False, f"peer access is reported and left on, untested: {problem}. "
+                               "Set NCCL_P2P_DISABLE=1 yourself if NCCL then hangs")
+        _PEER_COPY_VERDICTS[visible] = (ok, problem)
+    ok, problem = _PEER_COPY_VERDICTS[visible]
+    if not ok:
+        return P2PDecision(True, f"peer access is reported, but {problem}")
+    return P2PDecision(False, f"peer copies between all {count} GPUs arrive intact")
+
+
+def apply_nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
+    """:func:`nccl_p2p_decision`, and ``environ["NCCL_P2P_DISABLE"] = "1"`` where it says so.
+
+    Call it where the ranks' environment is built (before any process group starts);
+    it never overwrites a value that is already there. Returns the decision.
+    """
+    environ = os.environ if environ is None else environ
+    decision = nccl_p2p_decision(environ)
+    if decision.disable and not decision.user_set:
+        environ["NCCL_P2P_DISABLE"] = "1"
+    return decision
