@@ -52,31 +52,41 @@ def _last_frame(line: str) -> str:
     return body.rsplit("\r", 1)[-1] + end
 
 
+def _frames(text: str) -> str:
+    return "".join(_last_frame(line) for line in text.splitlines(keepends=True))
+
+
 def keep_last_frame(cell) -> None:
     """Keep only the last frame of each text progress bar in an ignored cell's output.
 
     A text bar redraws itself after a carriage return, and the kernel may deliver each frame
     as an output of its own, between the outputs of the other stream (a shell command's
     lines, say); a reader of the committed notebook that does not redraw (GitHub) would show
-    every frame, from 0 % on."""
+    every frame, from 0 % on. An output that starts with a carriage return redraws the line
+    its stream left open; one that does not continues it (one print can arrive in two
+    parts, "the model lives on" and " cpu\n", and both parts stay)."""
     if "nbval-ignore-output" not in cell.get("metadata", {}).get("tags", []):
         return
     kept = []
     unfinished = {}  # stream name -> its last output, when that ends inside a line
     for output in cell.get("outputs", []):
-        if output.get("output_type") == "stream":
-            text = output["text"] if isinstance(output["text"], str) else "".join(output["text"])
-            text = "".join(_last_frame(line) for line in text.splitlines(keepends=True))
-            output["text"] = text
-            if not text:
-                continue
-            earlier = unfinished.pop(output["name"], None)
-            if earlier is not None and not text.startswith("\n"):
-                kept.remove(earlier)  # an unfinished frame that this output draws over
-            if not text.endswith("\n"):
-                unfinished[output["name"]] = output
-        kept.append(output)
-    cell["outputs"] = kept
+        if output.get("output_type") != "stream":
+            kept.append(output)
+            continue
+        raw = output["text"] if isinstance(output["text"], str) else "".join(output["text"])
+        earlier = unfinished.pop(output["name"], None)
+        if earlier is not None and not raw.startswith("\r"):
+            earlier["text"] = _frames(earlier["text"] + raw)  # the rest of its open line
+            last = earlier
+        else:
+            if earlier is not None:  # a bar's new frame: the open line's old frame goes
+                earlier["text"] = earlier["text"][: earlier["text"].rfind("\n") + 1]
+            output["text"] = _frames(raw)
+            kept.append(output)
+            last = output
+        if last["text"] and not last["text"].endswith("\n"):
+            unfinished[last["name"]] = last
+    cell["outputs"] = [o for o in kept if o.get("output_type") != "stream" or o["text"]]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,6 @@ from d2lgpu.runtime.distributed import launch, process_group
 
 __all__ = [
     "busiest_gpu_bytes",
-    "dp_or_ddp_speed_verdict",
-    "dp_or_ddp_traffic_verdict",
     "faulty_worker",
     "hogwild_train",
 ]
@@ -197,43 +195,3 @@ def busiest_gpu_bytes(
         "DataParallel": 2 * param_bytes + buffer_bytes + share * (input_bytes + 2 * output_bytes),
         "DDP": 2 * share * param_bytes + buffer_bytes,
     }
-
-
-def _larger_by(first: float, second: float, margin: float) -> str | None:
-    """"first" or "second", whichever exceeds the other by more than ``margin`` times;
-    None for a tie. The rule of both DataParallel-or-DDP verdicts."""
-    if first > margin * second:
-        return "first"
-    if second > margin * first:
-        return "second"
-    return None
-
-
-def dp_or_ddp_traffic_verdict(dp_bytes: float, ddp_bytes: float, margin: float = 1.2) -> str:
-    """Which wrapper moves fewer bytes over its busiest GPU's link, from the two counts
-    (:func:`busiest_gpu_bytes`).
-
-    A count has no noise; ``margin`` only keeps a near tie from being called a win.
-    """
-    check_positive_float("margin", margin)
-    if dp_bytes < 0 or ddp_bytes < 0:
-        raise ValueError(f"byte counts must be 0 or more, got {dp_bytes!r} and {ddp_bytes!r}")
-    larger = _larger_by(dp_bytes, ddp_bytes, margin)
-    if larger == "first":
-        return f"DDP: its busiest GPU moves {dp_bytes / ddp_bytes:.1f}x fewer bytes"
-    if larger == "second":
-        return f"DataParallel: its busiest GPU moves {ddp_bytes / dp_bytes:.1f}x fewer bytes"
-    return f"a tie: within {margin:g}x of each other"
-
-
-def dp_or_ddp_speed_verdict(dp_rate: float, ddp_rate: float, margin: float = 1.1) -> str:
-    """Which wrapper trained faster, from two throughputs (examples/s) of the same job."""
-    check_positive_float("margin", margin)
-    if not (dp_rate > 0 and ddp_rate > 0):
-        raise ValueError(f"throughputs must be positive, got {dp_rate!r} and {ddp_rate!r}")
-    larger = _larger_by(ddp_rate, dp_rate, margin)
-    if larger == "first":
-        return f"DDP, {ddp_rate / dp_rate:.2f}x the throughput of DataParallel"
-    if larger == "second":
-        return f"DataParallel, {dp_rate / ddp_rate:.2f}x the throughput of DDP"
-    return f"a tie: within {margin:g}x of each other"

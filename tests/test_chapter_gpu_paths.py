@@ -62,3 +62,24 @@ def test_chapter_7_compiles_on_a_gpu_only_where_its_own_check_allows():
             checked += 1
             assert 'technique_skip_reason("compile", device)' in source, source[:300]
     assert checked >= 3  # the compile demo, the modes compared, the CUDA-graph step
+
+
+def _cell_printing(notebook: str, marker: str) -> str:
+    nb = json.loads((ROOT / "notebooks" / notebook).read_text(encoding="utf-8"))
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    found = [source for source in cells if marker in source]
+    assert len(found) == 1, f"{len(found)} cells of {notebook} contain {marker!r}"
+    return found[0]
+
+
+def test_chapter_5s_dataparallel_or_ddp_verdict_on_both_sides_of_its_margin(capsys):
+    # The cell runs only on GPUs; here it reads made-up throughputs (images/s).
+    cell = _cell_printing("05_distributed_data_parallel.ipynb", 'details["dp_vs_ddp"]')
+    for dp, ddp, verdict in ((100, 115, "faster: DDP, 1.15x"), (100, 105, "faster: neither"),
+                             (105, 100, "faster: neither"),
+                             (115, 100, "faster: DataParallel, 1.15x")):
+        details = {"dp_vs_ddp": {"dp_images_per_s": dp, "ddp_images_per_s": ddp},
+                   "world_size": 2}
+        exec(cell, {"details": details})
+        printed = capsys.readouterr().out
+        assert printed.splitlines()[-1].startswith(verdict), (dp, ddp, printed)

@@ -303,26 +303,6 @@ def test_busiest_gpu_bytes_counts_both_wrappers():
         busiest_gpu_bytes(1000, 2, buffer_bytes=1.5)
 
 
-def test_traffic_verdict_on_both_sides_of_its_margin():
-    from d2lgpu.ddp_demos import dp_or_ddp_traffic_verdict
-
-    assert dp_or_ddp_traffic_verdict(130, 100).startswith("DDP")
-    assert dp_or_ddp_traffic_verdict(110, 100).startswith("a tie")
-    assert dp_or_ddp_traffic_verdict(100, 110).startswith("a tie")
-    assert dp_or_ddp_traffic_verdict(100, 130).startswith("DataParallel")
-
-
-def test_speed_verdict_on_both_sides_of_its_margin():
-    from d2lgpu.ddp_demos import dp_or_ddp_speed_verdict
-
-    assert dp_or_ddp_speed_verdict(100, 115).startswith("DDP")
-    assert dp_or_ddp_speed_verdict(100, 105).startswith("a tie")
-    assert dp_or_ddp_speed_verdict(105, 100).startswith("a tie")
-    assert dp_or_ddp_speed_verdict(115, 100).startswith("DataParallel")
-    with pytest.raises(ValueError):
-        dp_or_ddp_speed_verdict(0, 100)
-
-
 def test_launch_preloads_what_every_rank_would_import_again(monkeypatch):
     """The forkserver imports torch, torch._dynamo (a process's first optimizer imports it:
     seconds in every rank otherwise) and the launched function's module, once."""

@@ -368,3 +368,24 @@ def test_notebook_kernels_listen_on_socket_files_not_ports():
                 printed += msg["content"]["text"]
     finally:
         kernel.stop()
+
+
+CHAPTERS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name[:2])
+def test_a_chapter_states_up_front_the_times_its_clock_states(path):
+    # The text's figures are the ones start_chapter prints (format_duration's rounding), so
+    # the chapter's opening and its clock cannot say two different things.
+    from d2lgpu.runtime.estimate import format_duration
+
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"][:8]
+    code = next("".join(c["source"]) for c in cells if "start_chapter(" in "".join(c["source"]))
+    cpu = float(re.search(r"cpu_seconds=(\d+)", code).group(1))
+    quick = float(re.search(r"quick_seconds=(\d+)", code).group(1))
+    text = " ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    text = " ".join(text.split())
+    statement = text[text.index("**How long it takes**"):]
+    assert f"and about {format_duration(cpu)} with two other programs" in statement
+    assert f"the mode the tests run, takes about {format_duration(quick)}." in statement
+    assert re.search(r"about \d+(\.\d)? (s|min) when nothing else runs", statement), statement[:200]

@@ -34,13 +34,13 @@ def test_a_text_bar_keeps_only_its_last_frame():
             "outputs": [{"output_type": "stream", "name": "stderr", "text": [frames, "done\n"]}]}
     run_notebook.keep_last_frame(cell)
     assert cell["outputs"][0]["text"] == "train: 100%|##########| 3/3\ndone\n"
-    # Frames delivered as outputs of their own: the last one stays.
-    cell["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "x:   0%| 0/3"},
-                       {"output_type": "stream", "name": "stderr", "text": "x: 100%| 3/3"},
+    # Frames delivered as outputs of their own (tqdm writes "\r" before each): the last stays.
+    cell["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "\rx:   0%| 0/3"},
+                       {"output_type": "stream", "name": "stderr", "text": "\rx: 100%| 3/3"},
                        {"output_type": "stream", "name": "stderr", "text": "\n"},
                        {"output_type": "stream", "name": "stdout", "text": "loss 1.9\n"}]
     run_notebook.keep_last_frame(cell)
-    assert [o["text"] for o in cell["outputs"]] == ["x: 100%| 3/3", "\n", "loss 1.9\n"]
+    assert [o["text"] for o in cell["outputs"]] == ["x: 100%| 3/3\n", "loss 1.9\n"]
     # A shell command's lines end in "\r\n" and stay whole; a bar's frames between them go.
     cell["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "run: 1 s"},
                        {"output_type": "stream", "name": "stdout", "text": "step 1\r\n"},
@@ -49,4 +49,15 @@ def test_a_text_bar_keeps_only_its_last_frame():
                        {"output_type": "stream", "name": "stderr", "text": "\rrun: 3 s"},
                        {"output_type": "stream", "name": "stderr", "text": "\n"}]
     run_notebook.keep_last_frame(cell)
-    assert [o["text"] for o in cell["outputs"]] == ["step 1\n", "done\n\n", "run: 3 s", "\n"]
+    assert [o["text"] for o in cell["outputs"]] == ["step 1\n", "done\n\n", "run: 3 s\n"]
+    # One print in two parts, another stream's output between them: nothing is lost.
+    cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "the model lives on"},
+                       {"output_type": "stream", "name": "stderr", "text": "note\n"},
+                       {"output_type": "stream", "name": "stdout", "text": " cpu\n"}]
+    run_notebook.keep_last_frame(cell)
+    assert [o["text"] for o in cell["outputs"]] == ["the model lives on cpu\n", "note\n"]
+    # A redraw replaces only the open line: the finished lines before it stay.
+    cell["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "start\nbar 1/2"},
+                       {"output_type": "stream", "name": "stderr", "text": "\rbar 2/2\n"}]
+    run_notebook.keep_last_frame(cell)
+    assert [o["text"] for o in cell["outputs"]] == ["start\n", "bar 2/2\n"]
