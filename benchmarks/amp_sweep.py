@@ -9,7 +9,7 @@ fit is reported as OOM; modes the device cannot run say why. Below the table: at
 the largest batch size where both ran, the speed-up of the device's automatic mixed
 precision (bf16 from compute capability 8.0, fp16 + GradScaler below; bf16 on a
 CPU) over strict FP32, the range of the paired repeats, a verdict from their median
-(faster, slower, or the same speed within 10%: d2lgpu.precision.speed_verdict), the
+(faster above 1.1x, slower below 1/1.1x, else the same speed; three repeats at least), the
 peak-memory saving on a GPU and the saving in bytes saved for the backward pass.
 
     python benchmarks/amp_sweep.py           # real sizes, for a GPU
@@ -19,6 +19,7 @@ peak-memory saving on a GPU and the saving in bytes saved for the backward pass.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -115,7 +116,13 @@ def main() -> None:
             if comparison is None:
                 print(f"{label}: {candidate} did not run next to fp32 on {device}")
             else:
-                print(f"{label}: {comparison.describe()}")
+                ratios = comparison.repeat_speedups  # fp32's time over the candidate's, by pair
+                ratio = statistics.median(ratios) if ratios else comparison.speedup
+                verdict = ("too few repeats for a verdict" if len(ratios) < 3
+                           else "faster" if ratio > 1.1
+                           else "slower" if ratio < 1 / 1.1 else "the same speed, within 10%")
+                print(f"{label}: {comparison.describe()}; median of the pairs {ratio:.2f}x: "
+                      f"{verdict}")
 
 
 if __name__ == "__main__":

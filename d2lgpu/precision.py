@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import os
 import statistics
 import time
@@ -66,7 +65,6 @@ __all__ = [
     "precision_sweep",
     "random_batch_maker",
     "saved_activation_bytes",
-    "speed_verdict",
     "sweep_cnn",
     "sweep_mlp",
     "tf32_matmuls",
@@ -792,42 +790,6 @@ def precision_sweep(
     return rows
 
 
-#: A comparison needs this many paired repeats before it names a faster mode.
-MIN_REPEATS_FOR_A_VERDICT = 3
-#: A median paired ratio within this fraction of 1 counts as "the same speed".
-TIE_TOLERANCE = 0.10
-
-
-def speed_verdict(
-    paired_ratios: Sequence[float],
-    tolerance: float = TIE_TOLERANCE,
-    min_repeats: int = MIN_REPEATS_FOR_A_VERDICT,
-) -> str:
-    """"faster", "slower" or "same speed" from paired speed ratios (baseline time / candidate time).
-
-    Each ratio compares two runs measured one right after the other, so a burst of
-    other work on the machine hits both; the verdict goes by the *median* of those
-    ratios, which a minority of disturbed pairs cannot move. A median above
-    ``1 + tolerance`` is "faster", below ``1 / (1 + tolerance)`` "slower", anything in
-    between "same speed". With fewer than ``min_repeats`` ratios the answer is
-    "too few repeats": one pair cannot tell the machine's noise from the precision.
-    """
-    ratios = [float(r) for r in check_sequence("paired_ratios", paired_ratios,
-                                               of="positive ratios", allow_empty=True)]
-    if any(not (math.isfinite(r) and r > 0) for r in ratios):
-        raise ValueError(f"paired_ratios must be finite and positive, got {ratios}")
-    check_positive_float("tolerance", tolerance)
-    check_positive_int("min_repeats", min_repeats)
-    if len(ratios) < min_repeats:
-        return "too few repeats"
-    median = statistics.median(ratios)
-    if median > 1 + tolerance:
-        return "faster"
-    if median < 1 / (1 + tolerance):
-        return "slower"
-    return "same speed"
-
-
 @dataclass(frozen=True)
 class SweepComparison:
     """A reduced-precision mode against a baseline at the largest batch where both ran.
@@ -854,24 +816,20 @@ class SweepComparison:
             return self.speedup
         return statistics.median(self.repeat_speedups)
 
-    @property
-    def verdict(self) -> str:
-        """:func:`speed_verdict` of the paired repeats."""
-        return speed_verdict(self.repeat_speedups)
-
     def describe(self) -> str:
         text = (
             f"{self.candidate} vs {self.baseline} at batch {self.batch_size}: "
             f"{self.speedup:.2f}x speed-up"
         )
         if self.repeat_speedups:
-            text += (f" (repeats {min(self.repeat_speedups):.2f}x-{max(self.repeat_speedups):.2f}x,"
-                     f" {self.verdict})")
+            text += f" (repeats {min(self.repeat_speedups):.2f}x-{max(self.repeat_speedups):.2f}x)"
         if self.saved_ratio is not None:
-            text += f", {100 * (1 - self.saved_ratio):.0f}% fewer saved-activation bytes"
+            change = "fewer" if self.saved_ratio <= 1 else "more"
+            text += f", {abs(100 * (1 - self.saved_ratio)):.0f}% {change} saved-activation bytes"
         if self.memory_ratio is None:
             return text + "; peak memory not measured on this device"
-        return text + f", peak memory {100 * (1 - self.memory_ratio):.0f}% lower"
+        change = "lower" if self.memory_ratio <= 1 else "higher"
+        return text + f", peak memory {abs(100 * (1 - self.memory_ratio)):.0f}% {change}"
 
 
 def compare_sweep_modes(

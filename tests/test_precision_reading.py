@@ -1,11 +1,10 @@
-"""Tests of the helpers that read a precision sweep: the speed verdict and the time estimate."""
+"""Tests of the helpers that read a precision sweep: the comparison and the time estimate."""
 
 import pytest
 import torch
 
 import d2lgpu.precision as P
 from d2lgpu.precision import (
-    SweepComparison,
     SweepRow,
     estimate_sweep_seconds,
 )
@@ -16,39 +15,6 @@ def _row(mode, batch, seconds=0.01, peak=None, loss=2.3, status="ok"):
     saved = (1000 if mode == "fp32" else 580) if ok else None
     return SweepRow(mode, batch, seconds if ok else None, peak if ok else None,
                     loss if ok else None, 3 if ok else 0, status, (), saved)
-
-
-@pytest.mark.parametrize(
-    ("ratios", "verdict"),
-    [
-        ((2.0, 2.1, 1.9), "faster"),
-        ((1.12, 1.15, 1.11), "faster"),  # median 1.12: just above 1.10
-        ((1.08, 1.09, 1.05), "same speed"),  # median 1.08: just below 1.10
-        ((0.92, 0.93, 0.95), "same speed"),  # median 0.93: above 1 / 1.10 = 0.909
-        ((0.89, 0.90, 0.88), "slower"),  # median 0.89: below 0.909
-        ((0.5, 0.6, 0.55), "slower"),
-        ((0.8, 1.3, 1.1), "same speed"),
-        ((3.0, 0.2, 2.5, 2.8, 0.4), "faster"),  # two disturbed pairs out of five: median 2.5
-        ((3.0, 3.0), "too few repeats"),
-        ((), "too few repeats"),
-    ],
-)
-def test_the_speed_verdict_goes_by_the_median_of_the_paired_ratios(ratios, verdict):
-    assert P.speed_verdict(ratios) == verdict
-    comparison = SweepComparison("fp32", "bf16", 64, 1.0, None, ratios)
-    assert comparison.verdict == verdict
-
-
-def test_the_speed_verdict_threshold_and_repeats_can_be_set_and_are_checked():
-    assert P.speed_verdict((1.3, 1.3, 1.3), tolerance=0.5) == "same speed"
-    assert P.speed_verdict((1.6, 1.6, 1.6), tolerance=0.5) == "faster"
-    assert P.speed_verdict((2.0,), min_repeats=1) == "faster"
-    with pytest.raises(ValueError, match="finite and positive"):
-        P.speed_verdict((1.0, float("nan"), 1.0))
-    with pytest.raises(ValueError, match="finite and positive"):
-        P.speed_verdict((1.0, -1.0, 1.0))
-    with pytest.raises(TypeError):
-        P.speed_verdict("fast")
 
 
 def _fake_probe(monkeypatch, fixed, step, out_of_memory_above=None):

@@ -199,7 +199,10 @@ _WRONG_ACCUMULATIONS = {
 # worker that had run launched gloo jobs before, it once blocked in native code (torch 2.9,
 # not reproduced alone), so the answers are checked in a fresh process, under a timeout.
 _RUN_53 = """
-import importlib.util, json, re, sys
+import faulthandler, importlib.util, json, re, sys
+# One CI run saw this process still running after 300 s (it takes 5 s; not repeated in 15
+# runs, three at a time): a hang prints every thread's stack on stderr, which the test shows.
+faulthandler.dump_traceback_later(240, exit=True)
 spec = importlib.util.spec_from_file_location("answers", sys.argv[1])
 answers = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(answers)
