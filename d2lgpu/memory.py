@@ -13,9 +13,9 @@ A GPU's caching allocator keeps statistics (``torch.cuda.memory_allocated``,
 ``max_memory_allocated``) from which these can be read. A CPU has no such
 counters, so this module counts tensor bytes, which works on every device:
 
-* :class:`SavedActivations` registers saved-tensor hooks for the ``with`` block
-  and adds up every tensor autograd keeps for backward (each storage once,
-  parameters and buffers left out: they exist anyway);
+* ``SavedActivations`` (chapter 6's, in ``precision``) registers saved-tensor hooks
+  for the ``with`` block and adds up every tensor autograd keeps for backward (each
+  storage once, parameters and buffers left out: they exist anyway);
 * :class:`LiveTensorBytes` watches every operation in the block, adds the bytes
   of each new tensor it creates and subtracts them when the tensor is freed,
   which gives the live bytes at any moment and their peak.
@@ -33,7 +33,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -41,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from d2lgpu.precision import precision_policy, tf32_switches
+from d2lgpu.precision import SavedActivations, precision_policy, tf32_switches
 from d2lgpu.runtime.checks import (
     check_module,
     check_positive_float,
@@ -56,7 +55,6 @@ __all__ = [
     "CheckpointRow",
     "LiveTensorBytes",
     "MemoryAnatomy",
-    "SavedActivations",
     "accumulated_gradients",
     "checkpoint_stages",
     "checkpointing_tradeoff",
@@ -180,58 +178,6 @@ def optimizer_state_formula(name: str, model: nn.Module) -> int:
     if not isinstance(name, str) or name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
     return OPTIMIZERS[name] * parameter_bytes(model)
-
-
-class SavedActivations:
-    """Count the bytes autograd saves for backward inside a ``with`` block.
-
-    Every tensor an operation saves for its backward goes through the pack hook
-    of ``torch.autograd.graph.saved_tensors_hooks``; the hook here notes its
-    storage and hands the tensor back unchanged. Storages are counted once (an
-    output saved by two layers costs its bytes once), and the storages of
-    ``exclude`` (pass the model's parameters and buffers) not at all. Use it
-    around a forward pass: the saved tensors stay alive until backward.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        if isinstance(exclude, (str, bytes, torch.Tensor)) or not hasattr(exclude, "__iter__"):
-            raise TypeError(f"exclude must be an iterable of tensors, e.g. "
-                            f"list(model.parameters()), got {type(exclude).__name__} {exclude!r}")
-        exclude = list(exclude)
-        for t in exclude:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"exclude must hold tensors only, got {type(t).__name__} {t!r}")
-        self._excluded = {_storage_key(t) for t in exclude}
-        self._saved: dict[tuple[str, int], int] = {}
-        self._hooks: Any = None
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self._excluded:
-            self._saved.setdefault(key, tensor.untyped_storage().nbytes())
-        return tensor
-
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def __enter__(self) -> SavedActivations:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes saved for backward so far."""
-        return sum(self._saved.values())
-
-    @property
-    def tensors(self) -> int:
-        """How many distinct storages were saved."""
-        return len(self._saved)
 
 
 class LiveTensorBytes(TorchDispatchMode):

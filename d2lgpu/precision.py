@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -50,7 +50,7 @@ __all__ = [
     "PRECISIONS",
     "PRECISION_MODES",
     "PrecisionPolicy",
-    "SavedActivationCounter",
+    "SavedActivations",
     "SweepComparison",
     "SweepRow",
     "amp_sweep_mode",
@@ -359,20 +359,28 @@ def tf32_matmuls(enabled: bool) -> AbstractContextManager:
 # ---------------------------------------------------------------------------
 
 
-class SavedActivationCounter:
-    """Counts the bytes autograd saves for the backward pass while it is active.
+class SavedActivations:
+    """Counts the bytes autograd saves for the backward pass inside a ``with`` block.
 
     A context manager around ``torch.autograd.graph.saved_tensors_hooks``: every
     tensor an op saves for its backward passes through the pack hook, which notes
-    its storage. Each storage counts once (a ReLU's output saved by two ops is one
-    buffer), and the storages of ``exclude`` (pass the model's parameters: they
-    exist whether or not a graph is built) count not at all. Under autocast the
-    16-bit copies of the weights that the matmuls save do count: they are memory
-    the step allocates. This is the activation memory that grows with the batch,
-    counted exactly and on any device, where a CPU has no peak-memory statistic.
+    its storage and hands the tensor back unchanged. Each storage counts once (a
+    ReLU's output saved by two ops is one buffer), and the storages of ``exclude``
+    (pass the model's parameters: they exist whether or not a graph is built) count
+    not at all. Under autocast the 16-bit copies of the weights that the matmuls save
+    do count: they are memory the step allocates. This is the activation memory that
+    grows with the batch, counted exactly and on any device, where a CPU has no
+    peak-memory statistic. Chapter 6 counts with it; chapter 8 uses it again.
     """
 
-    def __init__(self, exclude: object = ()) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        if isinstance(exclude, (str, bytes, torch.Tensor)) or not hasattr(exclude, "__iter__"):
+            raise TypeError(f"exclude must be an iterable of tensors, e.g. "
+                            f"list(model.parameters()), got {type(exclude).__name__} {exclude!r}")
+        exclude = list(exclude)
+        for t in exclude:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"exclude must hold tensors only, got {type(t).__name__} {t!r}")
         self._excluded = {_storage_key(t)[0] for t in exclude}
         self._seen: dict[int, int] = {}
         self._hooks: AbstractContextManager | None = None
@@ -383,7 +391,7 @@ class SavedActivationCounter:
             self._seen.setdefault(key, nbytes)
         return tensor
 
-    def __enter__(self) -> SavedActivationCounter:
+    def __enter__(self) -> SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -393,9 +401,14 @@ class SavedActivationCounter:
         self._hooks.__exit__(*exc_info)
 
     @property
-    def bytes(self) -> int:
+    def nbytes(self) -> int:
         """Bytes of the distinct storages saved so far."""
         return sum(self._seen.values())
+
+    @property
+    def tensors(self) -> int:
+        """How many distinct storages were saved."""
+        return len(self._seen)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -422,11 +435,11 @@ def saved_activation_bytes(
     if not isinstance(policy, PrecisionPolicy):
         raise TypeError(f"policy must be a PrecisionPolicy (d2lgpu.precision_policy(device, "
                         f"precision)), got {type(policy).__name__}")
-    counter = SavedActivationCounter(exclude=list(model.parameters()))
+    counter = SavedActivations(exclude=list(model.parameters()))
     with counter, policy.autocast():
         loss = loss_fn(model(features), labels)
     del loss  # frees the graph and what it saved
-    return counter.bytes
+    return counter.nbytes
 
 
 # ---------------------------------------------------------------------------
@@ -450,7 +463,7 @@ class SweepRow:
     ``repeat_seconds`` holds the median step time of each repeat (the sweep runs
     the modes of one batch size in turn, repeat after repeat); ``median_seconds``
     is their median. ``saved_activation_bytes`` counts what autograd saved for the
-    backward pass of one step (:class:`SavedActivationCounter`), on every device:
+    backward pass of one step (:class:`SavedActivations`), on every device:
     the part of training memory that grows with the batch and that autocast shrinks.
     """
 
@@ -577,7 +590,7 @@ def _measure_one(
         scaler.update()
         losses.append(loss.detach())
 
-    counter = SavedActivationCounter(exclude=list(model.parameters()))
+    counter = SavedActivations(exclude=list(model.parameters()))
     with policy.matmul_precision():  # TF32 on for "tf32", off for "fp32"; CUDA only
         if warmup > 0:  # the first warm-up step also counts what the step saves
             with counter:
@@ -606,7 +619,7 @@ def _measure_one(
         steps_run=len(losses),
         status="ok",
         repeat_seconds=(timing.median,),
-        saved_activation_bytes=counter.bytes,
+        saved_activation_bytes=counter.nbytes,
     )
 
 

@@ -10,7 +10,6 @@ from d2lgpu.memory import (
     OPTIMIZERS,
     Checkpointed,
     LiveTensorBytes,
-    SavedActivations,
     accumulated_gradients,
     checkpoint_stages,
     checkpointing_tradeoff,
@@ -25,6 +24,7 @@ from d2lgpu.memory import (
     storage_bytes,
 )
 from d2lgpu.models import MLPBlock, residual_mlp, resnet18, small_cnn
+from d2lgpu.precision import SavedActivations
 
 SHAPE = dict(width=32, hidden=64, depth=3, in_features=784)
 

@@ -959,14 +959,14 @@ def test_the_counter_counts_what_a_linear_relu_stack_saves_once_per_storage():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     features, labels = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
-    with P.SavedActivationCounter(exclude=list(model.parameters())) as counter:
+    with P.SavedActivations(exclude=list(model.parameters())) as counter:
         nn.functional.cross_entropy(model(features), labels)
     # fp32: the input (5x4), the ReLU output (5x8; saved by ReLU and by the second linear,
     # counted once), the logits' softmax for the loss (5x3) and small loss buffers.
-    assert counter.bytes >= 4 * (5 * 4 + 5 * 8 + 5 * 3)
-    assert counter.bytes < 4 * (5 * 4 + 2 * 5 * 8 + 3 * 5 * 3) + 256
+    assert counter.nbytes >= 4 * (5 * 4 + 5 * 8 + 5 * 3)
+    assert counter.nbytes < 4 * (5 * 4 + 2 * 5 * 8 + 3 * 5 * 3) + 256
     policy = P.precision_policy("cpu", "fp32")
-    assert P.saved_activation_bytes(model, features, labels, policy) == counter.bytes
+    assert P.saved_activation_bytes(model, features, labels, policy) == counter.nbytes
 
 
 def test_the_counter_leaves_out_the_parameters_and_grows_with_the_batch():
@@ -980,10 +980,10 @@ def test_the_counter_leaves_out_the_parameters_and_grows_with_the_batch():
         step = counts[name, 4] - counts[name, 2]
         assert step > 0 and counts[name, 8] - counts[name, 4] == pytest.approx(2 * step, rel=0.05)
     assert counts["bf16", 8] < counts["fp32", 8]
-    everything = P.SavedActivationCounter()
+    everything = P.SavedActivations()
     with everything:
         model(make(2, torch.device("cpu"))[0]).sum()
-    assert everything.bytes > counts["fp32", 2] - 4 * 2 * 10  # parameters counted now
+    assert everything.nbytes > counts["fp32", 2] - 4 * 2 * 10  # parameters counted now
     with pytest.raises(TypeError, match="PrecisionPolicy"):
         P.saved_activation_bytes(model, *make(2, torch.device("cpu")), "bf16")
 

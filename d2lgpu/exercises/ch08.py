@@ -15,13 +15,13 @@ from torch.nn import functional as F
 from d2lgpu.exercises import ExerciseWrong, attempt, expect, passed
 from d2lgpu.memory import (
     OPTIMIZERS,
-    SavedActivations,
     gradient_bytes,
     make_optimizer,
     optimizer_state_bytes,
     parameter_bytes,
 )
 from d2lgpu.models import residual_mlp
+from d2lgpu.precision import SavedActivations
 from d2lgpu.sharding import MLPShape
 
 
