@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nbval.kernel
 import pytest
+import zmq
 from jupyter_client.manager import KernelManager
 
 # Smoke mode (D2LGPU_SMOKE=1, full mode's code with the work cut; .ci/run runs every notebook
@@ -38,7 +39,7 @@ if "D2LGPU_DATA" not in os.environ and (_shared_data / "FashionMNIST" / "raw").i
 # kernel at its start ("Kernel died before replying to kernel_info"), most likely to that
 # race: zmq's "Address already in use" would go to the kernel's stderr, which nbval
 # discards, so the run could not say. A socket file in a folder of this process's own
-# cannot be taken by another process.
+# cannot be taken by another process. zmq has no such sockets on Windows, which keeps TCP.
 _KERNEL_SOCKETS = tempfile.mkdtemp(prefix="nbval-kernels-")
 atexit.register(shutil.rmtree, _KERNEL_SOCKETS, ignore_errors=True)
 
@@ -51,7 +52,8 @@ class UnixSocketKernelManager(KernelManager):
         super().__init__(transport="ipc", ip=os.path.join(folder, "kernel"), **kwargs)
 
 
-nbval.kernel.KernelManager = UnixSocketKernelManager
+if zmq.has("ipc"):
+    nbval.kernel.KernelManager = UnixSocketKernelManager
 
 
 #: A notebook cell whose checked output states what its workload did (how many images, steps
