@@ -19,7 +19,6 @@ peak-memory saving on a GPU and the saving in bytes saved for the backward pass.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -116,9 +115,8 @@ def main() -> None:
             if comparison is None:
                 print(f"{label}: {candidate} did not run next to fp32 on {device}")
             else:
-                ratios = comparison.repeat_speedups  # fp32's time over the candidate's, by pair
-                ratio = statistics.median(ratios) if ratios else comparison.speedup
-                verdict = ("too few repeats for a verdict" if len(ratios) < 3
+                ratio = comparison.paired_speedup  # median of fp32's time over the candidate's
+                verdict = ("too few repeats for a verdict" if len(comparison.repeat_speedups) < 3
                            else "faster" if ratio > 1.1
                            else "slower" if ratio < 1 / 1.1 else "the same speed, within 10%")
                 print(f"{label}: {comparison.describe()}; median of the pairs {ratio:.2f}x: "
