@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lgpu.runtime.checks import (
+    check_module,
     check_positive_float,
     check_positive_int,
     check_seed,
@@ -101,8 +102,7 @@ def hogwild_train(
     raises ``FloatingPointError`` when training diverged (the loss over the data is not
     finite afterwards, or ten times what it was) instead of returning exploded weights.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_module("model", model)
     for name, tensor in (("features", features), ("targets", targets)):
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             raise TypeError(
