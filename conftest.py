@@ -101,7 +101,17 @@ def pytest_runtest_setup(item):
         os.environ.setdefault("D2LGPU_QUICK", "1")
 
 
+#: The solution notebooks run with the slow tests: in CI's second part, on the floor torch in
+#: smoke mode with their outputs compared. They repeat their chapters' setup (about 90 s of
+#: test time together), and the README command had come within 2 s of its 6 minutes.
+SLOW_FOLDERS = ("notebooks/solutions/",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW_FOLDERS):
+            item.add_marker(pytest.mark.slow)
     rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
     # A stable sort: the tests of one file, and a notebook's cells, keep their order.
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

@@ -310,6 +310,10 @@ class _Item:
         if tags is not None:  # a notebook cell
             self.cell = {"metadata": {"tags": tags}}
         self.options = {"check": True}
+        self.markers = []
+
+    def add_marker(self, marker):
+        self.markers.append(marker.name)
 
 
 def test_smoke_mode_compares_every_checked_cell_but_the_tagged_ones():
@@ -322,6 +326,14 @@ def test_smoke_mode_compares_every_checked_cell_but_the_tagged_ones():
         conftest.SMOKE = smoke
         conftest.pytest_collection_modifyitems(None, [tagged, plain, _Item("tests/t.py::f")])
         assert tagged.options["check"] is expected and plain.options["check"] is True
+
+
+def test_the_solution_notebooks_run_with_the_slow_tests():
+    conftest = _root_conftest()
+    solution = _Item("notebooks/solutions/01_cuda_checks_solutions.ipynb::Cell 0", [])
+    chapter = _Item("notebooks/01_cuda_checks.ipynb::Cell 0", [])
+    conftest.pytest_collection_modifyitems(None, [solution, chapter])
+    assert solution.markers == ["slow"] and chapter.markers == []
 
 
 def test_the_slowest_files_go_first_and_keep_their_order():
