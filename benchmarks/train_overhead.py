@@ -6,7 +6,7 @@ Fashion-MNIST-shaped data, with the same batches, SGD steps and per-epoch evalua
 * the bare loop is what a learner writes: seed, Xavier initialisation, then per epoch
   ``zero_grad``/forward/loss/``backward``/``step`` over the training batches, the loss
   and correct counts summed, and an accuracy pass over the test batches;
-* ``d2lgpu.train(..., progress=False, plot=False)`` does the same with its checks,
+* ``d2lgpu.train(..., progress=False)`` does the same with its checks,
   precision policy, warm-up hook and history on top.
 
 The two run in turns (bare, train, train, bare, ...) so that a busy spell of a shared
@@ -106,7 +106,7 @@ def main() -> None:
 
     def run_train() -> float:
         history = d2lgpu.train(d2lgpu.small_cnn(), train_iter, test_iter, args.epochs, lr,
-                               "cpu", seed=seed, progress=False, plot=False)
+                               "cpu", seed=seed, progress=False)
         return history.test_acc[-1]
 
     run_bare(), run_train()  # warm-up: first calls pay for lazy imports and allocations

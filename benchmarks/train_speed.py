@@ -38,8 +38,9 @@ from torch.utils import data
 import d2lgpu
 from d2lgpu.chips import peak_format, peak_tflops, training_flops_per_example
 from d2lgpu.data import fashion_mnist_on_device
+from d2lgpu.fast import train_fast
 from d2lgpu.timing import format_table
-from d2lgpu.training import History, init_weights, set_seed, train_fast
+from d2lgpu.training import History, init_weights, set_seed
 
 MODELS = {"resnet18": d2lgpu.resnet18, "small_cnn": d2lgpu.small_cnn}
 LOOPS = ("d2l-style", "d2lgpu.train", "fast")
@@ -176,7 +177,7 @@ def main() -> None:
     if "d2lgpu.train" in args.loops:
         histories["d2lgpu.train"] = d2lgpu.train(
             make_model(), train_iter, test_iter, epochs, args.lr, device, seed=args.seed,
-            progress=False, plot=False,
+            progress=False,
         )
 
     if "fast" in args.loops:

@@ -44,7 +44,7 @@ from d2lgpu.data import (
     load_data_fashion_mnist,
 )
 from d2lgpu.devices import cpu, gpu, try_all_gpus, try_gpu
-from d2lgpu.fast import Techniques, technique_skip_reason
+from d2lgpu.fast import Techniques, technique_skip_reason, train_fast
 from d2lgpu.models import Residual, resnet18, small_cnn
 from d2lgpu.parallel import (
     allreduce,
@@ -85,13 +85,7 @@ from d2lgpu.runtime.config import data_root, pick, quick_mode, smoke_mode, workl
 from d2lgpu.runtime.estimate import elapsed_bar, start_chapter
 from d2lgpu.runtime.gpus import num_gpus
 from d2lgpu.timing import tflops, time_fn
-from d2lgpu.training import (
-    History,
-    SGDRecipe,
-    set_seed,
-    train,
-    train_fast,
-)
+from d2lgpu.training import History, set_seed, train
 
 __version__ = "0.1.0"
 
@@ -104,7 +98,6 @@ __all__ = [
     "PrecisionPolicy",
     "ReplicasOnOneDevice",
     "Residual",
-    "SGDRecipe",
     "Techniques",
     "allreduce",
     "amp_sweep_mode",

@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from d2lgpu.devices import require_cuda_device
 from d2lgpu.runtime.checks import check_capability, check_positive_int
-from d2lgpu.runtime.gpus import as_device
+from d2lgpu.runtime.gpus import as_device, require_cuda_device
 
 __all__ = [
     "CUDA_13_DROPPED_BELOW",

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch.utils import data
 
-from d2lgpu.devices import require_cuda_device, try_gpu
+from d2lgpu.devices import try_gpu
 from d2lgpu.runtime.checks import (
     check_bool,
     check_positive_int,
@@ -52,7 +52,7 @@ from d2lgpu.runtime.config import (
     small_data,
     smoke_mode,
 )
-from d2lgpu.runtime.gpus import num_gpus
+from d2lgpu.runtime.gpus import num_gpus, require_cuda_device
 
 __all__ = [
     "FASHION_MNIST_FILES",

@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from d2lgpu.devices import require_cuda_device
 from d2lgpu.runtime.checks import (
     check_positive_float,
     check_sequence,
     check_tensor,
     check_training_loss,
 )
+from d2lgpu.runtime.gpus import require_cuda_device
 
 __all__ = [
     "allreduce",

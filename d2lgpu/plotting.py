@@ -1,4 +1,4 @@
-"""Plots for the course: a live plot that updates during training, and simple line plots.
+"""Plots for the course: line plots, a training history, and the precision sweep.
 
 Everything draws with matplotlib on an explicit figure and axes (never pyplot's
 "current" ones), so plots do not leak into each other between cells.
@@ -17,85 +17,7 @@ _SCALES = ("linear", "log", "symlog", "asinh", "logit")
 if TYPE_CHECKING:
     from d2lgpu.precision import SweepRow
 
-__all__ = ["LivePlot", "in_notebook", "plot_history", "plot_lines", "plot_precision_sweep"]
-
-
-def in_notebook() -> bool:
-    """True inside a Jupyter kernel, where figures can be displayed and updated."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and hasattr(shell, "kernel")
-
-
-class LivePlot:
-    """A line plot that grows point by point and redraws in place in a notebook.
-
-    The idea of d2l's ``Animator``: call :meth:`add` once per epoch with one value per
-    line. Inside Jupyter the figure is shown once and then updated through a display
-    handle; elsewhere it is only drawn, and can be saved from ``self.fig``.
-    """
-
-    def __init__(
-        self,
-        xlabel: str,
-        legend: Sequence[str],
-        ylabel: str | None = None,
-        xlim: tuple[float, float] | None = None,
-        ylim: tuple[float, float] | None = None,
-        title: str | None = None,
-        figsize: tuple[float, float] = (5.0, 3.2),
-    ) -> None:
-        _check_labels(xlabel=xlabel, ylabel=ylabel, title=title)
-        self.legend = check_str_list("legend", legend, fix="One name per line.")
-        if not self.legend:
-            raise ValueError("legend must name at least one line")
-        for name, value in (("xlim", xlim), ("ylim", ylim), ("figsize", figsize)):
-            _check_pair(name, value, allow_none=name != "figsize")
-        self.xs: list[float] = []
-        self.ys: list[list[float]] = [[] for _ in self.legend]
-        import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
-
-        self.fig, self.ax = plt.subplots(figsize=figsize)
-        self._labels = dict(xlabel=xlabel, ylabel=ylabel, xlim=xlim, ylim=ylim, title=title)
-        self._handle = None
-
-    def add(self, x: float, values: Sequence[float]) -> None:
-        """Append one point to every line and redraw."""
-        check_finite_float("x", x)
-        values = check_sequence("values", values, of="numbers, one per line", allow_empty=True)
-        if len(values) != len(self.legend):
-            raise ValueError(f"got {len(values)} values for {len(self.legend)} lines {self.legend}")
-        self.xs.append(x)
-        for line, value in zip(self.ys, values, strict=True):
-            line.append(value)
-        self.ax.cla()
-        for name, line in zip(self.legend, self.ys, strict=True):
-            self.ax.plot(self.xs, line, marker="o", markersize=_marker_size(len(self.xs)),
-                         label=name)
-        _label_axes(self.ax, **self._labels)
-        self.ax.legend()
-        self._show()
-
-    def _show(self) -> None:
-        if not in_notebook():
-            # In a script or a test there is nowhere to display it; keep it drawn.
-            self.fig.canvas.draw_idle()
-            return
-        from IPython.display import display
-
-        if self._handle is None:
-            self._handle = display(self.fig, display_id=True)
-        else:
-            self._handle.update(self.fig)
-
-    def close(self) -> None:
-        """Release the figure; the last drawing stays in the notebook output."""
-        import matplotlib.pyplot as plt
-
-        plt.close(self.fig)
+__all__ = ["plot_history", "plot_lines", "plot_precision_sweep"]
 
 
 def _check_labels(**labels: object) -> None:

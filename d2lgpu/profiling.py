@@ -50,7 +50,7 @@ from torch import nn
 from d2lgpu.benchmarking import copy_buffer_bytes, measure_copy_bandwidth
 from d2lgpu.chips import peak_format
 from d2lgpu.data import DeviceLoader
-from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason
+from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason, train_fast
 from d2lgpu.precision import precision_policy, saved_activation_bytes
 from d2lgpu.runtime.checks import (
     check_bool,
@@ -61,7 +61,7 @@ from d2lgpu.runtime.checks import (
 from d2lgpu.runtime.config import small_data, smoke_mode, workload
 from d2lgpu.runtime.gpus import as_device, cuda_usable
 from d2lgpu.timing import format_table, gbps, tflops, time_fn
-from d2lgpu.training import History, train
+from d2lgpu.training import History
 
 __all__ = [
     "ABLATION_LABELS",
@@ -351,13 +351,13 @@ def _check_events(events: object) -> list[TraceEvent]:
 def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
     """Count a training loop's steps, syncs and DataLoader fetches in its trace.
 
-    Needs the ``train_step`` ranges that :func:`d2lgpu.train` marks every step with.
+    Needs the ``train_step`` ranges that :func:`d2lgpu.train_fast` marks every step with.
     """
     events = _check_events(events)
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError(
-            "the trace has no 'train_step' ranges: profile a d2lgpu.train call (it marks "
+            "the trace has no 'train_step' ranges: profile a d2lgpu.train_fast call (it marks "
             "each step), or wrap your own steps in torch.profiler.record_function('train_step')"
         )
     syncs = [e for e in events if e.name in SYNC_OPS and _inside(e, steps)]
@@ -430,7 +430,7 @@ def timeline_lanes(
     steps = _named(events, "train_step")
     if not steps:
         raise ValueError(
-            "the trace has no 'train_step' ranges: profile a d2lgpu.train call (it marks "
+            "the trace has no 'train_step' ranges: profile a d2lgpu.train_fast call (it marks "
             "each step), or wrap your own steps in torch.profiler.record_function('train_step')"
         )
     lanes: dict[str, list[tuple[float, float]]] = {
@@ -1300,9 +1300,9 @@ def count_technique_effect(
             # An epoch of 4 steps less one of 2: what the epoch's ends read cancels.
             # The batches as a list: where they come from does not change the reads.
             switches = before.replace(no_sync=no_sync, device_data=False)
-            reads = [_host_reads(lambda n=n: train(
+            reads = [_host_reads(lambda n=n: train_fast(
                 make_model().to(device), batches[:n], batches[:1], 1, lr, device, seed=0,
-                techniques=switches, progress=False, plot=False)) for n in (2, 4)]
+                techniques=switches, progress=False)) for n in (2, 4)]
             return (reads[1] - reads[0]) / 2
 
         return reads_per_step(False), reads_per_step(True)
@@ -1345,7 +1345,7 @@ def run_ablation(
     repeats: int = 1,
 ) -> list[AblationRow]:
     """Train a fresh ``make_model()`` for every row of ``plan`` that is not skipped, with
-    :func:`d2lgpu.train` and the row's techniques, from the same seed; ``repeats`` times,
+    :func:`d2lgpu.train_fast` and the row's techniques, from the same seed; ``repeats`` times,
     interleaved (every row once, then every row again in reverse order, and so on), so
     that a busy spell of the machine falls on all rows alike rather than on one, and a
     load that drifts up or down favours neither side of a pair in every round.
@@ -1388,9 +1388,9 @@ def run_ablation(
                     # compile_model compiles with fullgraph=True, so that limit reached
                     # anyway is an error, not eager code timed as compiled.
                     torch._dynamo.reset()
-                histories[i].append(train(
+                histories[i].append(train_fast(
                     make_model(), train_iter, test_iter, num_epochs, lr, device, seed=seed,
-                    techniques=step.techniques, progress=False, plot=False,
+                    techniques=step.techniques, progress=False,
                 ))
             if on_run is not None:
                 on_run(step)

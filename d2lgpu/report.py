@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from d2lgpu.chips import GPU_DATASHEETS, native_tensor_core_formats
-from d2lgpu.devices import require_cuda_device
 from d2lgpu.runtime.checks import check_bool, check_positive_int
 from d2lgpu.runtime.config import describe_mode
 from d2lgpu.runtime.gpus import (
@@ -39,6 +38,7 @@ from d2lgpu.runtime.gpus import (
     capability_or_none,
     cuda_arch_list,
     num_gpus,
+    require_cuda_device,
 )
 
 __all__ = [

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from d2lgpu.devices import require_cuda_device
 from d2lgpu.runtime.checks import (
     check_callable,
     check_finite_float,
     check_sequence,
     check_warmup_repeats,
 )
+from d2lgpu.runtime.gpus import require_cuda_device
 
 __all__ = [
     "DeviceLike",

@@ -8,8 +8,8 @@ import torch
 from _fake_cuda import CU13_ARCHS, CU126_ARCHS, fake_cuda_gpus
 
 import d2lgpu
-from d2lgpu.devices import require_cuda_device, resolve_devices
 from d2lgpu.runtime import gpus
+from d2lgpu.runtime.gpus import require_cuda_device, resolve_devices
 
 
 def _torch_gpu_count() -> int:
@@ -175,11 +175,11 @@ def test_require_cuda_device_names_the_spellings_of_a_bad_device():
     lambda device: d2lgpu.Techniques.fast(device),
     lambda device: d2lgpu.technique_skip_reason("precision", device),
     lambda device: d2lgpu.precision_policy(device),
-    lambda device: d2lgpu.runtime.estimate.training_estimate([1], 1, device),
+    lambda device: d2lgpu.train_fast(d2lgpu.small_cnn(), [], [], 1, 0.1, device),
     lambda device: d2lgpu.DeviceLoader(torch.zeros(2, 1, 2, 2, dtype=torch.uint8),
                                        torch.zeros(2, dtype=torch.long), 1, device=device),
 ], ids=["require_cuda_device", "resolve_devices", "peak_tflops", "time_fn", "Techniques.fast",
-        "technique_skip_reason", "precision_policy", "training_estimate", "DeviceLoader"])
+        "technique_skip_reason", "precision_policy", "train_fast", "DeviceLoader"])
 def test_a_misspelt_device_gets_one_error_everywhere(call):
     with pytest.raises(ValueError, match=r"'cuda0' is not a device PyTorch understands; use 'cpu'"):
         call("cuda0")

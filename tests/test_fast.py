@@ -17,9 +17,8 @@ from d2lgpu.data import (
     DeviceLoader,
     fashion_mnist_on_device,
 )
-from d2lgpu.fast import make_sgd
+from d2lgpu.fast import make_sgd, train_fast
 from d2lgpu.precision import precision_policy
-from d2lgpu.training import train_fast
 
 CPU = torch.device("cpu")
 U8 = torch.uint8
@@ -264,7 +263,7 @@ def test_train_fast_keeps_the_accuracy_of_the_plain_loop():
     epochs, batch, lr = 3, 64, 0.1
     train_iter, test_iter = d2lgpu.load_data_fashion_mnist(batch, quick=True)
     plain = d2lgpu.train(d2lgpu.small_cnn(), train_iter, test_iter, epochs, lr, CPU,
-                         seed=0, progress=False, plot=False)
+                         seed=0, progress=False)
     train_loader, test_loader = fashion_mnist_on_device(batch, CPU, quick=True)
     fast = train_fast(d2lgpu.small_cnn(), train_loader, test_loader, epochs, lr, CPU,
                       seed=0, progress=False)
@@ -393,9 +392,18 @@ def test_gpu_train_fast_learns_in_channels_last_and_reduced_precision():
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_train_with_the_fast_techniques_is_train_fast():
-    # train_fast is train with Techniques.fast: on the CPU a seed gives bit-identical
-    # runs, so both routes must produce the same history.
+def test_train_fast_without_switches_is_chapter_4s_train():
+    # Techniques() switches everything off but no_sync, which chapter 4's train does too: on
+    # the CPU a seed gives bit-identical runs, so both loops must give the same history.
+    _, dataloaders = tiny_data()
+    plain = d2lgpu.train(conv_net(), *dataloaders, 2, 0.1, CPU, seed=3, progress=False)
+    fast = train_fast(conv_net(), *dataloaders, 2, 0.1, CPU, seed=3, progress=False,
+                      techniques=Techniques())
+    assert fast.train_loss == plain.train_loss and fast.test_acc == plain.test_acc
+    assert fast.train_acc == plain.train_acc
+
+
+def test_train_fast_defaults_to_the_fast_techniques():
     def loaders():
         images, labels = indexed_data(96, size=8)
         labels = labels % 10
@@ -405,15 +413,14 @@ def test_train_with_the_fast_techniques_is_train_fast():
     def net():
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
 
-    via_train = d2lgpu.train(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False,
-                             techniques=d2lgpu.Techniques.fast(CPU))
-    # Techniques.fast is train_fast's default, its precision word included.
-    direct = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False)
-    assert via_train.train_loss == direct.train_loss
-    assert via_train.test_acc == direct.test_acc
-    with pytest.raises(TypeError, match="fashion_mnist_on_device"):
-        d2lgpu.train(net(), *d2lgpu.load_data_fashion_mnist(32, quick=True), 1, 0.1, CPU,
-                     progress=False, techniques=d2lgpu.Techniques.fast(CPU))
+    named = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False,
+                       techniques=d2lgpu.Techniques.fast(CPU))
+    default = train_fast(net(), *loaders(), 2, 0.1, CPU, seed=3, progress=False)
+    assert named.train_loss == default.train_loss
+    assert named.test_acc == default.test_acc
+    pair = (torch.zeros(4, 1, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="a pair of tensors.*device_data switch"):
+        train_fast(net(), pair, pair, 1, 0.1, CPU, techniques=Techniques(), progress=False)
 
 
 # --------------------------------------------------------------------------- #
@@ -443,12 +450,12 @@ def conv_net() -> nn.Module:
 
 def run(techniques, loaders, net=None, **kwargs):
     net = conv_net() if net is None else net
-    kwargs = dict(seed=0, progress=False, plot=False) | kwargs
-    return d2lgpu.train(net, *loaders, 1, 0.1, CPU, techniques=techniques, **kwargs)
+    kwargs = dict(seed=0, progress=False) | kwargs
+    return train_fast(net, *loaders, 1, 0.1, CPU, techniques=techniques, **kwargs)
 
 
 def test_techniques_are_switches_with_named_presets():
-    assert Techniques().enabled == ("no_sync",)  # d2lgpu.train's plain loop
+    assert Techniques().enabled == ("no_sync",)  # chapter 4's loop, d2lgpu.train
     assert Techniques.d2l_style().enabled == ()
     assert str(Techniques.d2l_style()) == "none (d2l-style)"
     fast = Techniques(device_data=True, compile=True, compile_mode="max-autotune")
@@ -465,13 +472,7 @@ def test_techniques_are_switches_with_named_presets():
     assert Techniques().replace(precision="tf32").precision == "tf32"
 
 
-@pytest.mark.parametrize("old", [dict(autocast=True), dict(autocast=False)])
-def test_the_old_autocast_switch_names_the_precision_word(old):
-    # Older chapter texts wrote Techniques(autocast=True); there is one precision word now.
-    with pytest.raises(TypeError, match=r"no autocast switch: write precision='auto'"):
-        Techniques(**old)
-    with pytest.raises(TypeError, match=r"no autocast switch"):
-        Techniques().replace(**old)
+def test_a_compile_mode_of_torch_names_the_switch_to_use():
     with pytest.raises(ValueError, match="cuda_graphs=True"):
         Techniques(compile=True, compile_mode="reduce-overhead")
 
@@ -547,7 +548,7 @@ def test_auto_precision_runs_the_forward_pass_in_the_auto_format(monkeypatch):
     assert set(seen) == {torch.bfloat16}
     seen.clear()
     run(auto, resident, net=net, precision="fp32")
-    assert set(seen) == {torch.float32}  # train's precision= wins over the techniques' word
+    assert set(seen) == {torch.float32}  # precision= wins over the techniques' word
     seen.clear()
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     run(auto, resident, net=net)
@@ -593,7 +594,7 @@ def test_compile_switches_wrap_the_model():
 def test_train_argument_checks_for_techniques():
     resident, _ = tiny_data()
     with pytest.raises(TypeError, match="Techniques"):
-        d2lgpu.train(conv_net(), *resident, 1, 0.1, CPU, techniques={"compile": True})
+        train_fast(conv_net(), *resident, 1, 0.1, CPU, techniques={"compile": True})
     with pytest.raises(ValueError, match="compile_mode must be one of"):
         Techniques.fast(CPU, compile=True).replace(compile_mode="fastest")
 
@@ -693,8 +694,15 @@ def test_compile_model_names_a_bad_device():
 def test_smoke_mode_leaves_compile_out_on_a_cpu_and_says_why(monkeypatch):
     monkeypatch.delenv("D2LGPU_QUICK", raising=False)
     monkeypatch.setenv("D2LGPU_SMOKE", "1")
-    monkeypatch.setattr(d2lgpu.training, "_has_cxx_compiler", lambda: True)
+    monkeypatch.setattr(d2lgpu.fast, "_has_cxx_compiler", lambda: True)
     reason = d2lgpu.technique_skip_reason("compile", "cpu")
     assert reason is not None and "smoke mode" in reason and len(reason) <= 64
     monkeypatch.delenv("D2LGPU_SMOKE")
     assert d2lgpu.technique_skip_reason("compile", "cpu") is None  # CPU mode compiles
+
+
+def test_a_device_loader_reused_under_a_seed_shuffles_as_it_did_the_first_time():
+    resident, _ = tiny_data()
+    first = run(Techniques(device_data=True), resident)
+    again = run(Techniques(device_data=True), resident)  # the loader's generator moved on
+    assert again.train_loss == first.train_loss

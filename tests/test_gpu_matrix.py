@@ -36,8 +36,8 @@ import torch.distributed as dist
 from _fake_cuda import CU13_ARCHS, CU126_ARCHS, fake_cuda_gpus
 
 from d2lgpu import chips, data, devices, precision, profiling, report
+from d2lgpu.fast import TECHNIQUES, Techniques, technique_skip_reason
 from d2lgpu.runtime import config, distributed, gpus
-from d2lgpu.training import TECHNIQUES, Techniques, technique_skip_reason
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GPU = torch.device("cuda", 0)

@@ -1,4 +1,4 @@
-"""Tests of d2lgpu.plotting: line plots, history plots and the live plot."""
+"""Tests of d2lgpu.plotting: line plots and history plots."""
 
 import matplotlib
 
@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from d2lgpu.plotting import LivePlot, in_notebook, plot_history, plot_lines  # noqa: E402
+from d2lgpu.plotting import plot_history, plot_lines  # noqa: E402
 from d2lgpu.training import History  # noqa: E402
 
 
@@ -49,56 +49,14 @@ def test_plot_history_plots_the_three_curves_per_epoch():
         plot_history(History(device="cpu"))
 
 
-def test_live_plot_grows_and_closes():
-    assert not in_notebook()  # pytest is not a Jupyter kernel
-    live = LivePlot(xlabel="epoch", legend=["loss", "acc"], xlim=(1, 3))
-    live.add(1, [2.0, 0.3])
-    live.add(2, [1.0, 0.6])
-    assert [list(line.get_ydata()) for line in live.ax.get_lines()] == [[2.0, 1.0], [0.3, 0.6]]
-    assert live.ax.get_xlim() == (1, 3)
-    with pytest.raises(ValueError, match="2 lines"):
-        live.add(3, [1.0])
-    number = live.fig.number
-    live.close()
-    assert number not in plt.get_fignums()
-    with pytest.raises(ValueError, match="legend"):
-        LivePlot(xlabel="x", legend=[])
-
-
 def test_a_one_epoch_history_is_visible_because_every_line_has_markers():
     # One point per line: without markers matplotlib draws nothing at all.
     ax = plot_history(History([2.3], [0.1], [0.1], [1.0], [10.0], "cpu"))
     assert [line.get_marker() for line in ax.get_lines()] == ["o"] * 3
-    live = LivePlot(xlabel="epoch", legend=["loss"])
-    live.add(1, [2.0])
-    assert live.ax.get_lines()[0].get_marker() == "o"
-    for _ in range(30):  # long lines keep their markers, smaller
-        live.add(2, [1.0])
-    assert live.ax.get_lines()[0].get_marker() == "o"
-    assert live.ax.get_lines()[0].get_markersize() < 5
-    live.close()
-
-
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [(dict(legend="loss"), TypeError, r"single string 'loss': wrap it in a list"),
-     (dict(legend=None), TypeError, r"legend must be a list of strings, got None"),
-     (dict(legend=[]), ValueError, r"at least one line"),
-     (dict(legend=["a"], xlim=5), TypeError, r"xlim must be a pair of numbers"),
-     (dict(legend=["a"], ylim=(0, float("nan"))), ValueError, r"each number in ylim")],
-)
-def test_live_plot_names_bad_arguments(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        LivePlot(xlabel="epoch", **kwargs)
-
-
-def test_live_plot_add_names_bad_values():
-    live = LivePlot(xlabel="epoch", legend=["loss"])
-    with pytest.raises(TypeError, match=r"values must be a list of numbers"):
-        live.add(1, None)
-    with pytest.raises(ValueError, match=r"x must be a finite number"):
-        live.add(None, [1.0])
-    live.close()
+    long = plot_history(History([2.3] * 30, [0.1] * 30, [0.1] * 30, [1.0] * 30, [10.0] * 30,
+                                "cpu"))
+    assert all(line.get_marker() == "o" and line.get_markersize() < 5
+               for line in long.get_lines())  # long lines keep their markers, smaller
 
 
 def test_plot_functions_name_what_they_need():

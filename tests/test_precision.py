@@ -618,7 +618,7 @@ def test_plot_precision_sweep_draws_one_line_per_mode_that_ran():
 
 
 # ---------------------------------------------------------------------------
-# Mixed-precision training end to end (d2lgpu.train uses the policy)
+# Mixed-precision training end to end (d2lgpu.train_fast uses the policy)
 # ---------------------------------------------------------------------------
 
 
@@ -633,14 +633,14 @@ def _blobs(n: int, seed: int) -> torch.utils.data.TensorDataset:
 
 @pytest.mark.parametrize("precision", ["bf16", "auto", "fp16"])
 def test_mixed_precision_training_on_cpu_converges(precision):
-    from d2lgpu.training import train
+    from d2lgpu.fast import Techniques, train_fast
 
     loader = torch.utils.data.DataLoader
     train_iter = loader(_blobs(512, 0), batch_size=64, shuffle=True)
     test_iter = loader(_blobs(256, 1), batch_size=128)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
-    history = train(net, train_iter, test_iter, num_epochs=4, lr=0.2, devices="cpu", seed=0,
-                    precision=precision, progress=False, plot=False)
+    history = train_fast(net, train_iter, test_iter, num_epochs=4, lr=0.2, device="cpu", seed=0,
+                         techniques=Techniques(), precision=precision, progress=False)
     assert history.train_loss[-1] < 0.5 * history.train_loss[0]
     assert history.test_acc[-1] > 0.95  # chance is 1/3
     assert all(p.dtype == torch.float32 for p in net.parameters())  # master weights stay fp32

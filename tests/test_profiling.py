@@ -172,8 +172,8 @@ def tiny_net() -> nn.Module:
 
 def profiled_training(techniques: Techniques, loaders, tmp_path):
     with torch.profiler.profile(activities=P.profiler_activities(CPU)) as prof:
-        d2lgpu.train(tiny_net(), *loaders, 1, 0.1, CPU, seed=0, techniques=techniques,
-                     progress=False, plot=False)
+        d2lgpu.train_fast(tiny_net(), *loaders, 1, 0.1, CPU, seed=0, techniques=techniques,
+                          progress=False)
     path = tmp_path / "run.json"
     prof.export_chrome_trace(str(path))
     return prof, P.read_trace(path)
@@ -535,8 +535,8 @@ def test_gpu_trace_shows_kernels_and_the_d2l_loop_syncs(tmp_path):
     for techniques, syncs in ((Techniques(device_data=True, no_sync=False), 8),
                               (Techniques.fast(device), 0)):
         with torch.profiler.profile(activities=P.profiler_activities(device)) as prof:
-            d2lgpu.train(tiny_net(), *resident, 1, 0.1, device, seed=0, techniques=techniques,
-                         progress=False)
+            d2lgpu.train_fast(tiny_net(), *resident, 1, 0.1, device, seed=0,
+                              techniques=techniques, progress=False)
         path = tmp_path / "gpu.json"
         prof.export_chrome_trace(str(path))
         events = P.read_trace(path)
@@ -777,7 +777,7 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
         return d2lgpu.History(examples_per_second=[1.0] + [10.0 * len(order)] * (num_epochs - 1),
                               test_acc=[0.9] * num_epochs, epoch_seconds=[1.0] * num_epochs)
 
-    monkeypatch.setattr(P, "train", fake_train)
+    monkeypatch.setattr(P, "train_fast", fake_train)
     monkeypatch.setattr(P, "count_technique_effect", lambda *args: (2.0, 0.0))  # no data here
     plan = P.ablation_plan(CPU, skip={"compile": "not here"})[:3]
     seen = []
@@ -902,7 +902,7 @@ def test_run_ablation_resets_dynamo_before_every_compiled_run(monkeypatch):
         return d2lgpu.History(examples_per_second=[1.0, 2.0], test_acc=[0.9] * 2,
                               epoch_seconds=[1.0] * 2)
 
-    monkeypatch.setattr(P, "train", fake_train)
+    monkeypatch.setattr(P, "train_fast", fake_train)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
     plan = [s for s in P.ablation_plan(CPU) if s.technique in (None, "compile")]
     if plan[-1].skip_reason:
@@ -915,7 +915,7 @@ def test_run_ablation_resets_dynamo_before_every_compiled_run(monkeypatch):
 def test_compile_model_compiles_with_fullgraph(monkeypatch):
     seen = {}
     monkeypatch.setattr(torch, "compile", lambda net, **kw: seen.update(kw) or net)
-    from d2lgpu.training import compile_model
+    from d2lgpu.fast import compile_model
 
     if d2lgpu.technique_skip_reason("compile", CPU):
         pytest.skip("no torch.compile here")

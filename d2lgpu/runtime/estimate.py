@@ -1,38 +1,29 @@
-"""How long will this take? One line, measured on this machine, before a long run gets going.
+"""How long will this take? The chapter's stated time, and one line before a long run.
 
-A chapter that trains for minutes should say so before the learner waits. The
-estimate is measured, not guessed: :class:`StepEstimate` times a few steps of the
-run itself (leaving out the first, which pays one-off costs such as memory
-allocation, cuDNN autotuning or worker start-up) and multiplies by the number of
-steps. It prints once, and only when the whole run will take long enough to be
-worth announcing::
+:func:`start_chapter` states the chapter's time up front; :func:`announce` prints one line
+before a long computation whose duration a chapter has estimated (e.g. chapter 6's sweeps),
+and only when it is long enough to be worth announcing::
 
-    3 epochs x 235 batches: about 4 min on this machine (timed on batches 2-6)
+    precision sweep: about 4 min on this machine (timed on one step per row)
 
-:func:`d2lgpu.train` and :func:`d2lgpu.train_fast` create one per run through
-:func:`training_estimate`; other long cells call :func:`announce` with an estimate
-of their own.
+Training loops show tqdm's bar instead, whose ETA is measured as the run goes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from numbers import Real
 from time import perf_counter
-
-from d2lgpu.runtime.checks import check_positive_int
 
 __all__ = [
     "MIN_SECONDS_TO_ANNOUNCE",
     "REFERENCE_MACHINE",
     "ChapterClock",
-    "StepEstimate",
     "announce",
     "estimate_message",
     "start_chapter",
-    "training_estimate",
 ]
 
 #: Runs estimated to take less than this print nothing: a short wait needs no warning.
@@ -102,114 +93,6 @@ def announce(
         return False
     out(estimate_message(what, seconds, basis))
     return True
-
-
-class StepEstimate:
-    """Times a few steps of a run and announces, once, how long all its steps will take.
-
-    Call :meth:`step` after every step. Step 1 is not timed (``skip=1``): it pays
-    one-off costs. The next ``sample`` steps are, and their mean time times
-    ``total_steps`` is the estimate, printed only when it reaches ``min_seconds``.
-    ``sync`` is called just before each clock reading where the work is
-    asynchronous (``torch.cuda.synchronize`` on a GPU), so the clock sees finished
-    steps, not queued ones. ``clock`` (default ``time.perf_counter``) and ``out`` are
-    there for tests.
-    ``total_steps=None`` (a run of unknown length) never estimates.
-    """
-
-    def __init__(
-        self,
-        what: str,
-        total_steps: int | None,
-        unit: str = "batches",
-        *,
-        sample: int = 5,
-        skip: int = 1,
-        min_seconds: float = MIN_SECONDS_TO_ANNOUNCE,
-        sync: Callable[[], object] | None = None,
-        clock: Callable[[], float] | None = None,
-        out: Callable[[str], object] = print,
-    ) -> None:
-        _check_text("what", what)
-        _check_text("unit", unit)
-        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
-            raise ValueError(f"need sample >= 1 (an int), got {sample!r}")
-        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-            raise ValueError(f"skip must be an int >= 0, got {skip!r}")
-        if total_steps is not None and (
-            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0
-        ):
-            raise ValueError(f"total_steps must be an int >= 0 or None, got {total_steps!r}")
-        _check_seconds("min_seconds", min_seconds)
-        for name, fn in (("sync", sync), ("clock", clock), ("out", out)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-        self.what = what
-        self.total_steps = total_steps
-        self.unit = unit
-        self.skip = skip
-        # A run shorter than skip + sample is timed on the steps it has.
-        self.sample = sample if total_steps is None else min(sample, total_steps - skip)
-        self.min_seconds = min_seconds
-        self._sync = sync
-        self._clock = clock or perf_counter
-        self._out = out
-        self.steps_done = 0
-        self.seconds: float | None = None  # the estimate, once made
-        self._started: float | None = None
-        if total_steps is not None and self.sample >= 1 and skip == 0:
-            self._started = self._now()
-
-    def _now(self) -> float:
-        if self._sync is not None:
-            self._sync()
-        return self._clock()
-
-    def step(self) -> None:
-        """Record one finished step; after the sampled ones, estimate (and maybe announce)."""
-        self.steps_done += 1
-        if self.seconds is not None or self.total_steps is None or self.sample < 1:
-            return
-        if self.steps_done == self.skip:
-            self._started = self._now()
-        elif self.steps_done == self.skip + self.sample and self._started is not None:
-            per_step = (self._now() - self._started) / self.sample
-            self.seconds = per_step * self.total_steps
-            first, last = self.skip + 1, self.skip + self.sample
-            steps = f"{self.unit} {first}-{last}" if last > first else f"{self.unit} {first}"
-            announce(self.what, self.seconds, f"timed on {steps}",
-                     min_seconds=self.min_seconds, out=self._out)
-
-
-def training_estimate(train_iter: Iterable, num_epochs: int, device) -> StepEstimate:
-    """The estimate of a training run of ``num_epochs`` over ``train_iter`` on ``device``.
-
-    A loader without a length gives an estimate that stays silent. On a CUDA
-    device the two clock readings synchronise, so they time finished steps.
-    """
-    check_positive_int("num_epochs", num_epochs)
-    if device is not None:
-        from d2lgpu.runtime.gpus import as_device  # imported here: this module stays light
-
-        device = as_device(device)
-    if train_iter is None or isinstance(train_iter, (str, bytes)) or not hasattr(
-        train_iter, "__iter__"
-    ):
-        raise TypeError(
-            f"train_iter must be the loader the run reads (e.g. a DataLoader), got "
-            f"{type(train_iter).__name__}"
-        )
-    batches = len(train_iter) if hasattr(train_iter, "__len__") else None
-    total = None if batches is None else batches * num_epochs
-    sync = None
-    if getattr(device, "type", None) == "cuda":
-        import torch
-
-        def sync() -> None:
-            torch.cuda.synchronize(device)
-
-    what = f"{num_epochs} epoch{'s' if num_epochs != 1 else ''} x {batches} batches"
-    return StepEstimate(what, total, "batches", sync=sync)
 
 
 # --------------------------------------------------------------------------- #
