@@ -448,14 +448,6 @@ CHAPTERS: tuple[Chapter, ...] = (
                 (1, 96, 96), b, b, runs=21, precision=mode, check_memory=True,
                 skip_on=SKIPPED_ON[mode])
           for mode in SWEEP_MODES for b in (32, 128, 512, 1024, 2048)),
-        # estimate_sweep_seconds probes each mode at its largest fitting and its smallest
-        # batch with 2 steps; about 4 rows' worth per mode and sweep.
-        Train("sweep probes, MLP: 2 modes on a T4", "sweep_mlp 4096x8", (1, 28, 28), 16384,
-              16384, runs=8, precision="fp16", kind="gemm", skip_on=("H100",)),
-        Train("sweep probes, MLP: 4 modes on an H100", "sweep_mlp 4096x8", (1, 28, 28), 65536,
-              65536, runs=8, precision="tf32", kind="gemm", skip_on=("T4",)),
-        Train("sweep probes, ResNet-18 (per mode 2 rows of 2 steps)", "resnet18", (1, 96, 96),
-              256, 256, runs=8, precision="fp32"),
     )),
     Chapter(7, "the ablation: ResNet-18, 8 rows x 2 repeats x 3 epochs", (
         # Rows without the precision technique train in strict fp32 (Techniques.precision

@@ -57,7 +57,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import try_gpu
@@ -66,7 +65,6 @@ from d2lgpu.runtime.checks import (
     check_batch,
     check_bool,
     check_finite_float,
-    check_finite_tensors,
     check_loader,
     check_module,
     check_positive_float,
@@ -75,7 +73,7 @@ from d2lgpu.runtime.checks import (
 )
 from d2lgpu.runtime.config import smoke_mode
 from d2lgpu.runtime.gpus import as_device, resolve_devices
-from d2lgpu.training import History, check_epoch_loss, evaluate_accuracy, init_weights, set_seed
+from d2lgpu.training import History, check_epoch_loss, evaluate_accuracy, progress_bar, start_run
 
 __all__ = [
     "COMPILE_MODES",
@@ -455,6 +453,20 @@ def _fast_loaders(
     return train_data, test_data
 
 
+def _fast_parts(
+    net: nn.Module, techniques: Techniques, device: torch.device, lr: float,
+) -> tuple[nn.Module, torch.optim.Optimizer, PrecisionPolicy, torch.amp.GradScaler]:
+    """``net`` on ``device`` as the switches ask (layout, compiled or not), its optimizer,
+    and the precision policy with its loss scaler."""
+    layout = torch.channels_last if techniques.channels_last else torch.preserve_format
+    net.to(device, memory_format=layout)
+    policy = precision_policy(device, techniques.precision)
+    model = compile_model(net, techniques, device)
+    optimizer = (make_sgd(net.parameters(), lr, device) if techniques.fused_optimizer
+                 else torch.optim.SGD(net.parameters(), lr=lr))
+    return model, optimizer, policy, policy.make_scaler()
+
+
 def train_fast(
     net: nn.Module,
     train_data: object,
@@ -470,8 +482,8 @@ def train_fast(
     progress: bool = True,
     init: bool = True,
 ) -> History:
-    """Chapter 4's :func:`d2lgpu.train` on one device, with the switches of ``techniques``
-    (None: :meth:`Techniques.fast` on ``device``, which defaults to :func:`d2lgpu.try_gpu`).
+    """Chapter 7's fast path: chapter 4's :func:`d2lgpu.train` on one device, with the switches
+    of ``techniques`` (None: :meth:`Techniques.fast` on ``device``; None: :func:`d2lgpu.try_gpu`).
 
     With ``device_data`` the data are :class:`d2lgpu.DeviceLoader` s, or pairs (uint8
     images, labels) put on the device here in batches of ``batch_size``; without it,
@@ -500,31 +512,16 @@ def train_fast(
         techniques = techniques.replace(precision=check_precision(precision))
     train_iter, test_iter = _fast_loaders(train_data, test_data, techniques, device,
                                           batch_size, seed)
-    if seed is not None:
-        set_seed(seed)
-        if isinstance(train_iter, DeviceLoader):
-            train_iter.manual_seed(seed)  # its own generator: restart its shuffling too
-    if init:
-        init_weights(net)
-    else:
-        check_finite_tensors("the model's weights (init=False keeps them)", net.parameters(),
-                             fix="Pass init=True to start from fresh weights.")
-    layout = torch.channels_last if techniques.channels_last else torch.preserve_format
-    net.to(device, memory_format=layout)
-    policy = precision_policy(device, techniques.precision)
-    model = compile_model(net, techniques, device)
-    optimizer = (make_sgd(net.parameters(), lr, device) if techniques.fused_optimizer
-                 else torch.optim.SGD(net.parameters(), lr=lr))
-    scaler = policy.make_scaler()
+    start_run(net, seed, init)
+    if seed is not None and isinstance(train_iter, DeviceLoader):
+        train_iter.manual_seed(seed)  # its own generator: restart its shuffling too
+    model, optimizer, policy, scaler = _fast_parts(net, techniques, device, lr)
     # fp16 overflows above 65504: the divergence message says so
     advice = "or train in bf16 (precision='bf16')" if policy.dtype == torch.float16 else ""
     history = History(device=str(device))
     steps = len(train_iter) if hasattr(train_iter, "__len__") else None
-    bar_type = tqdm
-    if progress:  # tqdm.auto, imported in a notebook, looks for ipywidgets: only when shown
-        from tqdm.auto import tqdm as bar_type
-    bar = bar_type(total=steps and steps * num_epochs, unit="batch", disable=not progress,
-                   desc=f"training on {device} ({techniques}; {policy.name})")
+    bar = progress_bar(progress, steps and steps * num_epochs,
+                       f"training on {device} ({techniques}; {policy.name})")
     # With channels-last, cuDNN's autotuner picks the fastest convolution (the NHWC Tensor
     # Core kernels) once per input shape; a fixed batch size pays that off at once.
     autotune = techniques.channels_last and device.type == "cuda"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from d2lgpu.runtime.checks import check_finite_float, check_sequence, check_str_list
+from d2lgpu.runtime.checks import check_sequence, check_str_list
 
 #: The axis scales matplotlib offers (``ax.set_xscale``).
 _SCALES = ("linear", "log", "symlog", "asinh", "logit")
@@ -32,16 +32,6 @@ def _check_ax(ax: object) -> None:
     if ax is not None and not hasattr(ax, "plot"):
         raise TypeError(f"ax must be a matplotlib Axes (e.g. from plt.subplots()) or None, got "
                         f"{type(ax).__name__}")
-
-
-def _check_pair(name: str, value: object, *, allow_none: bool) -> None:
-    """Axis limits and figure sizes are two finite numbers: (low, high) or (width, height)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
-        raise TypeError(f"{name} must be a pair of numbers such as (0, 1), got {value!r}")
-    for item in value:
-        check_finite_float(f"each number in {name}", item)
 
 
 def _marker_size(points: int) -> float:

@@ -22,7 +22,6 @@ import contextlib
 import gc
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -975,81 +974,5 @@ def random_batch_maker(
 
 
 # ---------------------------------------------------------------------------
-# Reading a sweep: checks that hold on every machine, the headline, the time it takes
+# Reading a sweep: checks that hold on every machine, the headline
 # ---------------------------------------------------------------------------
-
-
-def estimate_sweep_seconds(
-    model_fn: Callable[[], nn.Module],
-    make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
-    modes: Sequence[str],
-    batch_sizes: Sequence[int],
-    device: torch.device | str,
-    *,
-    steps: int = 10,
-    warmup: int = 3,
-    lr: float = 0.01,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
-    seed: int = 0,
-    repeats: int = 1,
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-    progress: bool = False,
-) -> float:
-    """How many seconds :func:`precision_sweep` with these arguments will take, measured.
-
-    Every mode that can run on ``device`` is probed at the smallest and the
-    largest batch size (the next smaller one where the largest does not fit), each
-    with a whole row of one warm-up and one timed step. A probe gives two costs:
-    the row's fixed cost (building the model, the batch, the first step, which
-    pays one-off costs) from its wall-clock time, and the steady step time. Both
-    are interpolated linearly in the batch size between the two probes, since a
-    small batch uses the hardware less well than a proportional share of a large
-    one. A row then costs ``fixed + (warmup - 1 + steps) * step``, times ``repeats``.
-    The probes themselves cost four steps per mode, and a row each. ``progress`` is
-    accepted (and ignored) so that the arguments of a sweep can be passed unchanged.
-    """
-    _check_sweep_arguments(model_fn, make_batch, modes, batch_sizes, steps, warmup, lr, loss_fn,
-                           seed, repeats, make_optimizer)
-    check_bool("progress", progress)
-    optimizer_maker = _optimizer_maker(make_optimizer, lr)
-    device = as_device(device)
-
-    def probe(mode: str, batch_size: int) -> tuple[float, float] | None:
-        """(fixed seconds, step seconds) of one short row, or None when it does not fit."""
-        start = time.perf_counter()
-        try:
-            row = _measure_one(model_fn, make_batch, mode, batch_size, device, 1, 1,
-                               optimizer_maker, loss_fn, seed)
-        except RuntimeError as exc:
-            if not _is_out_of_memory(exc):
-                raise
-            _release_memory(device)
-            return None
-        _release_memory(device)
-        step = row.median_seconds
-        return max(time.perf_counter() - start - step, step), step
-
-    total = 0.0
-    smallest = min(batch_sizes)
-    for mode in modes:
-        if mode_unavailable_reason(mode, device) is not None:
-            continue
-        large, large_size = None, None
-        for batch_size in sorted(set(batch_sizes), reverse=True):
-            large = probe(mode, batch_size)
-            if large is not None:
-                large_size = batch_size
-                break
-        if large is None or large_size is None:
-            continue  # nothing fits: every row will be a quick "OOM"
-        small = probe(mode, smallest) if smallest < large_size else None
-        for batch_size in batch_sizes:
-            if batch_size > large_size:
-                continue
-            if small is None:  # one probe only: scale it by the batch size
-                fixed, step = (cost * batch_size / large_size for cost in large)
-            else:
-                share = (batch_size - smallest) / (large_size - smallest)
-                fixed, step = (s + share * (lg - s) for s, lg in zip(small, large, strict=True))
-            total += repeats * (fixed + (max(warmup - 1, 0) + steps) * step)
-    return total

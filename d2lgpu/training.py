@@ -44,8 +44,8 @@ from d2lgpu.runtime.checks import (
 from d2lgpu.runtime.gpus import resolve_devices
 
 __all__ = [
-    "History", "check_epoch_loss", "evaluate_accuracy", "init_weights", "set_seed", "train",
-    "train_epoch",
+    "History", "check_epoch_loss", "evaluate_accuracy", "init_weights", "progress_bar",
+    "set_seed", "start_run", "train", "train_epoch",
 ]
 
 
@@ -174,6 +174,27 @@ def train_epoch(
     return loss_sum.item() / count, correct.item() / count, count, first_loss.item()
 
 
+def start_run(net: nn.Module, seed: int | None, init: bool) -> None:
+    """Seed everything (``seed`` not None), then give ``net`` fresh weights, or with
+    ``init=False`` check that the weights it keeps are finite (chapter 4)."""
+    if seed is not None:
+        set_seed(seed)
+    if init:
+        init_weights(net)
+    else:
+        check_finite_tensors("the model's weights (init=False keeps them)", net.parameters(),
+                             fix="Pass init=True to start from fresh weights.")
+
+
+def progress_bar(show: bool, total: int | None, desc: str) -> tqdm:
+    """A tqdm bar of ``total`` batches with the time left, or a silent one (``show=False``)."""
+    if not show:  # tqdm.auto, imported in a notebook, looks for ipywidgets: only when shown
+        return tqdm(total=total, disable=True)
+    from tqdm.auto import tqdm as notebook_or_text_bar
+
+    return notebook_or_text_bar(total=total, desc=desc, unit="batch")
+
+
 def check_epoch_loss(
     loss: float, epoch: int, steps: int | None, lr: float, first_loss: float,
     train_iter: Iterable, advice: str = "",
@@ -219,23 +240,13 @@ def train(
     check_bool("progress", progress)
     check_bool("init", init)
     devices = resolve_devices(devices)
-    if seed is not None:
-        set_seed(seed)
-    if init:
-        init_weights(net)
-    else:
-        check_finite_tensors("the model's weights (init=False keeps them)", net.parameters(),
-                             fix="Pass init=True to start from fresh weights.")
+    start_run(net, seed, init)
     net.to(devices[0])
     model = nn.DataParallel(net, device_ids=devices) if len(devices) > 1 else net
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     history = History(device=", ".join(str(d) for d in devices))
     steps = len(train_iter) if hasattr(train_iter, "__len__") else None
-    bar_type = tqdm
-    if progress:  # tqdm.auto, imported in a notebook, looks for ipywidgets: only when shown
-        from tqdm.auto import tqdm as bar_type
-    bar = bar_type(total=steps and steps * num_epochs, desc=f"training on {history.device}",
-               unit="batch", disable=not progress)
+    bar = progress_bar(progress, steps and steps * num_epochs, f"training on {history.device}")
     try:
         for epoch in range(num_epochs):
             start = time.perf_counter()

@@ -6,7 +6,7 @@ import time
 import pytest
 
 import d2lgpu
-from d2lgpu.runtime.estimate import announce, estimate_message, format_duration
+from d2lgpu.runtime.estimate import format_duration
 
 
 @pytest.mark.parametrize(
@@ -18,25 +18,6 @@ def test_format_duration_rounds_to_a_readable_unit(seconds, text):
     assert format_duration(seconds) == text
 
 
-def test_the_message_names_the_run_the_duration_and_the_basis():
-    assert estimate_message("ResNet-18, 3 epochs x 235 batches", 240, "timed on batches 2-6") == (
-        "ResNet-18, 3 epochs x 235 batches: about 4 min on this machine (timed on batches 2-6)"
-    )
-
-
-def test_a_run_under_a_second_is_not_about_under_a_second():
-    assert estimate_message("sweep", 0.3, "from one step") == (
-        "sweep: under a second on this machine (from one step)"
-    )
-
-
-def test_announce_respects_its_threshold():
-    lines = []
-    assert not announce("sweep", 10.0, "from one step", min_seconds=30.0, out=lines.append)
-    assert announce("sweep", 45.0, "from one step", min_seconds=30.0, out=lines.append)
-    assert lines == ["sweep: about 45 s on this machine (from one step)"]
-
-
 # --------------------------------------------------------------------------- #
 # The chapter clock
 # --------------------------------------------------------------------------- #
@@ -45,17 +26,6 @@ def test_announce_respects_its_threshold():
 def _ticks(*values):
     it = iter(values)
     return lambda: next(it)
-
-
-def test_announce_names_what_is_wrong_with_its_seconds():
-    printed = []
-    with pytest.raises(ValueError, match="is NaN"):
-        announce("a run", float("nan"), "timed", out=printed.append)
-    with pytest.raises(TypeError, match="number of seconds, got str"):
-        announce("a run", "10", "timed", out=printed.append)
-    with pytest.raises(TypeError, match="what must be a string"):
-        estimate_message(None, 10, "timed")
-    assert printed == []
 
 
 def test_chapter_clock_states_the_reference_times_and_the_elapsed_time():

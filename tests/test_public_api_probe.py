@@ -58,9 +58,6 @@ VALID = {
     data.load_data_fashion_mnist: lambda: dict(batch_size=50, quick=True),
     data.synthetic_regression: lambda: dict(num_examples=10, num_features=2, noise=0.01, seed=0),
     data.verify_fashion_mnist_file: lambda: dict(path="t10k-labels-idx1-ubyte"),
-    estimate.announce: lambda: dict(what="run", seconds=40.0, basis="timed", min_seconds=0.0,
-                                    out=lambda line: None),
-    estimate.estimate_message: lambda: dict(what="run", seconds=40.0, basis="timed"),
     models.MLPBlock: lambda: dict(width=4, hidden=8),
     models.Residual: lambda: dict(in_channels=3, out_channels=3, use_1x1conv=False, strides=1),
     models.residual_mlp: lambda: dict(width=4, hidden=8, depth=1, in_features=5, num_classes=3),
@@ -116,11 +113,12 @@ def test_every_public_name_of_the_core_modules_is_probed():
         probed = {f.__name__ for f in VALID if f.__module__ == module.__name__}
         # ChapterClock and its helpers have their own tests; History and Techniques are
         # plain records (Techniques' switches are tested in test_fast); the others take
-        # nothing. The loops' parts (an epoch, an evaluation, the loss check) are called by
-        # train and train_fast with arguments already checked: they rely on type hints.
-        exempt = {"ChapterClock", "start_chapter", "History", "Techniques",
-                  "fused_sgd_device_types", "tiny_shakespeare", "evaluate_accuracy",
-                  "train_epoch", "fast_epoch", "check_epoch_loss"}
+        # nothing. The loops' parts (an epoch, an evaluation, the loss check, the start, the
+        # bar) are called by train and train_fast with arguments already checked: they rely
+        # on type hints.
+        exempt = {"ChapterClock", "start_chapter", "elapsed_bar", "format_duration", "History",
+                  "Techniques", "fused_sgd_device_types", "tiny_shakespeare", "evaluate_accuracy",
+                  "train_epoch", "fast_epoch", "check_epoch_loss", "start_run", "progress_bar"}
         assert callables - probed - exempt == set(), module.__name__
 
 

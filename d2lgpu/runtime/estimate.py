@@ -1,34 +1,17 @@
-"""How long will this take? The chapter's stated time, and one line before a long run.
+"""How long will this take? The chapter's time, stated up front, and the elapsed-time bar.
 
-:func:`start_chapter` states the chapter's time up front; :func:`announce` prints one line
-before a long computation whose duration a chapter has estimated (e.g. chapter 6's sweeps),
-and only when it is long enough to be worth announcing::
-
-    precision sweep: about 4 min on this machine (timed on one step per row)
-
-Training loops show tqdm's bar instead, whose ETA is measured as the run goes.
+:func:`start_chapter` states the chapter's time on the reference machine in its first cell;
+every cell that takes longer than about 30 s shows a tqdm bar, whose ETA is measured as the
+work goes (:func:`elapsed_bar` for a cell that is one long call).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
-from numbers import Real
 from time import perf_counter
 
-__all__ = [
-    "MIN_SECONDS_TO_ANNOUNCE",
-    "REFERENCE_MACHINE",
-    "ChapterClock",
-    "announce",
-    "estimate_message",
-    "start_chapter",
-]
-
-#: Runs estimated to take less than this print nothing: a short wait needs no warning.
-MIN_SECONDS_TO_ANNOUNCE = 30.0
-
+__all__ = ["REFERENCE_MACHINE", "ChapterClock", "elapsed_bar", "format_duration", "start_chapter"]
 
 def format_duration(seconds: float) -> str:
     """A rounded, readable duration: ``"8 s"``, ``"4 min"``, ``"2.5 h"``."""
@@ -39,60 +22,6 @@ def format_duration(seconds: float) -> str:
     if seconds < 90 * 60:
         return f"{round(seconds / 60)} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def _check_seconds(name: str, seconds: object) -> float:
-    """``seconds`` as a float if it is a number of seconds (finite, >= 0), else a clear error.
-
-    Each wrong kind gets its own words: NaN is not "negative", and inf is not a duration.
-    """
-    if isinstance(seconds, bool) or not isinstance(seconds, Real):
-        raise TypeError(f"{name} must be a number of seconds, got {type(seconds).__name__} "
-                        f"{seconds!r}")
-    if math.isnan(seconds):
-        raise ValueError(f"{name} is NaN (not a number): the time it was computed from is "
-                         "missing or broken, e.g. 0/0 from a run with no steps")
-    if math.isinf(seconds):
-        raise ValueError(f"{name} is infinite ({seconds}): a rate of zero steps per second, "
-                         "or a clock that did not move, went into it")
-    if seconds < 0:
-        raise ValueError(f"{name} must be a number >= 0, got {seconds!r}: a negative time "
-                         "comes from subtracting clock readings the wrong way round")
-    return float(seconds)
-
-
-def _check_text(name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
-    return value
-
-
-def estimate_message(what: str, seconds: float, basis: str) -> str:
-    """The one line an estimate prints: ``"<what>: about <duration> on this machine (<basis>)"``."""
-    _check_text("what", what)
-    _check_text("basis", basis)
-    seconds = _check_seconds("seconds", seconds)
-    about = "about " if seconds >= 1 else ""  # never "about under a second"
-    return f"{what}: {about}{format_duration(seconds)} on this machine ({basis})"
-
-
-def announce(
-    what: str,
-    seconds: float,
-    basis: str,
-    *,
-    min_seconds: float = 0.0,
-    out: Callable[[str], object] = print,
-) -> bool:
-    """Print :func:`estimate_message` when ``seconds >= min_seconds``; return whether it did."""
-    seconds = _check_seconds("seconds", seconds)
-    _check_seconds("min_seconds", min_seconds)
-    if not callable(out):
-        raise TypeError(f"out must be a function such as print, got {type(out).__name__}")
-    if seconds < min_seconds:
-        return False
-    out(estimate_message(what, seconds, basis))
-    return True
 
 
 # --------------------------------------------------------------------------- #
