@@ -224,7 +224,7 @@ def last_level_cache_bytes() -> tuple[int, str] | None:
 
 
 def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
-    """The buffer size :func:`measure_copy_bandwidth` uses on ``device``, and why.
+    """The buffer size :func:`measure_copy_bandwidth` uses on ``device``, and why (chapter 2).
 
     The copy must stream from memory, not from a cache, so each of its two buffers
     is at least twice the last-level cache (together four times it): on the CPU
@@ -283,7 +283,7 @@ def _cuda_seconds_per_copy(
 def measure_copy_bandwidth(
     device: DeviceLike, nbytes: int | None = None, *, warmup: int = 2, repeats: int = 10
 ) -> float:
-    """Measured peak copy bandwidth of ``device``'s memory, in GB/s.
+    """Measured peak copy bandwidth of ``device``'s memory, in GB/s (chapter 2).
 
     Copies a buffer of ``nbytes`` bytes into another buffer on the same device
     (``dst.copy_(src)``) and counts the bytes read *plus* the bytes written,
@@ -329,17 +329,17 @@ StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def multiply_add_unfused(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One step ``result + a * b`` as written: two kernels and a temporary."""
+    """One step ``result + a * b`` as written: two kernels and a temporary (chapter 2)."""
     return result + a * b
 
 
 def multiply_add_fused(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The same step as one in-place kernel, ``result += a * b`` (``addcmul_``)."""
+    """The same step as one in-place kernel, ``result += a * b`` (``addcmul_``) (chapter 2)."""
     return result.addcmul_(a, b)
 
 
 def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int) -> torch.Tensor:
-    """Start from zeros and apply ``result = step(result, a, b)`` ``steps`` times."""
+    """Start from zeros and apply ``result = step(result, a, b)`` ``steps`` times (chapter 2)."""
     check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_fused")
     check_positive_int("steps", steps)
     result = torch.zeros_like(a)
@@ -349,7 +349,8 @@ def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int)
 
 
 def multiply_add_bytes(numel: int, element_size: int, steps: int, tensor_passes: int) -> int:
-    """Bytes moved by ``steps`` multiply-add steps over tensors of ``numel`` elements."""
+    """Bytes moved by ``steps`` multiply-add steps over tensors of ``numel`` elements
+    (chapter 2)."""
     for name, value in (("numel", numel), ("element_size", element_size), ("steps", steps),
                         ("tensor_passes", tensor_passes)):
         check_positive_int(name, value)
@@ -563,7 +564,7 @@ def compile_or_reason(
     step: StepFn, device: DeviceLike, *, backend: str = "inductor"
 ) -> tuple[StepFn | None, str]:
     """``torch.compile(step, backend=backend, fullgraph=True)`` if it works on ``device``
-    here, else why not.
+    here, else why not (chapter 2).
 
     Compilation is lazy, so the compiled function is run once on a small input
     and checked against the eager one; any failure (no C++ compiler for the
@@ -634,7 +635,7 @@ class TransferRow:
 def measure_host_to_device(
     device: DeviceLike, sizes: Sequence[int], *, warmup: int = 2, repeats: int = 10
 ) -> list[TransferRow]:
-    """Host-to-device bandwidth for each byte count in ``sizes``.
+    """Host-to-device bandwidth for each byte count in ``sizes`` (chapter 2).
 
     Pageable memory is ordinary host memory: the driver first copies it into
     a pinned staging buffer, then DMA-transfers it. Pinned (page-locked)
@@ -694,7 +695,8 @@ class TimerComparison:
 def compare_timers(
     fn: Callable[[], object], device: DeviceLike, *, warmup: int = 1, repeats: int = 5
 ) -> TimerComparison:
-    """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run.
+    """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run
+    (chapter 2).
 
     Alternating puts both timers under the same conditions: a burst of load from
     another program lands on both, not on one of them.
@@ -714,7 +716,8 @@ def compare_timers(
 
 
 def device_cache_bytes(device: DeviceLike) -> int | None:
-    """Size of the last-level cache in front of ``device``'s memory, in bytes; None if unknown.
+    """Size of the last-level cache in front of ``device``'s memory, in bytes; None if unknown
+    (chapter 2).
 
     A CUDA GPU reports its L2 cache; for the CPU this is :func:`last_level_cache_bytes`.
     """
@@ -816,7 +819,7 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
 def fusion_study_loops(
     a: torch.Tensor, b: torch.Tensor, steps: int
 ) -> dict[str, Callable[[], torch.Tensor]]:
-    """The five loops of the fusion study, each ``steps`` steps on ``a`` and ``b``.
+    """The five loops of the fusion study, each ``steps`` steps on ``a`` and ``b`` (chapter 2).
 
     Two yardsticks and three ways to write ``result += a * b``:
 
@@ -1000,7 +1003,8 @@ FUSION_STUDY_HEADERS = ("variant", "tensor-sizes per step (counted)", "new tenso
 
 
 def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str, Traffic]:
-    """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats.
+    """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats
+    (chapter 2).
 
     Counted on 1,024-element tensors and scaled (the count per element does not
     depend on the size): two steps minus one step, so that what a loop does once
@@ -1023,7 +1027,8 @@ def fusion_study(
     device: DeviceLike, numel: int, *, steps: int, rounds: int, threads: int | None = None,
     progress: bool = False,
 ) -> FusionStudy:
-    """Count and time :func:`fusion_study_loops` on ``device``, interleaved over ``rounds``.
+    """Count and time :func:`fusion_study_loops` on ``device``, interleaved over ``rounds``
+    (chapter 2).
 
     The traffic is counted on small tensors (the count per element does not depend
     on the size) and the loops are timed on float32 tensors of ``numel`` elements.
@@ -1071,7 +1076,7 @@ def trace_spans(events: Sequence[Any], host_names: Sequence[str] = ("aten::mul",
                                                                      "aten::addcmul_",
                                                                      "cudaLaunchKernel")
                 ) -> TraceSpans:
-    """Read :class:`TraceSpans` from ``prof.events()`` of a ``torch.profiler`` run.
+    """Read :class:`TraceSpans` from ``prof.events()`` of a ``torch.profiler`` run (chapter 2).
 
     Host events are those named in ``host_names`` (the loop's operators and, on a
     GPU, its kernel launches); device events are those whose ``device_type`` is

@@ -41,7 +41,8 @@ __all__ = [
 
 
 def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
-    """Reduced-precision formats that GPUs of this compute capability run on Tensor Cores."""
+    """Reduced-precision formats that GPUs of this compute capability run on Tensor Cores
+    (chapter 1)."""
     major, minor = check_capability(capability)
     formats = []
     if (major, minor) >= (7, 0):
@@ -52,7 +53,7 @@ def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
 
 
 def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
-    """Tensor Core formats narrower than 16 bits on GPUs of this compute capability.
+    """Tensor Core formats narrower than 16 bits on GPUs of this compute capability (chapter 6).
 
     ``torch.autocast`` uses none of them; they matter for inference and for
     libraries such as Transformer Engine. INT8 from 7.2 (Xavier) and 7.5 (Turing),
@@ -139,7 +140,7 @@ def training_flops_per_example(
     net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
 ) -> float:
     """FLOPs of one training step (forward and backward) per example, counted by
-    ``torch.utils.flop_counter.FlopCounterMode`` on a small batch on the CPU.
+    ``torch.utils.flop_counter.FlopCounterMode`` on a small batch on the CPU (chapter 4).
 
     Counts matrix multiplications and convolutions (2 FLOPs per multiply-add), which
     is what Tensor Core peaks are quoted for; elementwise work is left out. The
@@ -239,7 +240,8 @@ def peak_format(device: torch.device | str) -> str | None:
 
 
 def peak_tflops(device: torch.device | str) -> float | None:
-    """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None.
+    """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None
+    (chapter 7).
 
     None means unknown: the CPU, or a GPU that is not in the table (say "unknown peak").
     A MIG slice reports its parent GPU's name but only its own multiprocessors; its

@@ -397,7 +397,8 @@ def load_data_fashion_mnist(
     num_workers: int | None = None,
     quick: bool | None = None,
 ) -> tuple[data.DataLoader, data.DataLoader]:
-    """Train and test DataLoaders for Fashion-MNIST (float images in [0, 1], shape [B, 1, H, W]).
+    """Train and test DataLoaders for Fashion-MNIST (float images in [0, 1], shape [B, 1, H, W])
+    (chapter 3).
 
     ``resize`` scales images up (ResNet chapters in d2l use 96); ``quick=None`` follows
     :func:`d2lgpu.quick_mode`. The training loader shuffles with torch's global RNG,
@@ -454,7 +455,7 @@ def load_data_fashion_mnist(
 def fashion_mnist_tensors(
     train: bool = True, root: str | Path | None = None, quick: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole split as tensors: images uint8 [N, 1, 28, 28] and labels int64 [N].
+    """The whole split as tensors: images uint8 [N, 1, 28, 28] and labels int64 [N] (chapter 3).
 
     For code that keeps the data set on the GPU and slices batches itself instead of
     using a DataLoader. Quick mode gives the same balanced subset as the loaders.
@@ -476,7 +477,8 @@ def synthetic_regression(
     noise: float = 0.01,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A linear regression problem: ``X`` float32 [N, F] and ``y = X w + b + noise``, [N, 1].
+    """A linear regression problem: ``X`` float32 [N, F] and ``y = X w + b + noise``, [N, 1]
+    (chapter 5).
 
     The weights, bias and noise come from a private generator seeded with ``seed``,
     so the data are the same everywhere and do not disturb torch's global RNG.
@@ -511,7 +513,8 @@ FASHION_MNIST_STD = 0.3530
 
 
 class DeviceLoader:
-    """Batches ``(X, y)`` cut from a data set that lives on ``device``, without a DataLoader.
+    """Batches ``(X, y)`` cut from a data set that lives on ``device``, without a DataLoader
+    (chapter 7).
 
     ``images`` (uint8 ``[N, C, H, W]``) and ``labels`` (int ``[N]``) are copied to
     ``device`` once, and the images stay uint8 there. Each batch is gathered by index,
@@ -643,7 +646,8 @@ def fashion_mnist_on_device(
     seed: int = 0,
     test_batch_size: int | None = None,
 ) -> tuple[DeviceLoader, DeviceLoader]:
-    """Fashion-MNIST train and test sets held on ``device``: shuffled train batches, test in order.
+    """Fashion-MNIST train and test sets held on ``device``: shuffled train batches, test in order
+    (chapter 7).
 
     ``device=None`` means :func:`d2lgpu.try_gpu`. ``quick=None`` follows quick mode
     (the same balanced subset as :func:`d2lgpu.load_data_fashion_mnist`). The test

@@ -32,7 +32,8 @@ __all__ = [
 def faulty_worker(
     rank: int, world_size: int, master_port: int, bad_rank: int, timeout_s: float = 30.0
 ) -> float:
-    """A worker that goes wrong on purpose, to show what :func:`launch` does with a failure.
+    """A worker that goes wrong on purpose, to show what :func:`launch` does with a failure
+    (chapter 5).
 
     Rank ``bad_rank`` raises ``ValueError`` before the all-reduce; the other
     ranks are already waiting in it and would wait until ``timeout_s`` if the
@@ -90,7 +91,8 @@ def hogwild_train(
     seed: int = 0,
     timeout_s: float = 300.0,
 ) -> nn.Module:
-    """Train a CPU model with ``nprocs`` processes that all update the same shared parameters.
+    """Train a CPU model with ``nprocs`` processes that all update the same shared parameters
+    (chapter 5).
 
     Regression (MSE loss). The model's tensors are moved into shared memory
     (``model.share_memory()``, which calls
@@ -154,7 +156,8 @@ def busiest_gpu_bytes(
     output_bytes: int = 0,
     buffer_bytes: int = 0,
 ) -> dict[str, float]:
-    """The fewest bytes the busiest GPU's link carries in one training step, for both wrappers.
+    """The fewest bytes the busiest GPU's link carries in one training step, for both wrappers
+    (chapter 5).
 
     Counted are the bytes that must cross one GPU's link, one phase after another, when
     every collective runs as fast as its link allows. Divided by the link's bandwidth (one

@@ -116,7 +116,7 @@ Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 @dataclass
 class DDPConfig:
-    """Everything that defines a run; the command-line flags map one to one onto it."""
+    """Everything that defines a run; the command-line flags map one to one onto it (chapter 5)."""
 
     epochs: int = 2
     #: Global batch size, split evenly over the ranks.
@@ -198,7 +198,8 @@ def strip_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def build_model(name: str) -> nn.Module:
-    """A fresh model by name (see :data:`MODELS`), for 1-channel 28x28 images and 10 classes."""
+    """A fresh model by name (see :data:`MODELS`), for 1-channel 28x28 images and 10 classes
+    (chapter 5)."""
     from d2lgpu.models import resnet18, small_cnn
 
     if name == "resnet18":
@@ -280,7 +281,7 @@ def _save_snapshot(path: Path, state: dict) -> None:
 
 def read_snapshot(path: str | os.PathLike) -> dict:
     """The state a ``ddp_train`` snapshot holds (model, optimizer, epochs_done, history, config),
-    after checking the file's checksum; a :class:`SnapshotError` names what is wrong."""
+    after checking the file's checksum; a :class:`SnapshotError` names what is wrong (chapter 5)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or pathlib.Path, got {type(path).__name__}")
     path = Path(path)
@@ -599,7 +600,7 @@ def train_ddp(
     data: Tensors4 | None = None,
     device: torch.device | None = None,
 ) -> DDPResult:
-    """Train ``cfg.model`` with DDP inside the process group ``ctx``.
+    """Train ``cfg.model`` with DDP inside the process group ``ctx`` (chapter 5).
 
     ``ctx=None`` trains in this one process without a process group or DDP,
     with the same sampler, seed and batches as a one-rank job: the baseline
@@ -741,7 +742,8 @@ def ddp_worker(
     data: Tensors4 | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> DDPResult:
-    """Entry point for :func:`d2lgpu.runtime.distributed.launch`: join the group, train, leave."""
+    """Entry point for :func:`d2lgpu.runtime.distributed.launch`: join the group, train, leave
+    (chapter 5)."""
     with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
         return train_ddp(cfg, ctx, data)
 

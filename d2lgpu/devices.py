@@ -46,7 +46,7 @@ def _check_index(i: object) -> int:
 
 
 def cpu() -> torch.device:
-    """The CPU device."""
+    """The CPU device (chapter 3)."""
     return torch.device("cpu")
 
 
@@ -67,12 +67,13 @@ def gpu(i: int = 0) -> torch.device:
 
 
 def try_gpu(i: int = 0) -> torch.device:
-    """GPU ``i`` if it exists and this process can use it (:func:`num_gpus`), else the CPU."""
+    """GPU ``i`` if it exists and this process can use it (:func:`num_gpus`), else the CPU
+    (chapter 1)."""
     i = _check_index(i)
     return torch.device("cuda", i) if i < num_gpus() else cpu()
 
 
 def try_all_gpus() -> list[torch.device]:
-    """All visible GPUs, or ``[cpu]`` when none is usable (never an empty list)."""
+    """All visible GPUs, or ``[cpu]`` when none is usable (never an empty list) (chapter 1)."""
     n = num_gpus()
     return [torch.device("cuda", i) for i in range(n)] if n else [cpu()]

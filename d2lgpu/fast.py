@@ -183,7 +183,7 @@ def _has_cxx_compiler() -> bool:
 
 def technique_skip_reason(technique: str, device: torch.device | str) -> str | None:
     """Why the fast path leaves ``technique`` out on ``device`` (one line of at most 64
-    characters), or None when it uses it.
+    characters), or None when it uses it (chapter 7).
 
     Either the technique cannot run there (CUDA graphs on a CPU; ``torch.compile``
     without its compiler toolchain; a fused SGD this torch lacks for the device type),

@@ -89,7 +89,8 @@ def _check_batch(X: object, y: object) -> None:
 
 
 def format_mib(nbytes: float) -> str:
-    """Bytes as MiB with one decimal, the unit ``torch.cuda`` memory reports are read in."""
+    """Bytes as MiB with one decimal, the unit ``torch.cuda`` memory reports are read in
+    (chapter 8)."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)):
         raise TypeError(f"nbytes must be a number of bytes, got {type(nbytes).__name__} {nbytes!r}")
     if nbytes != nbytes or nbytes in (float("inf"), float("-inf")):
@@ -125,7 +126,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    """Bytes held by ``model``'s parameters."""
+    """Bytes held by ``model``'s parameters (chapter 8)."""
     check_module("model", model)
     return storage_bytes(model.parameters())
 
@@ -181,7 +182,8 @@ def optimizer_state_formula(name: str, model: nn.Module) -> int:
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Live and peak bytes of the tensors that operations create inside a ``with`` block.
+    """Live and peak bytes of the tensors that operations create inside a ``with`` block
+    (chapter 8).
 
     A CPU has no allocator statistics like ``torch.cuda.max_memory_allocated``,
     so this counts: a dispatch mode sees every operation, adds the storage of
@@ -231,7 +233,7 @@ class LiveTensorBytes(TorchDispatchMode):
 def mlp_activation_bytes(
     batch: int, in_features: int, width: int, hidden: int, depth: int, element_size: int = 4
 ) -> int:
-    """Activations a :func:`d2lgpu.models.residual_mlp` saves for backward, in bytes.
+    """Activations a :func:`d2lgpu.models.residual_mlp` saves for backward, in bytes (chapter 8).
 
     Per example: the input (saved by the first linear layer), then per block the
     block's input (first linear layer), the GELU's input and the second linear
@@ -250,7 +252,8 @@ def mlp_activation_bytes(
 def resnet18_activation_bytes(
     batch: int, image_size: int = 28, in_channels: int = 1, element_size: int = 4
 ) -> int:
-    """Activations :func:`d2lgpu.models.resnet18` saves for backward in training mode, in bytes.
+    """Activations :func:`d2lgpu.models.resnet18` saves for backward in training mode, in bytes
+    (chapter 8).
 
     Per example: the input image; in the stem, the convolution's output (saved
     by batch norm) and the ReLU's output (saved by the ReLU and by the next
@@ -276,7 +279,8 @@ def resnet18_activation_bytes(
 
 
 def measure_activations(model: nn.Module, X: torch.Tensor) -> int:
-    """Bytes ``model`` saves for backward on the batch ``X`` (forward only, training mode)."""
+    """Bytes ``model`` saves for backward on the batch ``X`` (forward only, training mode)
+    (chapter 8)."""
     check_module("model", model)
     check_tensor("X", X)
     model.train()
@@ -354,7 +358,7 @@ def measure_training_memory(
     activations_formula: int | None = None,
     lr: float = 0.01,
 ) -> MemoryAnatomy:
-    """Run two training steps of ``model`` on ``(X, y)`` and count where the bytes went.
+    """Run two training steps of ``model`` on ``(X, y)`` and count where the bytes went (chapter 8).
 
     The first step is counted piece by piece: activations during forward
     (:class:`SavedActivations`), gradients after backward, optimizer state after
@@ -414,7 +418,8 @@ def measure_training_memory(
 def accumulated_gradients(
     model: nn.Module, X: torch.Tensor, y: torch.Tensor, micro_batches: int
 ) -> list[torch.Tensor]:
-    """Gradients of the mean cross-entropy over ``(X, y)``, computed in ``micro_batches`` pieces.
+    """Gradients of the mean cross-entropy over ``(X, y)``, computed in ``micro_batches`` pieces
+    (chapter 8).
 
     Each piece's mean loss is weighted by its share of the batch before
     ``backward``, and ``backward`` adds into ``.grad``; so the sum is the gradient
@@ -463,7 +468,8 @@ class Checkpointed(nn.Module):
 
 
 def checkpoint_stages(model: nn.Module, names: Sequence[str]) -> nn.Module:
-    """Wrap the child modules ``names`` of ``model`` in :class:`Checkpointed`, in place."""
+    """Wrap the child modules ``names`` of ``model`` in :class:`Checkpointed`, in place
+    (chapter 8)."""
     check_module("model", model)
     if isinstance(names, str) or not isinstance(names, Iterable):
         raise TypeError(
@@ -518,7 +524,8 @@ def checkpointing_tradeoff(
     progress: bool = False,
     precision: str = "fp32",
 ) -> tuple[list[CheckpointRow], float]:
-    """Memory and time of forward + backward, without and with checkpointing of ``stages``.
+    """Memory and time of forward + backward, without and with checkpointing of ``stages``
+    (chapter 8).
 
     ``make_model()`` must build the same model every time (seed inside it); it
     is built on ``X``'s device. One counted step per variant (which also warms

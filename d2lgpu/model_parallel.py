@@ -109,7 +109,8 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 def check_stages(n_layers: int, n_stages: int) -> int:
-    """Layers per stage, if ``n_layers`` split evenly into ``n_stages``; else a ValueError."""
+    """Layers per stage, if ``n_layers`` split evenly into ``n_stages``; else a ValueError
+    (chapter 9)."""
     check_positive_int("n_layers", n_layers)
     check_positive_int("n_stages", n_stages)
     if n_stages > n_layers:
@@ -133,7 +134,8 @@ def _check_spec(spec: object) -> None:
 
 
 def check_microbatches(batch_size: int, n_microbatches: int) -> int:
-    """The microbatch size, if ``n_microbatches`` divide ``batch_size``; else a ValueError."""
+    """The microbatch size, if ``n_microbatches`` divide ``batch_size``; else a ValueError
+    (chapter 9)."""
     check_positive_int("batch_size", batch_size)
     check_positive_int("n_microbatches", n_microbatches)
     if batch_size % n_microbatches:
@@ -147,7 +149,8 @@ def check_microbatches(batch_size: int, n_microbatches: int) -> int:
 
 
 def check_mesh(shape: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """``shape`` as a tuple if its product is ``world_size``; else a ValueError naming the fix."""
+    """``shape`` as a tuple if its product is ``world_size``; else a ValueError naming the fix
+    (chapter 9)."""
     shape = tuple(check_sequence("shape", shape, of="mesh dimensions, e.g. (2, 2)",
                                  allow_empty=True))
     check_positive_int("world_size", world_size)
@@ -168,7 +171,8 @@ def check_mesh(shape: Sequence[int], world_size: int) -> tuple[int, ...]:
 
 
 def bubble_formula(n_stages: int, n_microbatches: int) -> float:
-    """The idle fraction of a GPipe or 1F1B step, (p - 1) / (m + p - 1), for equal stages."""
+    """The idle fraction of a GPipe or 1F1B step, (p - 1) / (m + p - 1), for equal stages
+    (chapter 9)."""
     check_positive_int("n_stages", n_stages)
     check_positive_int("n_microbatches", n_microbatches)
     return (n_stages - 1) / (n_microbatches + n_stages - 1)
@@ -209,7 +213,8 @@ class Attention(nn.Module):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A stack of ``depth`` blocks of width ``width``: MLP blocks, or attention blocks."""
+    """A stack of ``depth`` blocks of width ``width``: MLP blocks, or attention blocks
+    (chapter 9)."""
 
     width: int = 64
     hidden: int = 256
@@ -270,7 +275,8 @@ def _optimizer(params, lr: float) -> torch.optim.Optimizer:
 def train_reference(
     spec: ModelSpec, batch_size: int, seq_len: int, steps: int, lr: float, seed: int = 0
 ) -> TrainResult:
-    """One process, the whole model, the whole batch: what every parallel run must equal."""
+    """One process, the whole model, the whole batch: what every parallel run must equal
+    (chapter 9)."""
     _check_spec(spec)
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("steps", steps)):
         check_positive_int(name, value)
@@ -290,7 +296,7 @@ def train_reference(
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest difference between two state dicts with the same keys."""
+    """The largest difference between two state dicts with the same keys (chapter 9)."""
     for name, value in (("a", a), ("b", b)):
         if not isinstance(value, dict):
             raise TypeError(f"{name} must be a state dict (model.state_dict() or "
@@ -391,7 +397,7 @@ def _schedule_class(name: str):
 
 @dataclass(frozen=True)
 class PipelineRun:
-    """Train ``spec`` for ``steps`` steps as a pipeline of one stage per rank."""
+    """Train ``spec`` for ``steps`` steps as a pipeline of one stage per rank (chapter 9)."""
 
     spec: ModelSpec = ModelSpec()
     batch_size: int = 16
@@ -551,7 +557,7 @@ class BubbleResult:
 @dataclass(frozen=True)
 class BubbleRun:
     """Time pipeline steps of real stages (the model's blocks) for each number of
-    microbatches of a fixed size.
+    microbatches of a fixed size (chapter 9).
 
     Each stage records, inside every step, when its forward and its backward of each
     microbatch began and ended: what is left of the step is idle, the bubble plus the
@@ -767,7 +773,7 @@ class _Cost(torch.autograd.Function):
 
 class FixedCostStage(nn.Module):
     """A pipeline stage whose work takes a known time: forward ``forward_s``; in backward,
-    ``input_s`` for the gradient of its input (I) and ``weight_s`` for its weight's (W).
+    ``input_s`` for the gradient of its input (I) and ``weight_s`` for its weight's (W) (chapter 9).
 
     It sleeps instead of computing, so its cost does not depend on the machine or on what
     else runs there, and it records every piece of work in ``events`` as
@@ -863,7 +869,7 @@ class ScheduleTiming:
 
 @dataclass(frozen=True)
 class FixedCostRun:
-    """Time pipeline steps of :class:`FixedCostStage` stages under ``schedule``.
+    """Time pipeline steps of :class:`FixedCostStage` stages under ``schedule`` (chapter 9).
 
     Every rank does ``unit_s`` of forward, ``unit_s`` of I and ``unit_s`` of W per
     microbatch (split over its stages when it holds several). Each ``m`` runs once to set
@@ -966,7 +972,7 @@ _KIND_COLORS = {"F": "tab:blue", "I": "tab:orange", "W": "tab:green"}
 def plot_pipeline_timeline(timing: ScheduleTiming, index: int = 0, ax=None, title=None):
     """A Gantt chart of step ``index`` of ``timing``: one row per rank, one bar per piece of
     work (F forward, I input gradient, W weight gradient, labelled with the microbatch);
-    the white gaps are the idle time."""
+    the white gaps are the idle time (chapter 9)."""
     if not isinstance(timing, ScheduleTiming):
         raise TypeError(f"timing must be a ScheduleTiming, got {type(timing).__name__}")
     if not isinstance(index, int) or not 0 <= index < len(timing.n_microbatches):
@@ -1053,7 +1059,7 @@ def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class TensorParallelRun:
     """Train ``spec`` with every block split over the ranks (tensor parallel); count one step's
-    collectives (``extra["comm"]``: kind -> (calls, bytes))."""
+    collectives (``extra["comm"]``: kind -> (calls, bytes)) (chapter 9)."""
 
     spec: ModelSpec = ModelSpec()
     batch_size: int = 4
@@ -1116,7 +1122,8 @@ def train_tensor_parallel(run: TensorParallelRun, ctx: DistContext) -> TrainResu
 
 @dataclass(frozen=True)
 class TwoDRun:
-    """FSDP2 over mesh dimension ``dp`` and tensor parallel over ``tp``: ``mesh_shape = (dp, tp)``.
+    """FSDP2 over mesh dimension ``dp`` and tensor parallel over ``tp``: ``mesh_shape = (dp, tp)``
+    (chapter 9).
 
     The batch is split over ``dp``; the ranks of one ``tp`` group see the same examples.
     ``precision`` is a word of :data:`d2lgpu.precision.PRECISIONS`: bf16 or fp16 become
@@ -1376,7 +1383,7 @@ def _finish_2d(
 
 
 def param_bytes_2d(spec: ModelSpec, dp: int, tp: int) -> int:
-    """Parameter bytes on each rank of a ``(dp, tp)`` mesh after :func:`parallelize_2d`.
+    """Parameter bytes on each rank of a ``(dp, tp)`` mesh after :func:`parallelize_2d` (chapter 9).
 
     Tensor-parallel layers are split ``tp`` ways, then every tensor ``dp`` ways; a row-parallel
     layer's bias (added after the all-reduce) and a norm's weights stay whole over ``tp``.
@@ -1417,7 +1424,8 @@ def split_table(
     bytes_per_number: int = 2,
     tp: int = 4,
 ) -> list[SplitRow]:
-    """Memory, bytes sent and idle time per device for data, FSDP, pipeline, tensor and 2-D.
+    """Memory, bytes sent and idle time per device for data, FSDP, pipeline, tensor and 2-D
+    (chapter 9).
 
     Without sizes, the formulas as text, every one in bytes: P parameters (16P bytes of fp32
     Adam state), b bytes per number sent, T tokens of width W per step, L transformer layers

@@ -26,7 +26,8 @@ def _check_positive(**values: int) -> None:
 
 
 class Residual(nn.Module):
-    """Two 3x3 conv + batch-norm layers with a skip connection: ``relu(F(x) + shortcut(x))``.
+    """Two 3x3 conv + batch-norm layers with a skip connection: ``relu(F(x) + shortcut(x))``
+    (chapter 4).
 
     The shortcut is the identity, or a strided 1x1 convolution (``use_1x1conv=True``)
     when the block changes the number of channels or the resolution.
@@ -74,7 +75,7 @@ def _resnet_stage(in_channels: int, out_channels: int, first_stage: bool) -> nn.
 
 
 def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
-    """ResNet-18 for small images, as in d2l 13.6 (11.2 M parameters for 10 classes).
+    """ResNet-18 for small images, as in d2l 13.6 (11.2 M parameters for 10 classes) (chapter 4).
 
     Works for any input size of 8x8 or more (global average pooling at the end);
     output shape [batch, num_classes].
@@ -95,7 +96,8 @@ def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
 
 
 def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
-    """A LeNet-sized CNN with batch norm: trains on a few hundred images in about a second on CPU.
+    """A LeNet-sized CNN with batch norm: trains on a few hundred images in about a second on CPU
+    (chapter 4).
 
     For quick mode and for tests that start several processes. The adaptive pool
     before the classifier makes it accept any input of 16x16 or more, not just 28x28.
@@ -114,7 +116,8 @@ def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
 
 
 class MLPBlock(nn.Module):
-    """``x + fc2(gelu(fc1(x)))``: the feed-forward half of a transformer layer, without the norm.
+    """``x + fc2(gelu(fc1(x)))``: the feed-forward half of a transformer layer, without the norm
+    (chapter 8).
 
     ``width`` numbers in and out, ``hidden`` in between. The residual connection
     keeps a deep stack of these trainable without normalisation layers, so the
@@ -138,7 +141,8 @@ def residual_mlp(
     in_features: int = 784,
     num_classes: int = 10,
 ) -> nn.Sequential:
-    """A stack of ``depth`` :class:`MLPBlock` between an input and an output linear layer.
+    """A stack of ``depth`` :class:`MLPBlock` between an input and an output linear layer
+    (chapter 8).
 
     Images are flattened first, so it takes Fashion-MNIST batches ``[B, 1, 28, 28]``
     as well as ``[B, in_features]``. Its parameters are mostly the blocks'

@@ -50,7 +50,7 @@ PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def split_batch(
     X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device | str]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Split a minibatch along its first dimension into one shard per device.
+    """Split a minibatch along its first dimension into one shard per device (chapter 3).
 
     Shard ``i`` of ``X`` and of ``y`` is moved to ``devices[i]``. The shards are
     as even as possible, as :func:`torch.tensor_split` makes them: with ``n``
@@ -93,7 +93,7 @@ def split_batch(
 
 
 def allreduce(tensors: Sequence[torch.Tensor]) -> None:
-    """Sum tensors that live on (possibly) different devices, in place.
+    """Sum tensors that live on (possibly) different devices, in place (chapter 3).
 
     Afterwards every tensor in ``tensors`` holds the sum of all of them, on its
     own device: the sum is accumulated on the device of ``tensors[0]`` and then
@@ -138,7 +138,7 @@ def allreduce(tensors: Sequence[torch.Tensor]) -> None:
 def replicate_params(
     params: Sequence[torch.Tensor], device: torch.device | str
 ) -> list[torch.Tensor]:
-    """Independent copies of ``params`` on ``device``, each a leaf that requires grad.
+    """Independent copies of ``params`` on ``device``, each a leaf that requires grad (chapter 3).
 
     The copies never share memory with the originals, even on the same device,
     so replicas on ``[cpu, cpu]`` behave like replicas on two GPUs.
@@ -179,7 +179,7 @@ def choose_cpu_threads(speeds: dict[int, Sequence[float]]) -> int:
 def max_abs_difference(
     tensors_a: Sequence[torch.Tensor], tensors_b: Sequence[torch.Tensor]
 ) -> float:
-    """The largest absolute element-wise difference between two lists of tensors.
+    """The largest absolute element-wise difference between two lists of tensors (chapter 3).
 
     Use it to check that replicas agree, or that two training runs followed the
     same trajectory. Tensors may be on different devices; ``b`` is moved to ``a``'s.
@@ -319,7 +319,7 @@ def data_parallel_step(
     lr: float,
     loss_fn: PerExampleLoss = _per_example_cross_entropy,
 ) -> float:
-    """One step of minibatch SGD, data parallel over the devices of ``replicas``.
+    """One step of minibatch SGD, data parallel over the devices of ``replicas`` (chapter 3).
 
     ``replicas[d]`` is the list of parameters on device ``d`` (made with
     :func:`replicate_params`; all replicas must hold equal values). The step:

@@ -68,7 +68,8 @@ def plot_lines(
     title: str | None = None,
     ax=None,
 ):
-    """Plot one line (``ys`` a list of numbers) or several (a list of lists) against ``x``.
+    """Plot one line (``ys`` a list of numbers) or several (a list of lists) against ``x``
+    (chapter 2).
 
     Returns the axes; pass ``ax`` to draw into an existing one (e.g. a subplot).
     """
@@ -124,7 +125,7 @@ def plot_history(history, ax=None, title: str | None = None):
 
 
 def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
-    """Step time and memory against batch size, one line per precision mode.
+    """Step time and memory against batch size, one line per precision mode (chapter 6).
 
     The classic mixed-precision figure, drawn from the rows of
     :func:`d2lgpu.precision_sweep`: a panel of median step times, a panel of the

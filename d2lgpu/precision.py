@@ -182,7 +182,8 @@ CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The instruction-set flags the CPU advertises (Linux), or None where they cannot be read."""
+    """The instruction-set flags the CPU advertises (Linux), or None where they cannot be read
+    (chapter 6)."""
     _check_cpuinfo(cpuinfo)
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as f:
@@ -223,7 +224,7 @@ def precision_policy(
     capability: tuple[int, int] | None = None,
     cpu_native_bf16: bool | None = None,
 ) -> PrecisionPolicy:
-    """Turn a word of :data:`PRECISIONS` into how ``device`` trains.
+    """Turn a word of :data:`PRECISIONS` into how ``device`` trains (chapter 4).
 
     "fp32" is strict fp32 (TF32 off), "tf32" fp32 with TF32 allowed, "fp16" fp16
     autocast with a GradScaler, "bf16" bf16 autocast. "auto" lets the device
@@ -272,7 +273,7 @@ def precision_policy(
 
 
 def has_fp32_precision_api() -> bool:
-    """Whether this torch has the ``fp32_precision`` switches (torch 2.9 and newer do).
+    """Whether this torch has the ``fp32_precision`` switches (torch 2.9 and newer do) (chapter 6).
 
     torch 2.9 recommends them and warns (once, a UserWarning) when the older
     ``allow_tf32`` flags or ``torch.get_float32_matmul_precision`` are used; newer
@@ -336,7 +337,7 @@ def tf32_switches(matmul: str, conv: str) -> Iterator[None]:
 
 
 def tf32_matmuls(enabled: bool) -> AbstractContextManager:
-    """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit.
+    """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit (chapter 6).
 
     TF32 keeps fp32's 8-bit exponent but rounds the mantissa to 10 bits inside
     Tensor Core matmuls on compute capability 8.0 and newer. PyTorch's defaults
@@ -426,7 +427,7 @@ def saved_activation_bytes(
     policy: PrecisionPolicy,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
 ) -> int:
-    """Bytes autograd saves for one forward pass and loss of ``model`` under ``policy``.
+    """Bytes autograd saves for one forward pass and loss of ``model`` under ``policy`` (chapter 6).
 
     The forward pass runs once (batch norm layers in training mode update their
     running statistics, as a training step would); no backward pass runs.
@@ -518,7 +519,8 @@ def mode_unavailable_reason(
 
 
 def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | None = None) -> str:
-    """The sweep mode to set against fp32: the one ``precision_policy(device, "auto")`` picks.
+    """The sweep mode to set against fp32: the one ``precision_policy(device, "auto")`` picks
+    (chapter 6).
 
     That is "bf16" from compute capability 8.0, "fp16" on 7.x, and also "fp16" below
     7.0, where "auto" stays in fp32 but fp16 is still worth measuring. On a CPU it is
@@ -723,7 +725,7 @@ def precision_sweep(
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     progress: bool = False,
 ) -> list[SweepRow]:
-    """Train ``model_fn()`` briefly in each mode at each batch size and measure it.
+    """Train ``model_fn()`` briefly in each mode at each batch size and measure it (chapter 6).
 
     For every (mode, batch size) a fresh model (same seed, so same weights) is
     trained with SGD on one fixed batch from ``make_batch(batch_size, device)``
@@ -847,7 +849,8 @@ class SweepComparison:
 def compare_sweep_modes(
     rows: Sequence[SweepRow], baseline: str = "fp32", candidate: str = "bf16"
 ) -> SweepComparison | None:
-    """Speed-up and memory ratio of ``candidate`` over ``baseline`` at the largest shared batch.
+    """Speed-up and memory ratio of ``candidate`` over ``baseline`` at the largest shared batch
+    (chapter 6).
 
     Returns None when no batch size ran in both modes (e.g. the candidate needs CUDA).
     """
@@ -885,7 +888,7 @@ def _check_rows(rows: object) -> None:
 
 
 def format_sweep_table(rows: Sequence[SweepRow]) -> str:
-    """The sweep as a fixed-width text table, one line per row.
+    """The sweep as a fixed-width text table, one line per row (chapter 6).
 
     "saved MiB" is what one step saved for its backward pass (counted on every
     device), "peak MiB" the peak GPU memory (CUDA only).
@@ -908,7 +911,8 @@ def format_sweep_table(rows: Sequence[SweepRow]) -> str:
 
 
 def sweep_mlp(in_features: int, width: int, depth: int, num_classes: int = 10) -> nn.Sequential:
-    """A matmul-heavy model: ``depth`` wide Linear+ReLU layers, where Tensor Cores matter most.
+    """A matmul-heavy model: ``depth`` wide Linear+ReLU layers, where Tensor Cores matter most
+    (chapter 6).
 
     Almost all its time is spent in (batch x width) @ (width x width) matmuls,
     so it shows the raw speed-up of a precision more clearly than a CNN does.
@@ -928,7 +932,8 @@ def sweep_mlp(in_features: int, width: int, depth: int, num_classes: int = 10) -
 
 def sweep_cnn(in_channels: int = 1, widths: Sequence[int] = (32, 64, 128),
               num_classes: int = 10) -> nn.Sequential:
-    """A small convolutional net: one conv + batch norm + ReLU block per width, pooling between.
+    """A small convolutional net: one conv + batch norm + ReLU block per width, pooling between
+    (chapter 6).
 
     Its feature maps, not its weights, take the memory: at 28x28 a 32-channel map
     holds 25,088 numbers per example, against about 93,000 weights in the whole
@@ -953,7 +958,8 @@ def sweep_cnn(in_channels: int = 1, widths: Sequence[int] = (32, 64, 128),
 def random_batch_maker(
     input_shape: Sequence[int], num_classes: int = 10, seed: int = 0
 ) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
-    """A ``make_batch(batch_size, device)`` for the sweep: a fixed random batch per size.
+    """A ``make_batch(batch_size, device)`` for the sweep: a fixed random batch per size
+    (chapter 6).
 
     The batch is drawn on the CPU from its own generator, then moved, so every
     mode and every device sees exactly the same data.

@@ -123,7 +123,7 @@ __all__ = [
 
 
 def runs_dir(name: str) -> Path:
-    """A directory for traces and snapshots, created if needed.
+    """A directory for traces and snapshots, created if needed (chapter 7).
 
     ``runs/<name>`` at the root of the course's source checkout, which git ignores
     (``/runs/`` in ``.gitignore``); elsewhere (the package installed with pip, e.g. on
@@ -160,7 +160,7 @@ _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
     """What ``torch.profiler.profile`` should record for work on ``device``: the host's
-    operators always, and on a CUDA device the GPU's kernels and copies too.
+    operators always, and on a CUDA device the GPU's kernels and copies too (chapter 7).
 
     For a CPU it also quiets the log lines of Kineto, the profiler's engine, unless
     ``KINETO_LOG_LEVEL`` is already set: without a GPU its only messages are a start
@@ -179,7 +179,7 @@ def profiler_activities(device: torch.device | str) -> list[torch.profiler.Profi
 
 def op_table(prof: torch.profiler.profile, top: int = 10, *, name_width: int = 44) -> str:
     """The ``top`` operators of a finished profile by self time, as a table of at most
-    100 characters per line (``prof.key_averages().table()`` is about 200 wide).
+    100 characters per line (``prof.key_averages().table()`` is about 200 wide) (chapter 7).
 
     "Self" time is time spent in the operator itself, not in the operators it called;
     sorted by self device time when the profile has device activity, else self CPU time.
@@ -246,7 +246,7 @@ class TraceEvent:
 
 def read_trace(path: str | Path) -> list[TraceEvent]:
     """The duration (``"X"``) and instant (``"i"``) events of a Chrome trace file
-    (``prof.export_chrome_trace(path)``; ``.json`` or ``.json.gz``), sorted by start."""
+    (``prof.export_chrome_trace(path)``; ``.json`` or ``.json.gz``), sorted by start (chapter 7)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"read_trace takes the path of a trace file, got {type(path).__name__}: "
@@ -349,7 +349,7 @@ def _check_events(events: object) -> list[TraceEvent]:
 
 
 def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
-    """Count a training loop's steps, syncs and DataLoader fetches in its trace.
+    """Count a training loop's steps, syncs and DataLoader fetches in its trace (chapter 7).
 
     Needs the ``train_step`` ranges that :func:`d2lgpu.train_fast` marks every step with.
     """
@@ -418,7 +418,7 @@ def idle_gaps(
 def timeline_lanes(
     events: Sequence[TraceEvent], min_gap_us: float | None = None
 ) -> dict[str, list[tuple[float, float]]]:
-    """The events of a trace as lanes of merged ``(start_us, end_us)`` intervals.
+    """The events of a trace as lanes of merged ``(start_us, end_us)`` intervals (chapter 7).
 
     Lanes: ``train steps``, ``DataLoader`` (fetches), ``.item() in steps`` (the syncs
     inside steps); on a GPU also ``host ops`` (operators on the thread that ran the
@@ -486,7 +486,7 @@ def plot_timeline(
     min_gap_us: float | None = None,
 ):
     """Draw a trace as horizontal lanes (:func:`timeline_lanes`), idle gaps hatched,
-    time in ms from the first training step. ``window_us`` is the span to draw on the
+    time in ms from the first training step (chapter 7). ``window_us`` is the span to draw on the
     trace's own clock (default: :func:`training_window`). Returns the axes."""
     import matplotlib.pyplot as plt
 
@@ -529,7 +529,7 @@ def memory_timeline_from_trace(
     events: Sequence[TraceEvent], device: torch.device | str = "cpu"
 ) -> list[tuple[float, int]]:
     """``(time_us, bytes allocated)`` after every allocation and free on ``device``, from
-    the ``[memory]`` events of a trace profiled with ``profile_memory=True``."""
+    the ``[memory]`` events of a trace profiled with ``profile_memory=True`` (chapter 7)."""
     events = _check_events(events)
     device = as_device(device)
     code = {"cpu": 0, "cuda": 1}.get(device.type)
@@ -578,8 +578,8 @@ def _read_snapshot_file(path: Path) -> Mapping[str, Any]:
 def memory_timeline_from_snapshot(
     snapshot: Mapping[str, Any] | str | Path, device_index: int = 0
 ) -> list[tuple[float, int]]:
-    """``(time, bytes allocated)`` after every allocation and free in a CUDA memory
-    snapshot (``torch.cuda.memory._snapshot()`` or the pickle ``_dump_snapshot`` writes).
+    """``(time, bytes allocated)`` after every allocation and free in a CUDA memory snapshot
+    (``torch.cuda.memory._snapshot()`` or the pickle ``_dump_snapshot`` writes) (chapter 7).
 
     The history only starts when ``_record_memory_history`` was switched on, so the
     bytes allocated before it (e.g. the weights) are worked out from the snapshot's
@@ -633,7 +633,7 @@ def plot_memory_timeline(
     time_unit: str = "ms",
 ):
     """Draw allocated memory (MiB) over time as a step line; ``spans`` are
-    ``(start, end, label)`` ranges on the same clock to shade (e.g. training steps).
+    ``(start, end, label)`` ranges on the same clock to shade (e.g. training steps) (chapter 7).
     ``time_unit`` "ms" divides microseconds by 1000; "entry" plots positions as they are."""
     import matplotlib.pyplot as plt
 
@@ -672,7 +672,7 @@ def plot_memory_timeline(
 
 @dataclass(frozen=True)
 class RooflinePoint:
-    """One operation placed on a roofline: its FLOPs, the bytes it moves, its time."""
+    """One operation placed on a roofline: its FLOPs, the bytes it moves, its time (chapter 7)."""
 
     name: str
     flops: float
@@ -831,7 +831,7 @@ def paired_multiply_add_ratio(
 ) -> float:
     """A multiply's counted GB/s over an add's, both out of place on two ``numel``-float
     tensors (12 bytes per element each): the median over ``repeats`` pairs of the add's
-    time over the multiply's, timed back to back. Each pair ran within milliseconds, so
+    time over the multiply's, timed back to back (chapter 7). Each pair ran within milliseconds, so
     other work on the machine slows both of a pair alike and the median keeps the pairs
     that it did not split."""
     device = as_device(device)
@@ -855,7 +855,7 @@ def measure_roofline(
     """The device's roofline, measured: the compute roof is the best of ``repeats``
     ``matmul_n`` x ``matmul_n`` matmuls in ``dtype`` (None: the device's fast format,
     :func:`d2lgpu.precision_policy` "auto": bf16 on recent GPUs and on CPUs with native
-    bf16, else fp32). The memory roof is the higher of two measured bandwidths: a copy
+    bf16, else fp32) (chapter 7). The memory roof is the higher of two measured bandwidths: a copy
     (:func:`d2lgpu.measure_copy_bandwidth`) and an elementwise add of ``stream_numel``
     floats (:func:`measure_stream_bandwidth`), each counted in the bytes the program
     asks for; on a CPU, where caches read a line before writing it, the add reads
@@ -899,7 +899,7 @@ def roofline_points(
     """Two elementwise operations in fp32: a multiplication of two
     ``elementwise_numel``-element tensors (1 FLOP per 12 bytes moved), and the same on
     ``tiny_numel`` elements repeated ``tiny_repeats`` times, where each call is too
-    small for its work to matter. Best of ``repeats`` runs, timed with CUDA events on
+    small for its work to matter (chapter 7). Best of ``repeats`` runs, timed with CUDA events on
     a GPU and the host clock elsewhere."""
     device = as_device(device)
     for name, value in (("elementwise_numel", elementwise_numel), ("tiny_numel", tiny_numel),
@@ -926,7 +926,7 @@ def roofline_points(
 def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, *,
                   title: str | None = None):
     """Draw the roofline (log-log) with ``points`` placed on it and labelled with their
-    regime; FLOP/s in GFLOP/s when the peak is below 1 TFLOP/s (CPUs), else TFLOP/s.
+    regime; FLOP/s in GFLOP/s when the peak is below 1 TFLOP/s (CPUs), else TFLOP/s (chapter 7).
     Returns the axes."""
     import matplotlib.pyplot as plt
 
@@ -1003,7 +1003,7 @@ def ablation_plan(
     device: torch.device | str, skip: Mapping[str, str] | None = None
 ) -> list[AblationStep]:
     """The rows of the ablation on ``device``: the d2l-style baseline, then one technique
-    of :data:`d2lgpu.fast.TECHNIQUES` added per row. A technique that does not apply on
+    of :data:`d2lgpu.fast.TECHNIQUES` added per row (chapter 7). A technique that does not apply on
     ``device`` (:func:`d2lgpu.technique_skip_reason`), or that ``skip`` names with a
     reason, gets a skipped row and stays off in the rows after it."""
     device = as_device(device)
@@ -1102,14 +1102,14 @@ def speed_ratios(row: AblationRow, before: AblationRow) -> tuple[float, ...]:
 
 def previous_ran(rows: Sequence[AblationRow], row: AblationRow) -> AblationRow:
     """The row that ran last before ``row`` (``row`` itself for the first that ran): the
-    reference of ``row``'s technique, since every row adds one technique to it."""
+    reference of ``row``'s technique, since every row adds one technique to it (chapter 7)."""
     rows = list(rows)
     before = [r for r in rows[: rows.index(row)] if r.ran]
     return before[-1] if before else row
 
 
 def mfu_note(device: torch.device | str, peak: float | None) -> str:
-    """Why MFU is or is not reported on ``device``, in one line."""
+    """Why MFU is or is not reported on ``device``, in one line (chapter 7)."""
     device = as_device(device)
     if peak is not None:
         check_positive_float("peak", peak)
@@ -1157,7 +1157,8 @@ QUICK_FUSED_SKIP = "quick mode: one row fewer; section 5.5 checks fused SGD"
 
 
 def ablation_settings(chosen: str | None = None) -> AblationSettings:
-    """The ablation's size for a workload (:func:`d2lgpu.workload`; None: this process's).
+    """The ablation's size for a workload (:func:`d2lgpu.workload`; None: this process's)
+    (chapter 7).
 
     ``full`` (a GPU): ResNet-18 on 15,000 Fashion-MNIST training images and the 10,000 test
     images, the d2l recipe's batch 256: by ``benchmarks/full_mode_estimate.py`` about 24 min
@@ -1200,7 +1201,7 @@ def ablation_data(
 ) -> tuple[tuple[Iterable, Iterable], tuple[DeviceLoader, DeviceLoader]]:
     """The same Fashion-MNIST examples twice: as DataLoaders (the d2l-style pipeline,
     :func:`d2lgpu.load_data_fashion_mnist`) and as :class:`d2lgpu.DeviceLoader` s on
-    ``device`` (:func:`d2lgpu.fashion_mnist_on_device`), for :func:`run_ablation`.
+    ``device`` (:func:`d2lgpu.fashion_mnist_on_device`), for :func:`run_ablation` (chapter 7).
 
     ``train_size``/``test_size`` keep the first that many examples of each split
     (None: all of it) of the data; ``quick`` (None: quick and smoke mode) starts from the
@@ -1348,7 +1349,7 @@ def run_ablation(
     :func:`d2lgpu.train_fast` and the row's techniques, from the same seed; ``repeats`` times,
     interleaved (every row once, then every row again in reverse order, and so on), so
     that a busy spell of the machine falls on all rows alike rather than on one, and a
-    load that drifts up or down favours neither side of a pair in every round.
+    load that drifts up or down favours neither side of a pair in every round (chapter 7).
 
     Rows without ``device_data`` read ``dataloaders`` (train, test DataLoaders), rows
     with it ``device_loaders`` (:class:`d2lgpu.DeviceLoader` s of the same examples).
@@ -1442,7 +1443,7 @@ class AblationNumbers:
 
 def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None]:
     """:class:`AblationNumbers` for every row of ``rows`` (run_ablation's result), None
-    for a skipped row. The first row that ran is the baseline."""
+    for a skipped row (chapter 7). The first row that ran is the baseline."""
     rows = check_sequence("rows", rows, of="AblationRow s (run_ablation's result)",
                           allow_empty=True)
     if not rows or not all(isinstance(r, AblationRow) for r in rows):
@@ -1573,7 +1574,7 @@ def _quiet_dynamo() -> Iterator[None]:
 
 def explain_graph_breaks(fn: Callable, *args, **kwargs) -> GraphBreakReport:
     """Trace ``fn(*args, **kwargs)`` with ``torch._dynamo.explain`` (no code generation:
-    it takes a second, not a compile) and report its graphs and graph breaks."""
+    it takes a second, not a compile) and report its graphs and graph breaks (chapter 7)."""
     if not callable(fn):
         raise TypeError(f"fn must be the function or model to trace, got {type(fn).__name__}")
     with _quiet_dynamo():
@@ -1639,7 +1640,7 @@ def compare_compile_modes(
 ) -> list[CompileModeRow]:
     """Time one SGD training step of a fresh ``make_model()`` (seeded with ``seed``) per
     ``torch.compile`` mode ("eager": not compiled) on ``batch``; the first call
-    includes the compilation. Each mode compiles the *whole step function*, forward,
+    includes the compilation (chapter 7). Each mode compiles the *whole step function*, forward,
     backward and the optimizer's update, with :func:`fresh_compile` (dynamo's caches
     emptied, ``fullgraph=True``), so no mode runs past the recompile limit. Modes with
     CUDA graphs mark each step's start (``torch.compiler.cudagraph_mark_step_begin``).
@@ -1694,7 +1695,7 @@ def capture_training_step(
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Record one whole training step (forward, backward, optimizer step) as a CUDA
     graph; return ``step(X, y)``, which copies the batch into the graph's input tensors,
-    replays the graph and returns the loss tensor (overwritten by the next replay).
+    replays the graph and returns the loss tensor (overwritten by the next replay) (chapter 7).
 
     The rules a graph imposes: every batch has ``example``'s shapes and dtypes (static
     shapes); the inputs live at fixed addresses, so batches are copied in, and the

@@ -42,7 +42,8 @@ MAX_LR_FACTOR = 4
 
 
 class ReplicasOnOneDevice(nn.Module):
-    """``nn.DataParallel``'s forward pass with ``k`` replicas that all run on one device.
+    """``nn.DataParallel``'s forward pass with ``k`` replicas that all run on one device
+    (chapter 4).
 
     In training mode the batch is cut into ``X.chunk(k)`` (fewer chunks when the
     batch has fewer than ``k`` rows, as DataParallel's scatter does), replica ``i``
@@ -86,7 +87,7 @@ class ReplicasOnOneDevice(nn.Module):
 
 def scaled_learning_rate(base_lr: float, k: int, max_factor: int = MAX_LR_FACTOR) -> float:
     """``base_lr * k`` (the linear scaling rule for k devices), but at most
-    ``base_lr * max_factor``: the cap is relative to the one-device rate."""
+    ``base_lr * max_factor``: the cap is relative to the one-device rate (chapter 4)."""
     check_positive_float("base_lr", base_lr)
     check_positive_int("k", k)
     check_positive_int("max_factor", max_factor)
@@ -110,7 +111,8 @@ class SeedComparison:
 
 
 def compare_across_seeds(a: Sequence[float], b: Sequence[float]) -> SeedComparison:
-    """Compare two configurations trained with the same seeds, one score per seed, in order.
+    """Compare two configurations trained with the same seeds, one score per seed, in order
+    (chapter 4).
 
     The runs of one seed share their initial weights, so the comparison is paired: the
     differences ``a[i] - b[i]`` count when their mean exceeds twice its standard error

@@ -114,7 +114,7 @@ def setup_summary() -> str:
 
 
 def print_setup() -> None:
-    """Print :func:`setup_summary`."""
+    """Print :func:`setup_summary` (chapter 1)."""
     print(setup_summary())
 
 
@@ -135,7 +135,7 @@ def _leading_int(entry: str) -> int | None:
 
 
 def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
-    """Which GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible, as CUDA reads it.
+    """Which GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible, as CUDA reads it (chapter 1).
 
     Returns None when the variable is unset (every GPU is visible), else the
     list of GPU indices (or ``GPU-``/``MIG-`` UUIDs) that CUDA will expose, in
@@ -416,7 +416,7 @@ def diagnose_cuda(
     gpu_capabilities: Sequence[tuple[int, int] | None] = (),
     arch_list: Sequence[str] | None = None,
 ) -> CudaDiagnosis:
-    """Say whether CUDA is usable and, if not, why and how to fix it.
+    """Say whether CUDA is usable and, if not, why and how to fix it (chapter 1).
 
     A pure function of the facts, so that every case can be tested anywhere:
 
@@ -506,7 +506,7 @@ def _is_malformed(value: str, visible: list[int] | list[str] | None) -> bool:
 
 
 def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
-    """:func:`diagnose_cuda` for this process, with the facts read from the machine.
+    """:func:`diagnose_cuda` for this process, with the facts read from the machine (chapter 1).
 
     The driver counts as found when NVML starts or ``/proc/driver/nvidia``
     exists (Linux). ``nvml`` reuses a view already read by :func:`read_nvml`.
@@ -599,7 +599,7 @@ def _as_str(value: str | bytes) -> str:
 
 
 def read_nvml() -> NvmlView:
-    """Read driver version and live per-GPU readings through NVML (``pynvml``).
+    """Read driver version and live per-GPU readings through NVML (``pynvml``) (chapter 1).
 
     Never raises: when NVML is missing or cannot start (no driver, no GPU, a
     CPU-only container), the view says why in ``error``. A GPU that fails (no
@@ -862,7 +862,7 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
 
 
 def environment_report() -> EnvironmentReport:
-    """Collect the :class:`EnvironmentReport` of this process.
+    """Collect the :class:`EnvironmentReport` of this process (chapter 1).
 
     Lists every GPU torch lists, also one that this build has no kernels for (the
     diagnosis then says so). Creates no CUDA context on GPUs of compute capability 8.0
@@ -924,7 +924,7 @@ def _format_memory(gpu: GpuInfo) -> str:
 
 
 def format_report(report: EnvironmentReport) -> str:
-    """The report as readable text (what ``python -m d2lgpu info`` prints)."""
+    """The report as readable text (what ``python -m d2lgpu info`` prints) (chapter 1)."""
     _check_report(report, "format_report")
     lines = [
         "== d2lgpu environment report ==",
@@ -1015,7 +1015,7 @@ class GpuMemory:
 
 
 def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
-    """Read :class:`GpuMemory` for a CUDA device; a clear error for a CPU device."""
+    """Read :class:`GpuMemory` for a CUDA device; a clear error for a CPU device (chapter 1)."""
     device = as_device(device)
     if device.type != "cuda":
         raise ValueError(
@@ -1041,7 +1041,7 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
 def format_nvml_view(
     view: NvmlView, mark_uuid: str | None = None, mark: str = "<- this GPU"
 ) -> str:
-    """NVML's readings as text, one line per physical GPU.
+    """NVML's readings as text, one line per physical GPU (chapter 1).
 
     ``mark_uuid`` puts ``mark`` behind the GPU whose NVML UUID ends with it: torch's
     ``get_device_properties(i).uuid`` lacks NVML's ``GPU-`` prefix, and NVML numbers
@@ -1075,7 +1075,7 @@ def format_nvml_view(
 def read_nvml_while_busy(
     device: torch.device | str | int, busy_seconds: float = 3.0, matrix_size: int = 8192
 ) -> NvmlView:
-    """Keep ``device`` busy with queued matrix products and read NVML in the middle.
+    """Keep ``device`` busy with queued matrix products and read NVML in the middle (chapter 1).
 
     One product is timed first, then enough of them are queued to last about
     ``busy_seconds``; CUDA launches are asynchronous, so Python reads NVML a
@@ -1112,7 +1112,7 @@ def read_nvml_while_busy(
 
 
 def wrapped(text: str, width: int = 100) -> str:
-    """``text`` with every line longer than ``width`` wrapped at spaces.
+    """``text`` with every line longer than ``width`` wrapped at spaces (chapter 1).
 
     A wrapped line's continuation is indented four spaces more than the line
     itself, so the ``why:``/``fix:`` items of a diagnosis stay readable in a
@@ -1190,7 +1190,7 @@ def device_numbers(props: object) -> dict[str, object]:
 
 def gpu_in_numbers(props: object | None = None) -> str:
     """A table: this GPU's figures (``props`` from ``get_device_properties``, or None
-    without a GPU) beside :data:`GPU_DATASHEETS`. "-" marks a figure not known."""
+    without a GPU) beside :data:`GPU_DATASHEETS` (chapter 1). "-" marks a figure not known."""
     columns = dict(GPU_DATASHEETS)
     if props is not None:
         columns = {f"yours: {getattr(props, 'name', '?')}": device_numbers(props), **columns}

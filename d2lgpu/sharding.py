@@ -124,7 +124,8 @@ def _torch_version() -> tuple[int, int]:
 
 
 def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
-    """Why FSDP2 cannot run here on ``device_type`` (``"cpu"`` or ``"cuda"``); None when it can."""
+    """Why FSDP2 cannot run here on ``device_type`` (``"cpu"`` or ``"cuda"``); None when it can
+    (chapter 8)."""
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type must be 'cpu' or 'cuda' (a torch.device's .type), "
                          f"got {device_type!r}")
@@ -147,7 +148,7 @@ def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
 
 @dataclass(frozen=True)
 class MLPShape:
-    """The size of a :func:`d2lgpu.models.residual_mlp`."""
+    """The size of a :func:`d2lgpu.models.residual_mlp` (chapter 8)."""
 
     width: int = 256
     hidden: int = 1024
@@ -170,7 +171,8 @@ class MLPShape:
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """A training run defined down to the last example, so runs can be compared number for number.
+    """A training run defined down to the last example, so runs can be compared number for number
+    (chapter 8).
 
     Step ``s`` uses the global batch of examples ``s*B .. s*B+B-1`` of its
     epoch's order (in order, or a seeded shuffle per epoch); with ``W`` ranks,
@@ -271,7 +273,8 @@ class SingleResult:
 
 
 def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleResult:
-    """``plan`` in this one process on the whole batch: the baseline sharded runs must match."""
+    """``plan`` in this one process on the whole batch: the baseline sharded runs must match
+    (chapter 8)."""
     if not isinstance(plan, TrainPlan):
         raise TypeError(f"plan must be a TrainPlan, got {type(plan).__name__}")
     device = torch.device(device)
@@ -442,7 +445,8 @@ _COLLECTIVE_KINDS = {
 
 @dataclass
 class CommStats:
-    """Collective calls and the bytes they carried (the full, unsharded size of each)."""
+    """Collective calls and the bytes they carried (the full, unsharded size of each)
+    (chapter 8)."""
 
     calls: int = 0
     nbytes: int = 0
@@ -517,7 +521,7 @@ def collective_formula(
 
 
 def counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.futures.Future:
-    """A DDP communication hook: average a gradient bucket like DDP does, and count it.
+    """A DDP communication hook: average a gradient bucket like DDP does, and count it (chapter 8).
 
     Register with ``ddp_model.register_comm_hook(CommStats(), counting_allreduce_hook)``.
     DDP calls it once per bucket whenever gradients are synchronised.
@@ -779,7 +783,7 @@ def save_checkpoint(
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint of the highest step under ``root``, or None when there is none.
+    """The checkpoint of the highest step under ``root``, or None when there is none (chapter 8).
 
     None only for a directory with nothing that looks like a checkpoint: temporary
     directories of a save that crashed (``.step-NNNNNN.tmp``) do not count. A
@@ -822,7 +826,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def load_checkpoint(
     path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """Load a checkpoint of :func:`save_checkpoint` into ``model`` and ``optimizer``; return extra.
+    """Load a checkpoint of :func:`save_checkpoint` into ``model`` and ``optimizer``; return extra
+    (chapter 8).
 
     ``model`` may be sharded over any number of ranks, or be a plain module in
     a process without a process group: DCP reads, for each tensor, the pieces
@@ -891,7 +896,8 @@ def _check_checkpoint_fits(path: Path, model_state: dict[str, Any], dcp) -> None
 
 @dataclass(frozen=True)
 class FSDPRun:
-    """One run of :func:`train_fsdp`: the plan, how to shard, and when to checkpoint (or fail)."""
+    """One run of :func:`train_fsdp`: the plan, how to shard, and when to checkpoint (or fail)
+    (chapter 8)."""
 
     plan: TrainPlan
     reshard_after_forward: bool = True
@@ -1346,7 +1352,7 @@ def sharding_worker(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
     """Entry point for :func:`d2lgpu.runtime.distributed.launch`: join the group, run
-    ``jobs``, leave.
+    ``jobs``, leave (chapter 8).
 
     Returns each job's result (an :class:`FSDPResult` or an
     :class:`AccumulationResult`). Several jobs share one launch, so that
@@ -1406,7 +1412,8 @@ def _train_ddp_accumulating(
 
 @dataclass(frozen=True)
 class AccumulationRun:
-    """DDP training of ``plan`` with ``micro_batches`` per step, both ways, all-reduces counted.
+    """DDP training of ``plan`` with ``micro_batches`` per step, both ways, all-reduces counted
+    (chapter 8).
 
     Each rank splits its share of every global batch into ``micro_batches``
     pieces. A job for :func:`sharding_worker`.

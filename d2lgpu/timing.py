@@ -56,7 +56,7 @@ DeviceLike = torch.device | str | int | None
 
 
 def format_seconds(seconds: float) -> str:
-    """A duration with a readable unit: ``'3.20 ms'``, ``'41.0 us'``, ``'1.50 s'``."""
+    """A duration with a readable unit: ``'3.20 ms'``, ``'41.0 us'``, ``'1.50 s'`` (chapter 2)."""
     check_finite_float("seconds", seconds, minimum=0)
     if seconds >= 1.0:
         return f"{seconds:.2f} s"
@@ -138,12 +138,12 @@ def gbps(nbytes: float, seconds: float) -> float:
 
 
 def tflops(flops: float, seconds: float) -> float:
-    """Throughput in TFLOP/s (10**12 floating-point operations per second)."""
+    """Throughput in TFLOP/s (10**12 floating-point operations per second) (chapter 6)."""
     return _per_second(flops, seconds, "flops") / 1e12
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain-text table, columns right-aligned; floats get 3 significant digits."""
+    """Plain-text table, columns right-aligned; floats get 3 significant digits (chapter 2)."""
     headers = check_sequence("headers", headers, of="column names, e.g. ['size', 'ms']",
                              allow_empty=True)
     rows = check_sequence("rows", rows, of="rows, e.g. [[1024, 0.5]]", allow_empty=True)
@@ -215,7 +215,7 @@ def synchronize(device: torch.device | None) -> None:
 def time_fn(
     fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
 ) -> Timing:
-    """Time ``fn()`` correctly: ``warmup`` untimed calls, then ``repeats`` timed ones.
+    """Time ``fn()`` correctly: ``warmup`` untimed calls, then ``repeats`` timed ones (chapter 2).
 
     Warm-up calls absorb one-off costs (CUDA context creation, kernel selection,
     the caching allocator growing, ``torch.compile``). Each timed call is
