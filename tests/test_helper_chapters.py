@@ -1,4 +1,5 @@
-"""Every lesson helper a chapter calls names, in its docstring, the chapter that introduces it.
+"""Every lesson helper a chapter calls names that chapter in its docstring, and the chapter's
+text names the helper.
 
 A reader who meets ``d2lgpu.split_batch`` in the package can go back to the chapter that
 writes it out in plain PyTorch. The helpers are found the way a reader finds them: every
@@ -79,3 +80,15 @@ def test_every_lesson_helper_names_the_chapter_that_introduces_it():
             missing.append(f"{obj.__module__}.{obj.__name__} (first called in chapter {chapter})")
     assert not missing, "docstrings that name no chapter up to their first use:\n" + "\n".join(
         sorted(missing))
+
+
+def test_every_lesson_helper_is_named_in_the_text_of_the_chapter_that_first_calls_it():
+    prose = {}
+    for path in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"):
+        cells = json.loads(path.read_text())["cells"]
+        prose[int(path.name[:2])] = "\n".join(
+            "".join(cell["source"]) for cell in cells if cell["cell_type"] == "markdown")
+    unnamed = sorted(f"chapter {chapter}: {obj.__module__}.{obj.__name__}"
+                     for obj, chapter in chapter_helpers().items()
+                     if not re.search(rf"\b{obj.__name__}\b", prose[chapter]))
+    assert not unnamed, "helpers a chapter calls but its text never names:\n" + "\n".join(unnamed)
