@@ -21,7 +21,7 @@ A chapter's helpers live in its own modules:
 Every chapter uses ``plotting``. Below the lesson modules sits ``d2lgpu.runtime``, the
 machinery a learner need not read: ``checks`` (argument checks that name the fix),
 ``config`` (the workload), ``gpus`` (what CUDA can use here), ``distributed`` (process
-groups, the launcher, fault reports) and ``estimate`` (the chapter clock). A helper that a
+groups, the launcher, fault reports) and ``progress`` (the elapsed-time bar). A helper that a
 second chapter needs moves down to a shared module (``devices``, ``chips``,
 ``timing``, ``data``, ``models``), never sideways. The names the notebooks use
 are re-exported here; the distributed entry points and ``sharding``,
@@ -82,15 +82,14 @@ from d2lgpu.report import (
     read_nvml,
 )
 from d2lgpu.runtime.config import data_root, pick, quick_mode, smoke_mode, workload
-from d2lgpu.runtime.estimate import elapsed_bar, start_chapter
 from d2lgpu.runtime.gpus import num_gpus
+from d2lgpu.runtime.progress import elapsed_bar
 from d2lgpu.timing import tflops, time_fn
 from d2lgpu.training import History, set_seed, train
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "start_chapter",
     "elapsed_bar",
     "DeviceLoader",
     "History",

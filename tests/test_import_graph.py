@@ -97,7 +97,7 @@ def _path(module: str) -> Path:
 
 
 def test_the_runtime_holds_the_machinery():
-    assert {"runtime.checks", "runtime.config", "runtime.distributed", "runtime.estimate",
+    assert {"runtime.checks", "runtime.config", "runtime.distributed", "runtime.progress",
             "runtime.gpus"} <= set(RUNTIME)
 
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from d2lgpu import data, fast, models, parallel, plotting, training  # noqa: E402
 from d2lgpu.precision import SweepRow  # noqa: E402
-from d2lgpu.runtime import estimate  # noqa: E402
+from d2lgpu.runtime import progress  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -106,17 +106,17 @@ for function, make in VALID.items():
 
 
 def test_every_public_name_of_the_core_modules_is_probed():
-    for module in (data, estimate, fast, models, parallel, plotting, training):
+    for module in (data, progress, fast, models, parallel, plotting, training):
         callables = {name for name in module.__all__
                      if callable(getattr(module, name)) and name.islower() or
                      inspect.isclass(getattr(module, name))}
         probed = {f.__name__ for f in VALID if f.__module__ == module.__name__}
-        # ChapterClock and its helpers have their own tests; History and Techniques are
+        # elapsed_bar has its own test (test_progress); History and Techniques are
         # plain records (Techniques' switches are tested in test_fast); the others take
         # nothing. The loops' parts (an epoch, an evaluation, the loss check, the start, the
         # bar) are called by train and train_fast with arguments already checked: they rely
         # on type hints.
-        exempt = {"ChapterClock", "start_chapter", "elapsed_bar", "format_duration", "History",
+        exempt = {"elapsed_bar", "History",
                   "Techniques", "fused_sgd_device_types", "tiny_shakespeare", "evaluate_accuracy",
                   "train_epoch", "fast_epoch", "check_epoch_loss", "start_run", "progress_bar"}
         assert callables - probed - exempt == set(), module.__name__

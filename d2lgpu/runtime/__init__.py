@@ -5,7 +5,7 @@
 - ``config``: the workload modes (quick, CPU, full, smoke) and where data lives;
 - ``gpus``: what CUDA can use in this process, and the NCCL peer-to-peer decision;
 - ``distributed``: process groups, the launcher, rendezvous and fault reports;
-- ``estimate``: the chapter clock, run-time estimates and the elapsed-time bar.
+- ``progress``: the elapsed-time bar of a cell that waits on other processes.
 
 The rule (tests/test_import_graph.py): the runtime never imports a lesson module, and a
 lesson module imports only the public names (``__all__``) of these modules.
