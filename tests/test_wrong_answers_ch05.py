@@ -271,3 +271,54 @@ def test_5_4_refuses_wrong_ring_times(wrong):
 
 def test_5_4_accepts_the_solution():
     check.ring_all_reduce_seconds(ring_all_reduce_seconds)
+
+
+# Counts the DDP models of check 5.3 still alive when it destroys its process group.
+_RUN_53_ORDER = """
+import faulthandler, importlib.util, json, sys, weakref
+faulthandler.dump_traceback_later(240, exit=True)
+import torch.distributed as dist
+spec = importlib.util.spec_from_file_location("answers", sys.argv[1])
+answers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(answers)
+live = weakref.WeakSet()
+
+
+class Tracked(answers.check.DDP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        live.add(self)
+
+
+answers.check.DDP = Tracked
+alive_at_destroy = []
+destroy = dist.destroy_process_group
+
+
+def counting_destroy(*args, **kwargs):
+    alive_at_destroy.append(len(live))
+    return destroy(*args, **kwargs)
+
+
+dist.destroy_process_group = counting_destroy
+for name in ("not_divided", "without_no_sync", "accumulate"):
+    try:
+        answers.check.accumulate(getattr(answers, name))
+    except answers.ExerciseWrong:
+        pass
+print(json.dumps(alive_at_destroy))
+"""
+
+
+@pytest.mark.slow  # a fresh process, for the reason _RUN_53 gives
+def test_5_3_frees_its_ddp_models_before_it_destroys_their_group_even_after_a_wrong_answer():
+    # A wrong answer's exception carries the check's frames, and with them its DDP models;
+    # destroying those after their gloo group is gone once blocked for good (torch 2.9).
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _RUN_53_ORDER, __file__],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, 0, 0]

@@ -9,6 +9,8 @@ size 1 (gloo, with a ``HashStore``: no port, no second process), which it destro
 from __future__ import annotations
 
 import contextlib
+import gc
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -186,63 +188,84 @@ def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], 
     ex = "5.3"
     refuse_stub_early(ex, fn, 2)
     with _one_rank_group(ex):
-        plain = DDP(_accumulation_model())
-        counted = {"calls": 0}
-        plain.register_comm_hook(counted, _count_all_reduces)
-        X, y = _examples(8, features=8)
-        F.cross_entropy(plain(X), y).backward()
-        per_backward = counted["calls"]
-        expect(ex, per_backward >= 1, "internal: the hook was not called by a plain backward")
-        for k in (1, 2, 4):
-            X, y = _examples(16, features=8)
-            model = DDP(_accumulation_model())
-            counted = {"calls": 0}
-            model.register_comm_hook(counted, _count_all_reduces)
-            micro_batches = list(zip(X.chunk(k), y.chunk(k), strict=True))
-            # What the model saw: the rows of each forward, and each backward through it.
-            forwards, backwards = [], []
-            model.module.register_forward_pre_hook(
-                lambda _, args, seen=forwards: seen.append(len(args[0])))
-            next(model.module.parameters()).register_post_accumulate_grad_hook(
-                lambda _, seen=backwards: seen.append(1))
-            loss = attempt(ex, fn, model, micro_batches)
-            batches = f"{k} micro-batch{'es' if k > 1 else ''}"
-            sizes = [len(rows) for rows, _ in micro_batches]
-            expect(ex, forwards == sizes,
-                   f"{batches} of {sizes} rows: the model's forward passes saw {forwards} rows. "
-                   "Run the model once on each micro-batch, in turn: one forward over the "
-                   "concatenated micro-batches computes the same gradient, but holds the "
-                   "activations of the whole batch at once, which accumulation exists to avoid")
-            expect(ex, len(backwards) == k,
-                   f"{batches}: backward ran {len(backwards)} time(s) through the model, "
-                   f"expected {k}: call backward on each micro-batch's loss right after its "
-                   "forward (a single backward of the summed losses keeps every micro-batch's "
-                   "graph and activations alive until the end)")
-            calls = counted["calls"] // per_backward
-            expect(ex, calls != k or k == 1,
-                   f"{k} micro-batches made {k} all-reduces, one per backward: run forward "
-                   "AND backward of all but the last micro-batch inside `with "
-                   "model.no_sync():` (DDP decides in forward whether the next backward "
-                   "all-reduces)")
-            expect(ex, calls != 0,
-                   f"{batches} made no all-reduce at all: the last micro-batch runs outside "
-                   "no_sync, so that the ranks share the summed gradient")
-            expect(ex, calls == 1, f"{batches} made {calls} all-reduces, expected 1")
-            reference = _accumulation_model()
-            whole = _flat_gradient(reference, F.cross_entropy(reference(X), y))
-            expect(ex, all(p.grad is not None for p in model.module.parameters()),
-                   f"with {k} micro-batches some parameters have no gradient: call backward "
-                   "on every micro-batch's loss")
-            got = torch.cat([p.grad.flatten() for p in model.module.parameters()])
-            err = (got - whole).abs().max().item()
-            expect(ex, err < 1e-5,
-                   f"with {k} micro-batches the accumulated gradient differs from the whole "
-                   f"batch's by up to {err:.2e}: divide each micro-batch's mean loss by the "
-                   f"number of micro-batches ({k}) before backward, so the sum is the mean")
-            expect_close(ex, loss, F.cross_entropy(reference(X), y).item(),
-                         f"the loss returned for {k} micro-batches (the sum of the divided "
-                         "losses: the whole batch's mean)", rel_tol=1e-5, abs_tol=1e-6)
+        try:
+            _check_accumulation(ex, fn)
+        except BaseException as exc:
+            # A wrong answer raises with the checks' frames in its traceback, and with them
+            # their DDP models, which would then be destroyed after the process group, at
+            # whatever moment the caller drops the exception. Destroying a DDP model after
+            # its gloo group was seen to block for good in native code (torch 2.9), so the
+            # frames' locals go now, while the group exists.
+            seen: set[int] = set()
+            while exc is not None and id(exc) not in seen:  # its cause and context too
+                seen.add(id(exc))
+                traceback.clear_frames(exc.__traceback__)
+                exc = exc.__cause__ or exc.__context__
+            raise
+        finally:
+            gc.collect()  # DDP's reducer and its hooks form cycles: freed here, not later
     passed(ex, "4 micro-batches, 1 all-reduce, and the gradient of the whole batch")
+
+
+def _check_accumulation(ex: str, fn: Callable[[DDP, Sequence[tuple[torch.Tensor,
+                                                                  torch.Tensor]]], float]) -> None:
+    """The checks of exercise 5.3, on the group of one rank that ``accumulate`` holds."""
+    plain = DDP(_accumulation_model())
+    counted = {"calls": 0}
+    plain.register_comm_hook(counted, _count_all_reduces)
+    X, y = _examples(8, features=8)
+    F.cross_entropy(plain(X), y).backward()
+    per_backward = counted["calls"]
+    expect(ex, per_backward >= 1, "internal: the hook was not called by a plain backward")
+    for k in (1, 2, 4):
+        X, y = _examples(16, features=8)
+        model = DDP(_accumulation_model())
+        counted = {"calls": 0}
+        model.register_comm_hook(counted, _count_all_reduces)
+        micro_batches = list(zip(X.chunk(k), y.chunk(k), strict=True))
+        # What the model saw: the rows of each forward, and each backward through it.
+        forwards, backwards = [], []
+        model.module.register_forward_pre_hook(
+            lambda _, args, seen=forwards: seen.append(len(args[0])))
+        next(model.module.parameters()).register_post_accumulate_grad_hook(
+            lambda _, seen=backwards: seen.append(1))
+        loss = attempt(ex, fn, model, micro_batches)
+        batches = f"{k} micro-batch{'es' if k > 1 else ''}"
+        sizes = [len(rows) for rows, _ in micro_batches]
+        expect(ex, forwards == sizes,
+               f"{batches} of {sizes} rows: the model's forward passes saw {forwards} rows. "
+               "Run the model once on each micro-batch, in turn: one forward over the "
+               "concatenated micro-batches computes the same gradient, but holds the "
+               "activations of the whole batch at once, which accumulation exists to avoid")
+        expect(ex, len(backwards) == k,
+               f"{batches}: backward ran {len(backwards)} time(s) through the model, "
+               f"expected {k}: call backward on each micro-batch's loss right after its "
+               "forward (a single backward of the summed losses keeps every micro-batch's "
+               "graph and activations alive until the end)")
+        calls = counted["calls"] // per_backward
+        expect(ex, calls != k or k == 1,
+               f"{k} micro-batches made {k} all-reduces, one per backward: run forward "
+               "AND backward of all but the last micro-batch inside `with "
+               "model.no_sync():` (DDP decides in forward whether the next backward "
+               "all-reduces)")
+        expect(ex, calls != 0,
+               f"{batches} made no all-reduce at all: the last micro-batch runs outside "
+               "no_sync, so that the ranks share the summed gradient")
+        expect(ex, calls == 1, f"{batches} made {calls} all-reduces, expected 1")
+        reference = _accumulation_model()
+        whole = _flat_gradient(reference, F.cross_entropy(reference(X), y))
+        expect(ex, all(p.grad is not None for p in model.module.parameters()),
+               f"with {k} micro-batches some parameters have no gradient: call backward "
+               "on every micro-batch's loss")
+        got = torch.cat([p.grad.flatten() for p in model.module.parameters()])
+        err = (got - whole).abs().max().item()
+        expect(ex, err < 1e-5,
+               f"with {k} micro-batches the accumulated gradient differs from the whole "
+               f"batch's by up to {err:.2e}: divide each micro-batch's mean loss by the "
+               f"number of micro-batches ({k}) before backward, so the sum is the mean")
+        expect_close(ex, loss, F.cross_entropy(reference(X), y).item(),
+                     f"the loss returned for {k} micro-batches (the sum of the divided "
+                     "losses: the whole batch's mean)", rel_tol=1e-5, abs_tol=1e-6)
 
 
 def ring_all_reduce_seconds(fn: Callable[[float, int, float, float], float]) -> None:
