@@ -203,7 +203,7 @@ def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], 
                 exc = exc.__cause__ or exc.__context__
             raise
         finally:
-            gc.collect()  # DDP's reducer and its hooks form cycles: freed here, not later
+            gc.collect()  # a model an answer tied into a reference cycle goes here too
     passed(ex, "4 micro-batches, 1 all-reduce, and the gradient of the whole batch")
 
 
