@@ -199,13 +199,35 @@ _WRONG_ACCUMULATIONS = {
 # worker that had run launched gloo jobs before, it once blocked in native code (torch 2.9,
 # not reproduced alone), so the answers are checked in a fresh process, under a timeout.
 _RUN_53 = """
-import faulthandler, importlib.util, json, re, sys
+import faulthandler, importlib.util, json, sys, weakref
 # One CI run saw this process still running after 300 s (it takes 5 s; not repeated in 15
 # runs, three at a time): a hang prints every thread's stack on stderr, which the test shows.
 faulthandler.dump_traceback_later(240, exit=True)
+import torch.distributed as dist
 spec = importlib.util.spec_from_file_location("answers", sys.argv[1])
 answers = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(answers)
+# Every DDP model the check builds, and how many are alive when it destroys their group.
+live = weakref.WeakSet()
+
+
+class Tracked(answers.check.DDP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        live.add(self)
+
+
+answers.check.DDP = Tracked
+alive_at_destroy = []
+destroy = dist.destroy_process_group
+
+
+def counting_destroy(*args, **kwargs):
+    alive_at_destroy.append(len(live))
+    return destroy(*args, **kwargs)
+
+
+dist.destroy_process_group = counting_destroy
 outcomes = {}
 for name in [*json.loads(sys.argv[2]), "accumulate"]:
     try:
@@ -213,12 +235,13 @@ for name in [*json.loads(sys.argv[2]), "accumulate"]:
         outcomes[name] = None
     except answers.ExerciseWrong as exc:
         outcomes[name] = str(exc)
-print(json.dumps(outcomes))
+print(json.dumps({"outcomes": outcomes, "alive_at_destroy": alive_at_destroy}))
 """
 
 
-@pytest.mark.slow  # a fresh process, and two gloo ranks for each answer
-def test_5_3_refuses_answers_that_do_not_accumulate_with_one_all_reduce_and_accepts_the_solution():
+@pytest.fixture(scope="module")
+def run_53():
+    """Every wrong answer and the solution through check 5.3, in one fresh process."""
     import json
     import subprocess
     import sys
@@ -227,10 +250,24 @@ def test_5_3_refuses_answers_that_do_not_accumulate_with_one_all_reduce_and_acce
                            json.dumps(list(_WRONG_ACCUMULATIONS))],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    outcomes = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a fresh process, and two gloo ranks for each answer
+def test_5_3_refuses_answers_that_do_not_accumulate_with_one_all_reduce_and_accepts_the_solution(
+        run_53):
+    outcomes = dict(run_53["outcomes"])
     assert outcomes.pop("accumulate") is None  # the solution passes
     for name, message in _WRONG_ACCUMULATIONS.items():
         assert outcomes[name] is not None and message in outcomes[name], (name, outcomes[name])
+
+
+@pytest.mark.slow  # the same process as the test above
+def test_5_3_frees_its_ddp_models_before_it_destroys_their_group_even_after_a_wrong_answer(
+        run_53):
+    # A wrong answer's exception carries the check's frames, and with them its DDP models;
+    # destroying those after their gloo group is gone once blocked for good (torch 2.9).
+    assert run_53["alive_at_destroy"] == [0] * (len(_WRONG_ACCUMULATIONS) + 1)
 
 
 # --- 5.4: the ring's clock -----------------------------------------------------------------
@@ -271,54 +308,3 @@ def test_5_4_refuses_wrong_ring_times(wrong):
 
 def test_5_4_accepts_the_solution():
     check.ring_all_reduce_seconds(ring_all_reduce_seconds)
-
-
-# Counts the DDP models of check 5.3 still alive when it destroys its process group.
-_RUN_53_ORDER = """
-import faulthandler, importlib.util, json, sys, weakref
-faulthandler.dump_traceback_later(240, exit=True)
-import torch.distributed as dist
-spec = importlib.util.spec_from_file_location("answers", sys.argv[1])
-answers = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(answers)
-live = weakref.WeakSet()
-
-
-class Tracked(answers.check.DDP):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        live.add(self)
-
-
-answers.check.DDP = Tracked
-alive_at_destroy = []
-destroy = dist.destroy_process_group
-
-
-def counting_destroy(*args, **kwargs):
-    alive_at_destroy.append(len(live))
-    return destroy(*args, **kwargs)
-
-
-dist.destroy_process_group = counting_destroy
-for name in ("not_divided", "without_no_sync", "accumulate"):
-    try:
-        answers.check.accumulate(getattr(answers, name))
-    except answers.ExerciseWrong:
-        pass
-print(json.dumps(alive_at_destroy))
-"""
-
-
-@pytest.mark.slow  # a fresh process, for the reason _RUN_53 gives
-def test_5_3_frees_its_ddp_models_before_it_destroys_their_group_even_after_a_wrong_answer():
-    # A wrong answer's exception carries the check's frames, and with them its DDP models;
-    # destroying those after their gloo group is gone once blocked for good (torch 2.9).
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _RUN_53_ORDER, __file__],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, 0, 0]
