@@ -1,47 +1,30 @@
-"""Chapter 4's training loop: d2l's ``train_ch13``, made safe to run anywhere and reproducible.
-
-Chapter 4 writes the loop in a cell (``nn.DataParallel`` over the GPUs, SGD, cross-entropy,
-one evaluation per epoch) and then checks that :func:`train` gives the same numbers. What
-:func:`train` adds to that cell:
-
-* ``devices=None`` means :func:`d2lgpu.try_all_gpus`, which is ``[cpu]`` without a GPU, so the
-  loop never indexes an empty list (d2l raises ``IndexError`` there).
-* Every parameter and batch-norm statistic is re-initialised under ``seed`` at the start, so a
-  model object reused for a second run does not silently continue from the first.
-* Loss and correct counts are summed on the device and read once per epoch, instead of making
-  the host wait for the device after every batch.
-* A loss that turns NaN or inf, or grows ten times past where it started, stops the run with a
-  message that names the epoch and the fix (NaN in the data is blamed on the data).
-* A tqdm bar with the time left (its ETA).
+"""Chapter 4's training loop, :func:`train`: d2l's ``train_ch13`` with a seed, a fresh start,
+sums kept on the device and a stop with the fix when the loss diverges.
 
 Chapter 7's fast path (:func:`d2lgpu.train_fast`) reuses :class:`History`,
-:func:`evaluate_accuracy` and :func:`set_seed`/:func:`init_weights` from here.
+:func:`evaluate_accuracy`, :func:`start_run`, :func:`progress_bar` and
+:func:`check_epoch_loss`.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from d2lgpu.runtime.checks import (
-    check_batch,
-    check_bool,
     check_finite_tensors,
-    check_loader,
-    check_module,
-    check_positive_float,
-    check_positive_int,
-    check_seed,
     check_training_loss,
     find_non_finite_batch,
 )
-from d2lgpu.runtime.gpus import resolve_devices
+from d2lgpu.runtime.gpus import num_gpus
 
 __all__ = [
     "History", "check_epoch_loss", "evaluate_accuracy", "init_weights", "progress_bar",
@@ -50,27 +33,15 @@ __all__ = [
 
 
 def set_seed(seed: int) -> None:
-    """Seed Python's, NumPy's (when installed) and torch's RNGs, CUDA included (chapter 4).
-
-    Enough for identical runs on the CPU. On GPUs some kernels (e.g. atomics in backward
-    passes) stay non-deterministic unless deterministic algorithms are requested, so GPU
-    runs agree closely but not bit for bit.
-    """
-    check_seed(seed)
+    """Seed Python's, NumPy's and torch's RNGs, CUDA included (chapter 4)."""
     random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional for this package
-        return
+    torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
 
 
 def init_weights(net: nn.Module) -> None:
-    """Re-initialise every parameter and buffer of ``net`` (chapter 4): each module's own
-    ``reset_parameters`` (batch norm: weight 1, bias 0, running statistics cleared), then
-    Xavier-uniform conv and linear weights and zero biases, as in d2l's training loops."""
-    check_module("net", net)
+    """Fresh weights, as d2l's loops start (chapter 4): ``reset_parameters`` everywhere (batch
+    norm's statistics too), Xavier-uniform conv and linear weights, zero biases."""
     for module in net.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -84,11 +55,7 @@ def init_weights(net: nn.Module) -> None:
 
 @dataclass
 class History:
-    """What :func:`train` measured, one entry per epoch (chapter 4).
-
-    ``examples_per_second`` counts training examples over the training part of the epoch
-    only (evaluation excluded). ``device`` says where it ran, e.g. ``"cuda:0, cuda:1"``.
-    """
+    """What :func:`train` measured per epoch (chapter 4); speeds exclude the evaluation."""
 
     train_loss: list[float] = field(default_factory=list)
     train_acc: list[float] = field(default_factory=list)
@@ -103,80 +70,56 @@ class History:
 
     def add(self, train_loss: float, train_acc: float, test_acc: float, epoch_seconds: float,
             examples_per_second: float) -> None:
-        """Append one epoch's numbers."""
         for name, value in locals().items():
             if name != "self":
                 getattr(self, name).append(value)
 
     def summary(self) -> str:
-        """One line: the last epoch's loss and accuracies, and the mean throughput."""
         if not self.train_loss:
             return f"no epochs run on {self.device}"
         speed = sum(self.examples_per_second) / len(self.examples_per_second)
-        return (
-            f"loss {self.train_loss[-1]:.3f}, train acc {self.train_acc[-1]:.3f}, "
-            f"test acc {self.test_acc[-1]:.3f}; {speed:.1f} examples/sec on {self.device}"
-        )
-
-    def to_dict(self) -> dict:
-        """A plain dict (lists and a string), e.g. for ``json.dump``."""
-        return asdict(self)
+        return (f"loss {self.train_loss[-1]:.3f}, train acc {self.train_acc[-1]:.3f}, test acc "
+                f"{self.test_acc[-1]:.3f}; {speed:.1f} examples/sec on {self.device}")
 
 
 def evaluate_accuracy(net: nn.Module, data_iter: Iterable, device: torch.device) -> float:
-    """Fraction of correctly classified examples in ``data_iter`` (batches ``(X, y)``), in
-    eval mode and without gradients (chapter 4); ``net`` goes back to the mode it was in."""
-    was_training = net.training
+    """The fraction of ``data_iter`` that ``net`` classifies right, in eval mode (chapter 4)."""
     net.eval()
     correct = torch.zeros((), dtype=torch.int64, device=device)
     total = 0
-    try:
-        with torch.no_grad():
-            for index, batch in enumerate(data_iter):
-                X, y = check_batch("data_iter", batch, index)
-                X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                correct += (net(X).argmax(dim=1) == y).sum()
-                total += y.numel()
-    finally:
-        net.train(was_training)
-    if total == 0:
-        raise ValueError("data_iter yielded no examples: cannot compute an accuracy")
+    with torch.no_grad():
+        for X, y in data_iter:
+            X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            correct += (net(X).argmax(dim=1) == y).sum()
+            total += y.numel()
     return correct.item() / total
 
 
-def train_epoch(
-    model: nn.Module, train_iter: Iterable, optimizer: torch.optim.Optimizer,
-    device: torch.device, on_batch=None,
-) -> tuple[float, float, int, float]:
-    """One pass over ``train_iter`` with cross-entropy (chapter 4). Returns the mean loss,
-    the accuracy, the number of examples and the first step's loss (where the run started,
-    for the divergence rule). Sums stay on ``device`` and are read once, at the end."""
+def train_epoch(model: nn.Module, train_iter: Iterable, optimizer: torch.optim.Optimizer,
+                device: torch.device, bar: tqdm) -> tuple[float, float, int, float]:
+    """One pass (chapter 4): mean loss, accuracy, examples and first loss, read once at the end."""
     model.train()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     first_loss, count = None, 0
-    for index, batch in enumerate(train_iter):
-        X, y = check_batch("train_iter", batch, index)
+    for X, y in train_iter:
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad()
         y_hat = model(X)
         loss = nn.functional.cross_entropy(y_hat, y)
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach() * len(y)  # summed on the device: no wait per step
+        loss_sum += loss.detach() * len(y)
         correct += (y_hat.argmax(dim=1) == y).sum()
         count += len(y)
         first_loss = loss.detach() if first_loss is None else first_loss
-        if on_batch is not None:
-            on_batch()
-    if count == 0:
-        raise ValueError("train_iter yielded no examples: check the data loader")
+        bar.update(1)
     return loss_sum.item() / count, correct.item() / count, count, first_loss.item()
 
 
 def start_run(net: nn.Module, seed: int | None, init: bool) -> None:
-    """Seed everything (``seed`` not None), then give ``net`` fresh weights, or with
-    ``init=False`` check that the weights it keeps are finite (chapter 4)."""
+    """Seed (unless ``seed`` is None), then fresh weights, or with ``init=False`` a check that
+    the weights kept are finite (chapter 4)."""
     if seed is not None:
         set_seed(seed)
     if init:
@@ -187,21 +130,17 @@ def start_run(net: nn.Module, seed: int | None, init: bool) -> None:
 
 
 def progress_bar(show: bool, total: int | None, desc: str) -> tqdm:
-    """A tqdm bar of ``total`` batches with the time left, or a silent one (``show=False``)."""
-    if not show:  # tqdm.auto, imported in a notebook, looks for ipywidgets: only when shown
+    """A tqdm bar of ``total`` batches with the time left, or a silent one."""
+    if not show:  # tqdm.auto looks for ipywidgets: only when a bar is shown
         return tqdm(total=total, disable=True)
-    from tqdm.auto import tqdm as notebook_or_text_bar
+    from tqdm.auto import tqdm as auto_tqdm
 
-    return notebook_or_text_bar(total=total, desc=desc, unit="batch")
+    return auto_tqdm(total=total, desc=desc, unit="batch")
 
 
-def check_epoch_loss(
-    loss: float, epoch: int, steps: int | None, lr: float, first_loss: float,
-    train_iter: Iterable, advice: str = "",
-) -> None:
-    """Stop a run whose epoch loss broke the divergence rule (chapter 4): a FloatingPointError
-    naming the epoch, its steps and the lr, or a ValueError when a batch of ``train_iter``
-    holds NaN or inf (then the data are at fault, not the learning rate)."""
+def check_epoch_loss(loss: float, epoch: int, steps: int | None, lr: float, first_loss: float,
+                     train_iter: Iterable, advice: str = "") -> None:
+    """Stop a diverged run (chapter 4), blaming the data when a batch holds NaN or inf."""
     when = f"epoch {epoch + 1}"
     if steps is not None:
         when += f" (steps {epoch * steps + 1}-{(epoch + 1) * steps})"
@@ -214,50 +153,49 @@ def check_epoch_loss(
         raise
 
 
-def train(
-    net: nn.Module,
-    train_iter: Iterable,
-    test_iter: Iterable,
-    num_epochs: int,
-    lr: float,
-    devices: torch.device | str | Sequence[torch.device | str] | None = None,
-    *,
-    seed: int | None = None,
-    progress: bool = True,
-    init: bool = True,
-) -> History:
-    """Train a classifier with SGD and cross-entropy, evaluating on ``test_iter`` every epoch:
-    chapter 4's loop. ``devices``: None for all GPUs (the CPU without one), one device, or a
-    list; several GPUs wrap the model in ``nn.DataParallel``. ``seed`` seeds the weights and
-    the shuffling; ``init=False`` keeps the weights. ``progress``: a tqdm bar with the time left.
-    ``net`` is trained in place, on ``devices[0]``; :func:`d2lgpu.plot_history` draws the
-    returned :class:`History`."""
-    check_module("net", net)
-    check_loader("train_iter", train_iter)
-    check_loader("test_iter", test_iter)
-    check_positive_int("num_epochs", num_epochs)
-    check_positive_float("lr", lr)
-    check_bool("progress", progress)
-    check_bool("init", init)
-    devices = resolve_devices(devices)
-    start_run(net, seed, init)
+def _devices(devices: torch.device | str | Sequence[torch.device | str] | None
+             ) -> list[torch.device]:
+    n = num_gpus()
+    if devices is None:  # every GPU, else the CPU
+        return [torch.device("cuda", i) for i in range(n)] or [torch.device("cpu")]
+    if isinstance(devices, (str, torch.device)):
+        devices = [devices]
+    devices = [torch.device(d) for d in devices]
+    if any(d.type == "cuda" and (d.index or 0) >= n for d in devices):
+        raise RuntimeError(f"train was given {devices}, but this process can use {n} GPU(s): "
+                           "pass devices=None; `python -m d2lgpu info` says why")
+    if len(devices) > 1 and any(d.type != "cuda" for d in devices):
+        raise ValueError(f"nn.DataParallel needs CUDA devices, got {devices}: use one CPU device")
+    return devices
+
+
+def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,
+          devices: torch.device | str | Sequence[torch.device | str] | None = None, *,
+          seed: int | None = None, progress: bool = True, init: bool = True) -> History:
+    """SGD with cross-entropy, tested every epoch (chapter 4). ``devices``: None for all GPUs
+    (else the CPU), one device or a list (``nn.DataParallel``); ``init=False`` keeps weights."""
+    if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    devices = _devices(devices)
+    if seed is not None:
+        set_seed(seed)
+    if init:
+        init_weights(net)
     net.to(devices[0])
     model = nn.DataParallel(net, device_ids=devices) if len(devices) > 1 else net
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     history = History(device=", ".join(str(d) for d in devices))
-    steps = len(train_iter) if hasattr(train_iter, "__len__") else None
-    bar = progress_bar(progress, steps and steps * num_epochs, f"training on {history.device}")
-    try:
-        for epoch in range(num_epochs):
-            start = time.perf_counter()
-            loss, train_acc, count, first_loss = train_epoch(
-                model, train_iter, optimizer, devices[0], on_batch=lambda: bar.update(1))
-            train_seconds = time.perf_counter() - start
-            check_epoch_loss(loss, epoch, steps, lr, first_loss, train_iter)
-            test_acc = evaluate_accuracy(model, test_iter, devices[0])
-            history.add(loss, train_acc, test_acc, time.perf_counter() - start,
-                        count / train_seconds)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
-    finally:
-        bar.close()
+    steps = len(train_iter)
+    bar = progress_bar(progress, steps * num_epochs, f"training on {history.device}")
+    for epoch in range(num_epochs):
+        start = time.perf_counter()
+        loss, train_acc, count, first = train_epoch(model, train_iter, optimizer, devices[0], bar)
+        train_seconds = time.perf_counter() - start
+        check_epoch_loss(loss, epoch, steps, lr, first, train_iter,
+                         "" if init else "or init=True if the weights kept were broken")
+        test_acc = evaluate_accuracy(model, test_iter, devices[0])
+        history.add(loss, train_acc, test_acc, time.perf_counter() - start,
+                    count / train_seconds)
+        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
+    bar.close()
     return history

