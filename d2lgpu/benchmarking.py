@@ -1,17 +1,9 @@
-"""Chapter 2's measurements: the wrong timer and PyTorch's own, and the bandwidths they read.
+"""Chapter 2's measurements: the wrong timer, bandwidths, and the fusion study.
 
-The course's timer, :func:`d2lgpu.timing.time_fn` (with :class:`~d2lgpu.timing.Timing`),
-waits for the device before it starts the clock and again before it stops it.
-:func:`time_naive` leaves out the second wait on purpose, so that chapter 2 can
-show what goes wrong; :func:`benchmark_autorange` is ``torch.utils.benchmark``'s
-timer, and :func:`compare_timers` sets the three side by side. On the CPU,
-PyTorch ops run synchronously, so the plain wall clock (``time.perf_counter``)
-is already correct and the timers agree.
-
-The helpers further down are the measurements the course quotes: the copy
-bandwidth of a device (the practical ceiling for memory-bound work), the
-multiply-add benchmark of chapter 2, and host-to-device transfer rates from
-pageable and pinned memory.
+:func:`time_naive` leaves out the wait that :func:`d2lgpu.timing.time_fn` does at the end,
+to show what goes wrong. The rest are the measurements the course quotes: a device's copy
+bandwidth (the ceiling for memory-bound work), the multiply-add benchmark, host-to-device
+rates, and the fusion study (bytes counted per operator, loops timed in interleaved rounds).
 """
 
 from __future__ import annotations
@@ -19,82 +11,35 @@ from __future__ import annotations
 import math
 import os
 import time
-import timeit
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from numbers import Real
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from d2lgpu.runtime.checks import (
-    check_callable,
-    check_positive_float,
-    check_positive_int,
-    check_sequence,
-    check_warmup_repeats,
-)
-from d2lgpu.timing import (
-    DeviceLike,
-    Timing,
-    gbps,
-    synchronize,
-    time_fn,
-    timing_device,
-)
+from d2lgpu.runtime.checks import check_positive_int, check_warmup_repeats
+from d2lgpu.timing import DeviceLike, Timing, gbps, synchronize, time_fn, timing_device
 
 __all__ = [
-    "ElementwiseRow",
-    "TransferRow",
-    "FUSED_TENSOR_PASSES",
-    "MULTIPLY_ADD_HEADERS",
-    "MULTIPLY_ADD_VARIANTS",
-    "UNFUSED_TENSOR_PASSES",
-    "benchmark_autorange",
-    "compile_on_devices",
-    "compile_or_reason",
-    "copy_buffer_bytes",
-    "device_cache_bytes",
-    "is_compiled",
-    "last_level_cache_bytes",
-    "measure_copy_bandwidth",
-    "measure_host_to_device",
-    "multiply_add_benchmark",
-    "multiply_add_bytes",
-    "multiply_add_fused",
-    "multiply_add_sweep",
-    "multiply_add_table",
-    "multiply_add_unfused",
-    "run_multiply_add",
-    "time_naive",
+    "ElementwiseRow", "TransferRow", "FUSED_TENSOR_PASSES", "MULTIPLY_ADD_HEADERS",
+    "MULTIPLY_ADD_VARIANTS", "UNFUSED_TENSOR_PASSES", "compile_on_devices", "compile_or_reason",
+    "copy_buffer_bytes", "device_cache_bytes", "is_compiled", "last_level_cache_bytes",
+    "measure_copy_bandwidth", "measure_host_to_device", "multiply_add_benchmark",
+    "multiply_add_bytes", "multiply_add_fused", "multiply_add_sweep", "multiply_add_table",
+    "multiply_add_unfused", "run_multiply_add", "time_naive",
 ]
-
-def _check_mapping(name: str, value: object, example: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{name} must be a dict, e.g. {example}, got {type(value).__name__} "
-                        f"{value!r:.60}")
-    return value
-
-
-# --------------------------------------------------------------------------- #
-# Timers
-# --------------------------------------------------------------------------- #
 
 
 def time_naive(
     fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
 ) -> Timing:
-    """The WRONG way to time GPU work, kept to show what goes wrong.
+    """The WRONG way to time GPU work, kept to show what goes wrong (chapter 2).
 
-    Like :func:`time_fn` (the device is idle when the clock starts) but the
-    clock stops as soon as ``fn()`` returns, without waiting for the GPU. For
-    GPU work that is the time to *queue* the kernels, often a tiny fraction of
-    the time to run them. On the CPU it agrees with :func:`time_fn`.
+    Like :func:`time_fn`, but the clock stops as soon as ``fn()`` returns: for GPU work
+    that is the time to *queue* the kernels. On the CPU it agrees with :func:`time_fn`.
     """
-    check_callable("fn", fn, example="lambda: a * b")
     check_warmup_repeats(warmup, repeats)
     dev = timing_device(device)
     for _ in range(warmup):
@@ -109,57 +54,12 @@ def time_naive(
     return Timing(tuple(times))
 
 
-def benchmark_autorange(
-    fn: Callable[[], object], device: DeviceLike = None, *, min_run_time: float = 0.2
-) -> Timing:
-    """Time ``fn()`` with ``torch.utils.benchmark.Timer.blocked_autorange``.
-
-    PyTorch's own timer picks how many calls to put in each block so that the
-    clock's resolution does not matter. Its clock waits for the GPU around each
-    block: ``device`` (a GPU that ``fn`` works on) is the one waited for, made the
-    current device while timing; ``device=None`` waits for the current GPU when
-    CUDA is usable now, and for nothing on a machine without one. (torch's default
-    clock decides once, when ``torch.utils.benchmark`` is first imported, and
-    older releases wait only for CUDA.) Each entry of the returned ``times`` is the
-    per-call average of one block. Use it for very short operations;
-    :func:`time_fn` is simpler to reason about for long ones.
-    """
-    check_callable("fn", fn, example="lambda: a * b")
-    check_positive_float("min_run_time", min_run_time)
-    dev = timing_device(device)
-    from torch.utils import benchmark
-
-    on_gpu = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
-
-    def clock() -> float:
-        if on_gpu:
-            torch.cuda.synchronize()  # the current device, which ``current`` sets
-        return timeit.default_timer()
-
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, timer=clock)
-    current = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else nullcontext()
-    with current:
-        measurement = timer.blocked_autorange(min_run_time=min_run_time)
-    return Timing(tuple(measurement.times))
-
-
-# --------------------------------------------------------------------------- #
-# Copy bandwidth: the ceiling for memory-bound work
-# --------------------------------------------------------------------------- #
-
-
 _MIB = 2**20
 #: Where Linux describes the caches of the first CPU (one ``index*`` folder per cache).
 _CPU0_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
-#: The copy buffer when the size of the last-level cache cannot be read: beyond the
-#: caches of common CPUs and GPUs, yet small enough for a laptop (two are allocated).
+#: The copy buffer when the last-level cache size is unknown: beyond common caches, yet
+#: small enough for a laptop (two are allocated).
 _DEFAULT_COPY_BYTES = 256 * _MIB
-#: At least this much copying in one CUDA-event timing. A timing pays a fixed 10-20 us
-#: (recording the events, launching the first copy, the GPU waking up); spread over
-#: 50 ms of work that is well under 1%, while one 256 MiB copy on an H100 or H200
-#: lasts only about 150 us and would read some 10% slow.
-_MIN_SECONDS_PER_TIMING = 0.05
-_MAX_COPIES_PER_TIMING = 10_000
 
 
 def _usable_cpus() -> int:
@@ -188,12 +88,11 @@ def _count_cpus(cpu_list: str) -> int:
 
 
 def last_level_cache_bytes() -> tuple[int, str] | None:
-    """The last-level CPU cache that this process's threads can fill, and where it was read.
+    """The last-level CPU cache this process's threads can fill, and where it was read.
 
-    On Linux: the highest-level data cache of CPU 0 in sysfs, times the number of such
-    caches that the CPUs this process may use spread over (a CPU with several core
-    complexes has one L3 per complex). Elsewhere: ``os.sysconf`` where it knows the
-    L3 (or L2) size. None when neither says.
+    On Linux: CPU 0's highest-level data cache in sysfs, times the number of such caches
+    the CPUs this process may use spread over (one L3 per core complex). Elsewhere:
+    ``os.sysconf``'s L3 (or L2) size. None when neither says.
     """
     best: tuple[int, int, int] | None = None  # (level, bytes, CPUs sharing it)
     for index in sorted(_CPU0_CACHE_DIR.glob("index*")):
@@ -226,10 +125,9 @@ def last_level_cache_bytes() -> tuple[int, str] | None:
 def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
     """The buffer size :func:`measure_copy_bandwidth` uses on ``device``, and why (chapter 2).
 
-    The copy must stream from memory, not from a cache, so each of its two buffers
-    is at least twice the last-level cache (together four times it): on the CPU
-    :func:`last_level_cache_bytes`, at least 64 MiB, and 256 MiB when the cache size
-    is unknown; on a GPU its L2 cache, at least 256 MiB.
+    Each of the two buffers is at least twice the last-level cache, so that the copy
+    streams from memory: on the CPU at least 64 MiB (256 MiB when the cache size is
+    unknown), on a GPU at least 256 MiB.
     """
     dev = timing_device(device)
     if dev is None:
@@ -251,11 +149,12 @@ def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
 
 
 def _copies_per_timing(seconds_per_copy: float) -> int:
-    """Back-to-back copies in one timing so that it holds at least 50 ms of work."""
+    """Back-to-back copies in one timing so that it holds at least 50 ms of work: a timing
+    pays a fixed 10-20 us (events, the first launch, the GPU waking up), while one 256 MiB
+    copy on an H100 lasts about 150 us."""
     if not (math.isfinite(seconds_per_copy) and seconds_per_copy > 0):
-        return _MAX_COPIES_PER_TIMING
-    copies = math.ceil(_MIN_SECONDS_PER_TIMING / seconds_per_copy)
-    return max(1, min(_MAX_COPIES_PER_TIMING, copies))
+        return 10_000
+    return max(1, min(10_000, math.ceil(0.05 / seconds_per_copy)))
 
 
 def _cuda_seconds_per_copy(
@@ -285,17 +184,9 @@ def measure_copy_bandwidth(
 ) -> float:
     """Measured peak copy bandwidth of ``device``'s memory, in GB/s (chapter 2).
 
-    Copies a buffer of ``nbytes`` bytes into another buffer on the same device
-    (``dst.copy_(src)``) and counts the bytes read *plus* the bytes written,
-    ``2 * nbytes`` per copy, because both cross the memory bus. The best of
-    ``repeats`` timings is used: this is the practical ceiling that memory-bound
-    kernels are compared with (spec-sheet numbers are never reached).
-
-    On a GPU each timing is a pair of CUDA events around enough back-to-back copies
-    to last 50 ms, so that launch and wake-up costs vanish (one copy of 256 MiB on
-    an H100 takes about 150 us). On the CPU the wall clock times one copy. ``nbytes``
-    defaults to :func:`copy_buffer_bytes`, well beyond the last-level cache, so that
-    memory and not cache is measured.
+    ``dst.copy_(src)`` counts ``2 * nbytes`` per copy (read plus written); the best of
+    ``repeats`` timings is the practical ceiling memory-bound kernels are compared with.
+    ``nbytes`` defaults to :func:`copy_buffer_bytes`, well beyond the last-level cache.
     """
     dev = timing_device(device)
     if dev is None:
@@ -314,10 +205,6 @@ def measure_copy_bandwidth(
         seconds = time_fn(lambda: dst.copy_(src), dev, warmup=warmup, repeats=repeats).min
     return gbps(2 * numel * 4, seconds)
 
-
-# --------------------------------------------------------------------------- #
-# The multiply-add benchmark of chapter 2
-# --------------------------------------------------------------------------- #
 
 # Tensor-sized memory passes per step of `result = result + a * b`:
 # a * b reads 2 and writes 1 temporary, then + reads 2 and writes 1.
@@ -340,8 +227,6 @@ def multiply_add_fused(result: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
 
 def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int) -> torch.Tensor:
     """Start from zeros and apply ``result = step(result, a, b)`` ``steps`` times (chapter 2)."""
-    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_fused")
-    check_positive_int("steps", steps)
     result = torch.zeros_like(a)
     for _ in range(steps):
         result = step(result, a, b)
@@ -349,11 +234,7 @@ def run_multiply_add(step: StepFn, a: torch.Tensor, b: torch.Tensor, steps: int)
 
 
 def multiply_add_bytes(numel: int, element_size: int, steps: int, tensor_passes: int) -> int:
-    """Bytes moved by ``steps`` multiply-add steps over tensors of ``numel`` elements
-    (chapter 2)."""
-    for name, value in (("numel", numel), ("element_size", element_size), ("steps", steps),
-                        ("tensor_passes", tensor_passes)):
-        check_positive_int(name, value)
+    """Bytes moved by ``steps`` multiply-add steps on ``numel`` elements (chapter 2)."""
     return tensor_passes * numel * element_size * steps
 
 
@@ -371,38 +252,12 @@ class ElementwiseRow:
 
 
 def multiply_add_benchmark(
-    device: DeviceLike,
-    numel: int,
-    *,
-    steps: int,
-    step: StepFn,
-    tensor_passes: int,
-    copy_gbps: float,
-    variant: str,
-    warmup: int = 1,
-    repeats: int = 5,
-    seed: int = 0,
+    device: DeviceLike, numel: int, *, steps: int, step: StepFn, tensor_passes: int,
+    copy_gbps: float, variant: str, warmup: int = 1, repeats: int = 5, seed: int = 0,
 ) -> ElementwiseRow:
-    """Time ``steps`` multiply-add steps on float32 tensors of ``numel`` elements.
-
-    The tensors are created directly on ``device`` (no copy), the loop is
-    timed with :func:`time_fn`, and the achieved bandwidth is reported with
-    ``tensor_passes`` tensor-sized reads and writes per step (6 unfused, 4
-    fused) as a share of ``copy_gbps``, the device's measured copy bandwidth.
-    """
+    """Time ``steps`` multiply-add steps on float32 tensors of ``numel`` elements, and the
+    bandwidth they reach as a share of ``copy_gbps``."""
     dev = timing_device(device)
-    if dev is None:
-        raise ValueError("multiply_add_benchmark needs a device, e.g. 'cpu' or 'cuda:0'")
-    check_positive_int("numel", numel)
-    check_positive_int("steps", steps)
-    check_positive_int("tensor_passes", tensor_passes)
-    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_fused")
-    if isinstance(copy_gbps, bool) or not isinstance(copy_gbps, Real) or not (
-            math.isfinite(copy_gbps) and copy_gbps > 0):
-        raise ValueError(
-            "copy_gbps must be positive (measure it with measure_copy_bandwidth), got "
-            f"{copy_gbps!r}"
-        )
     generator = torch.Generator(device=dev).manual_seed(seed)
     a = torch.randn(numel, device=dev, generator=generator)
     b = torch.randn(numel, device=dev, generator=generator)
@@ -423,17 +278,10 @@ def multiply_add_benchmark(
             "timed eager code under a compiled label. Call torch._dynamo.reset() before "
             "timing each device (multiply_add_sweep does), or drop the compiled variant."
         ) from err
-    moved = multiply_add_bytes(numel, a.element_size(), steps, tensor_passes)
-    achieved = gbps(moved, timing.median)
-    return ElementwiseRow(
-        device=str(dev),
-        variant=variant,
-        numel=numel,
-        steps=steps,
-        seconds=timing.median,
-        gbps=achieved,
-        share_of_copy_peak=achieved / copy_gbps,
-    )
+    achieved = gbps(multiply_add_bytes(numel, a.element_size(), steps, tensor_passes),
+                    timing.median)
+    return ElementwiseRow(str(dev), variant, numel, steps, timing.median, achieved,
+                          achieved / copy_gbps)
 
 
 # name -> (step function, tensor-sized memory passes per step)
@@ -444,36 +292,17 @@ MULTIPLY_ADD_VARIANTS: dict[str, tuple[StepFn, int]] = {
 
 
 def multiply_add_sweep(
-    devices: Sequence[DeviceLike],
-    sizes: Sequence[int],
-    *,
-    steps: int,
+    devices: Sequence[DeviceLike], sizes: Sequence[int], *, steps: int,
     copy_gbps: Mapping[str, float],
     variants: Mapping[str, tuple[StepFn, int]] = MULTIPLY_ADD_VARIANTS,
-    warmup: int = 1,
-    repeats: int = 5,
+    warmup: int = 1, repeats: int = 5,
 ) -> list[ElementwiseRow]:
     """:func:`multiply_add_benchmark` for every device, size and variant.
 
-    ``copy_gbps`` maps ``str(device)`` (e.g. ``'cpu'``, ``'cuda:0'``) to the
-    device's measured copy bandwidth; ``variants`` maps a name to a step
-    function and its tensor passes (default: unfused and fused).
-
-    A compiled step (from :func:`compile_or_reason`) shares one code object across
-    devices, and dynamo guards on the device: with the CPU and several GPUs it would
-    pass its recompile limit (8) and quietly run eagerly from the fifth GPU or so.
-    So dynamo's caches are reset before each device's rows, and each device compiles
-    afresh (in the untimed warm-up); a step that still cannot run compiled raises.
+    ``copy_gbps`` maps ``str(device)`` to its measured copy bandwidth. Dynamo guards a
+    compiled step on the device and passes its recompile limit (8) with the CPU and
+    several GPUs, so its caches are reset before each device's rows.
     """
-    devices = check_sequence("devices", devices, of="devices, e.g. ['cpu', 'cuda:0']",
-                             allow_empty=True)
-    sizes = check_sequence("sizes", sizes, of="sizes, e.g. [2**10, 2**20]", allow_empty=True)
-    _check_mapping("copy_gbps", copy_gbps, "{'cpu': measure_copy_bandwidth('cpu')}")
-    _check_mapping("variants", variants, "MULTIPLY_ADD_VARIANTS")
-    for name, variant in variants.items():
-        if not (isinstance(variant, tuple) and len(variant) == 2 and callable(variant[0])):
-            raise TypeError(f"variants[{name!r}] must be (step function, tensor passes), "
-                            f"got {variant!r:.80}")
     compiled = any(is_compiled(step) for step, _ in variants.values())
     rows = []
     for device in devices:
@@ -487,69 +316,30 @@ def multiply_add_sweep(
             _reset_dynamo()  # a fresh cache, and a fresh recompile budget, per device
         for numel in sizes:
             for name, (step, passes) in variants.items():
-                rows.append(
-                    multiply_add_benchmark(
-                        dev,
-                        numel,
-                        steps=steps,
-                        step=step,
-                        tensor_passes=passes,
-                        copy_gbps=copy_gbps[str(dev)],
-                        variant=name,
-                        warmup=warmup,
-                        repeats=repeats,
-                    )
-                )
+                rows.append(multiply_add_benchmark(
+                    dev, numel, steps=steps, step=step, tensor_passes=passes,
+                    copy_gbps=copy_gbps[str(dev)], variant=name, warmup=warmup, repeats=repeats))
     return rows
 
 
-MULTIPLY_ADD_HEADERS = (
-    "floats",
-    "variant",
-    "device",
-    "ms",
-    "speed-up vs cpu",
-    "GB/s",
-    "% of copy peak",
-)
-
-
-def _check_rows(rows: object, what: str) -> None:
-    check_sequence("rows", rows, of="ElementwiseRow (what multiply_add_sweep returns)",
-                   allow_empty=True)
-    for row in rows:
-        if not isinstance(row, ElementwiseRow):
-            raise TypeError(f"{what} needs the ElementwiseRow list from multiply_add_sweep, "
-                            f"got an item {type(row).__name__} {row!r:.60}")
+MULTIPLY_ADD_HEADERS = ("floats", "variant", "device", "ms", "speed-up vs cpu", "GB/s",
+                        "% of copy peak")
 
 
 def multiply_add_table(rows: Sequence[ElementwiseRow]) -> list[list[Any]]:
-    """Table rows for :data:`MULTIPLY_ADD_HEADERS`, sorted by size, variant and device.
-
-    The speed-up divides the CPU time of the same size and variant by the
-    row's time ("-" when the sweep has no CPU row to compare with).
-    """
-    _check_rows(rows, "multiply_add_table")
+    """Table rows for :data:`MULTIPLY_ADD_HEADERS`, sorted by size, variant and device; the
+    speed-up is over the CPU row of the same size and variant ("-" without one)."""
     cpu_seconds = {(r.numel, r.variant): r.seconds for r in rows if r.device == "cpu"}
     table = []
     for r in sorted(rows, key=lambda r: (r.numel, r.variant, r.device)):
         base = cpu_seconds.get((r.numel, r.variant))
-        table.append(
-            [
-                r.numel,
-                r.variant,
-                r.device,
-                r.seconds * 1e3,
-                base / r.seconds if base is not None else "-",
-                r.gbps,
-                100 * r.share_of_copy_peak,
-            ]
-        )
+        table.append([r.numel, r.variant, r.device, r.seconds * 1e3,
+                      base / r.seconds if base is not None else "-", r.gbps,
+                      100 * r.share_of_copy_peak])
     return table
 
 
 def _reset_dynamo() -> None:
-    """Forget every compiled graph (``torch._dynamo.reset()``); the next call compiles afresh."""
     import torch._dynamo  # loaded already wherever torch.compile made a step
 
     torch._dynamo.reset()
@@ -563,25 +353,20 @@ def is_compiled(step: object) -> bool:
 def compile_or_reason(
     step: StepFn, device: DeviceLike, *, backend: str = "inductor"
 ) -> tuple[StepFn | None, str]:
-    """``torch.compile(step, backend=backend, fullgraph=True)`` if it works on ``device``
-    here, else why not (chapter 2).
+    """``torch.compile(step, fullgraph=True)`` if it works on ``device`` here, else why not
+    (chapter 2).
 
-    Compilation is lazy, so the compiled function is run once on a small input
-    and checked against the eager one; any failure (no C++ compiler for the
-    CPU backend, no Triton for the GPU one, an unsupported Python) is turned
-    into a one-line reason for the notebook to print instead of an error.
-    ``fullgraph=True`` makes a later fallback to eager mode (a graph break, or
-    dynamo's recompile limit) an error instead of a silent slowdown.
+    Compilation is lazy, so the result is run once on a small input and checked against
+    eager mode; any failure (no C++ compiler, no Triton) becomes a one-line reason.
+    ``fullgraph=True`` turns a later fallback to eager mode into an error.
     """
-    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_unfused")
     dev = timing_device(device)
     try:
         compiled = torch.compile(step, backend=backend, fullgraph=True)
         a = torch.randn(1024, device=dev)
         b = torch.randn(1024, device=dev)
         got = compiled(torch.zeros_like(a), a, b)
-        expected = step(torch.zeros_like(a), a, b)
-        if not torch.allclose(got, expected):
+        if not torch.allclose(got, step(torch.zeros_like(a), a, b)):
             return None, "torch.compile ran but its result differs from eager mode"
     except Exception as err:  # any failure means "not usable here"; the reason is shown
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
@@ -594,31 +379,19 @@ def compile_on_devices(
 ) -> tuple[StepFn | None, list[str]]:
     """:func:`compile_or_reason` on each device in turn, with dynamo reset before each.
 
-    Dynamo keeps the graphs it compiles for ``step`` on its code object, one per
-    device (it guards on the device), and gives up at
-    ``torch._dynamo.config.recompile_limit`` (8; ``cache_size_limit`` is the old name
-    of the same setting, an alias in torch 2.9 to 2.15). With ``fullgraph=True``,
-    passing it raises ``FailOnRecompileLimitHit``: without a reset the CPU plus 8
-    GPUs would report torch.compile as unusable on the ninth device. Returns the
-    compiled function (None at the first device where it fails) and one reason per
-    device tried.
+    Without the reset, dynamo's recompile limit (8 graphs per code object, one per
+    device) would fail the ninth device. Returns the compiled function (None at the
+    first device where it fails) and one reason per device tried.
     """
-    check_callable("step", step, example="d2lgpu.benchmarking.multiply_add_unfused")
-    devices = check_sequence("devices", devices, of="devices, e.g. ['cpu', 'cuda:0']")
     compiled: StepFn | None = None
     reasons = []
     for device in devices:
-        _reset_dynamo()  # a fresh cache, and a fresh recompile budget, per device
+        _reset_dynamo()
         compiled, reason = compile_or_reason(step, device, backend=backend)
         reasons.append(f"{timing_device(device)}: {reason}")
         if compiled is None:
             break
     return compiled, reasons
-
-
-# --------------------------------------------------------------------------- #
-# Host-to-device transfers
-# --------------------------------------------------------------------------- #
 
 
 @dataclass(frozen=True)
@@ -637,11 +410,8 @@ def measure_host_to_device(
 ) -> list[TransferRow]:
     """Host-to-device bandwidth for each byte count in ``sizes`` (chapter 2).
 
-    Pageable memory is ordinary host memory: the driver first copies it into
-    a pinned staging buffer, then DMA-transfers it. Pinned (page-locked)
-    memory is transferred directly, which is faster, and only from pinned
-    memory does ``non_blocking=True`` return before the copy is done (the
-    last column: the host is free to queue more work meanwhile).
+    Pageable memory is staged through a pinned buffer by the driver; pinned memory is
+    transferred directly, and only from it does ``non_blocking=True`` return at once.
     """
     dev = timing_device(device)
     if dev is None or dev.type != "cuda":
@@ -649,8 +419,6 @@ def measure_host_to_device(
             f"host-to-device transfers are measured on a CUDA GPU, got {dev}; "
             "there is no host-to-device link to measure on the CPU"
         )
-    sizes = check_sequence("sizes", sizes, of="sizes in bytes, e.g. [2**12, 2**20]",
-                           allow_empty=True)
     rows = []
     for nbytes in sizes:
         check_positive_int("each size (bytes)", nbytes)
@@ -661,21 +429,9 @@ def measure_host_to_device(
         call_t = time_naive(
             partial(pinned.to, dev, non_blocking=True), dev, warmup=warmup, repeats=repeats
         )
-        rows.append(
-            TransferRow(
-                nbytes=nbytes,
-                pageable_gbps=gbps(nbytes, pageable_t.median),
-                pinned_gbps=gbps(nbytes, pinned_t.median),
-                pinned_seconds=pinned_t.median,
-                non_blocking_call_seconds=call_t.median,
-            )
-        )
+        rows.append(TransferRow(nbytes, gbps(nbytes, pageable_t.median),
+                                gbps(nbytes, pinned_t.median), pinned_t.median, call_t.median))
     return rows
-
-
-# --------------------------------------------------------------------------- #
-# Reading the numbers of chapter 2: sentences that follow the measurements
-# --------------------------------------------------------------------------- #
 
 
 @dataclass(frozen=True)
@@ -695,13 +451,8 @@ class TimerComparison:
 def compare_timers(
     fn: Callable[[], object], device: DeviceLike, *, warmup: int = 1, repeats: int = 5
 ) -> TimerComparison:
-    """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run
-    (chapter 2).
-
-    Alternating puts both timers under the same conditions: a burst of load from
-    another program lands on both, not on one of them.
-    """
-    check_callable("fn", fn, example="lambda: a * b")
+    """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run, so
+    that a burst of load from another program lands on both (chapter 2)."""
     check_warmup_repeats(warmup, repeats)
     dev = timing_device(device)
     if dev is None:
@@ -716,11 +467,8 @@ def compare_timers(
 
 
 def device_cache_bytes(device: DeviceLike) -> int | None:
-    """Size of the last-level cache in front of ``device``'s memory, in bytes; None if unknown
-    (chapter 2).
-
-    A CUDA GPU reports its L2 cache; for the CPU this is :func:`last_level_cache_bytes`.
-    """
+    """The last-level cache in front of ``device``'s memory, in bytes; None if unknown
+    (chapter 2)."""
     dev = timing_device(device)
     if dev is not None and dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev).L2_cache_size) or None
@@ -730,24 +478,15 @@ def device_cache_bytes(device: DeviceLike) -> int | None:
     return None if found is None else found[0]
 
 
-# --------------------------------------------------------------------------- #
-# The fusion study: counted bytes, interleaved timings, verdicts from the numbers
-# --------------------------------------------------------------------------- #
-
-
 #: Operators that write their first argument without reading it first.
 _WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_"}
 
 
 @dataclass(frozen=True)
 class Traffic:
-    """What a piece of PyTorch code asks of memory, counted from its operators' arguments.
-
-    ``read`` and ``written`` are bytes; ``fresh`` is how many result tensors were
-    newly allocated; ``ops`` how many aten operators ran. This is a count, the same
-    on every machine, not a measurement: caches, write-allocate reads and page
-    faults are what the timings add on top of it.
-    """
+    """Bytes a piece of PyTorch code reads and writes, counted from its operators' arguments;
+    ``fresh``: result tensors newly allocated; ``ops``: aten operators run. A count, the same
+    on every machine: caches and page faults are what timings add on top."""
 
     read: int
     written: int
@@ -761,16 +500,12 @@ class Traffic:
 
 
 def count_traffic(fn: Callable[[], object]) -> Traffic:
-    """Run ``fn()`` once and count the bytes its aten operators read and write.
+    """Run ``fn()`` once and count the bytes its aten operators read and write (chapter 2).
 
-    Every operator is intercepted (``TorchDispatchMode``): a tensor argument it
-    only reads counts as read, one it writes in place (``add_``'s self) as read
-    and written, an ``out=`` argument or ``copy_``'s destination as written only,
-    and a result that is a new tensor as written and allocated (``fresh``).
-    Views cost nothing: an operator whose result shares its input's memory
-    (``view``, ``reshape`` of a contiguous tensor) counts no bytes.
+    A tensor argument only read counts as read; one written in place (``add_``'s self) as
+    read and written; an ``out=`` argument or ``copy_``'s destination as written; a new
+    result as written and fresh. Views (results sharing an input's memory) cost nothing.
     """
-    check_callable("fn", fn, example="lambda: a * b")
     from torch.utils._python_dispatch import TorchDispatchMode
 
     def nbytes(t: torch.Tensor) -> int:
@@ -821,20 +556,11 @@ def fusion_study_loops(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The five loops of the fusion study, each ``steps`` steps on ``a`` and ``b`` (chapter 2).
 
-    Two yardsticks and three ways to write ``result += a * b``:
-
-    * ``copy``: ``dst.copy_(a)``, the classic bandwidth test (2 tensor-sizes counted);
-    * ``in-place add``: ``dst.add_(a)``, which writes only memory it has just read (3);
-    * ``fused``: ``result.addcmul_(a, b)``, one kernel (4);
-    * ``in-place unfused``: ``torch.mul(a, b, out=scratch)`` then ``result.add_(scratch)``,
-      two kernels into memory allocated once (6);
-    * ``unfused``: ``result = result + a * b``, two kernels and two new tensors per step (6).
-
-    The buffers are allocated here, once; only ``unfused`` allocates while it runs.
-    ``fused``, ``in-place unfused`` and ``unfused`` share ``result`` (the timings do not
-    care what it holds): to check what one loop computes, make fresh loops for it.
+    Two yardsticks, ``copy`` (``dst.copy_(a)``) and ``in-place add`` (``dst.add_(a)``), and
+    three ways to write ``result += a * b``: ``fused`` (``addcmul_``), ``in-place unfused``
+    (``mul`` into a scratch buffer, then ``add_``) and ``unfused`` (two new tensors per
+    step). The buffers are allocated here, once; the last three share ``result``.
     """
-    check_positive_int("steps", steps)
     dst = torch.empty_like(a)
     result = torch.zeros_like(a)
     scratch = torch.empty_like(a)
@@ -881,11 +607,8 @@ def _minor_page_faults() -> int | None:
 
 @dataclass(frozen=True)
 class InterleavedTimes:
-    """Timings of several loops taken in rounds: one run of each loop per round.
-
-    ``seconds[name][i]`` is round ``i`` of loop ``name``; ``faults[name]`` the
-    median minor page faults per run (None where the OS does not count them).
-    """
+    """Timings of several loops taken in rounds: ``seconds[name][i]`` is round ``i`` of loop
+    ``name``; ``faults[name]`` the median minor page faults per run (None: not counted)."""
 
     seconds: dict[str, tuple[float, ...]]
     faults: dict[str, float | None]
@@ -898,11 +621,8 @@ class InterleavedTimes:
         return min(self.seconds[name])
 
     def ratio(self, slower: str, faster: str) -> float:
-        """Median over rounds of ``seconds[slower] / seconds[faster]`` within each round.
-
-        Both runs of a round ran seconds apart, under the same load, so their ratio
-        keeps little of a burst of load that a ratio of two overall medians would.
-        """
+        """Median over rounds of ``seconds[slower] / seconds[faster]`` within each round: both
+        ran seconds apart, under the same load."""
         pairs = zip(self.seconds[slower], self.seconds[faster], strict=True)
         return Timing(tuple(s / f for s, f in pairs)).median
 
@@ -911,18 +631,17 @@ def interleaved_times(
     loops: Mapping[str, Callable[[], object]], device: DeviceLike, *, rounds: int,
     warmup: int = 1, progress: bool = False,
 ) -> InterleavedTimes:
-    """Time every loop once per round, ``rounds`` rounds, the order rotating each round.
+    """Time every loop once per round, the order rotating each round.
 
-    Interleaving spreads a burst of load from other programs over all loops instead
-    of letting it land on one; rotating the order keeps any loop from always
-    running first (or right after the slowest one). Each run is timed with
-    :func:`~d2lgpu.timing.time_fn` (synchronised on a GPU); minor page faults are
-    counted around each run. ``progress`` shows a tqdm bar over the rounds.
+    Interleaving spreads a burst of load from other programs over all loops; rotating
+    keeps any loop from always running first. ``progress`` shows a bar over the rounds.
     """
-    _check_mapping("loops", loops, "fusion_study_loops(a, b, steps)")
-    check_warmup_repeats(warmup, rounds)
-    for name, fn in loops.items():
-        check_callable(f"loops[{name!r}]", fn, example="lambda: a * b")
+    import warnings
+
+    with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
+        warnings.simplefilter("ignore")
+        from tqdm.auto import tqdm
+
     dev = timing_device(device)
     names = list(loops)
     for _ in range(warmup):
@@ -930,16 +649,7 @@ def interleaved_times(
             loops[name]()
     seconds: dict[str, list[float]] = {name: [] for name in names}
     faults: dict[str, list[int]] = {name: [] for name in names}
-    bar = None
-    if progress:
-        import warnings
-
-        with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
-            warnings.simplefilter("ignore")
-            from tqdm.auto import tqdm
-
-        bar = tqdm(total=rounds, desc="rounds", unit="round")
-    for r in range(rounds):
+    for r in tqdm(range(rounds), desc="rounds", unit="round", disable=not progress):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             before = _minor_page_faults()
@@ -947,10 +657,6 @@ def interleaved_times(
             after = _minor_page_faults()
             if before is not None and after is not None:
                 faults[name].append(after - before)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     return InterleavedTimes(
         {name: tuple(times) for name, times in seconds.items()},
         {name: (float(Timing(tuple(f)).median) if f else None) for name, f in faults.items()},
@@ -972,8 +678,7 @@ class FusionStudy:
         return self.traffic[name].moved / (self.numel * 4)
 
     def seconds_per_step(self, name: str) -> float:
-        """The best round's time of loop ``name``, per step: other programs only add time,
-        so the fastest round is the least disturbed one."""
+        """The best (least disturbed) round's time of loop ``name``, per step."""
         return self.times.best(name) / self.steps
 
     def gbps(self, name: str) -> float:
@@ -1006,9 +711,8 @@ def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str,
     """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats
     (chapter 2).
 
-    Counted on 1,024-element tensors and scaled (the count per element does not
-    depend on the size): two steps minus one step, so that what a loop does once
-    (``unfused`` starts from ``zeros_like``) stays out of the per-step count.
+    Counted on 1,024 elements and scaled: two steps minus one step, so that what a loop
+    does once (``unfused`` starts from ``zeros_like``) stays out of the per-step count.
     """
     check_positive_int("numel", numel)
     dev = timing_device(device) or torch.device("cpu")
@@ -1027,11 +731,9 @@ def fusion_study(
     device: DeviceLike, numel: int, *, steps: int, rounds: int, threads: int | None = None,
     progress: bool = False,
 ) -> FusionStudy:
-    """Count and time :func:`fusion_study_loops` on ``device``, interleaved over ``rounds``
-    (chapter 2).
+    """Count and time :func:`fusion_study_loops` on ``device`` over ``rounds`` interleaved
+    rounds, on float32 tensors of ``numel`` elements (chapter 2).
 
-    The traffic is counted on small tensors (the count per element does not depend
-    on the size) and the loops are timed on float32 tensors of ``numel`` elements.
     ``threads`` sets ``torch.set_num_threads`` while timing a CPU (restored after).
     """
     dev = timing_device(device)
@@ -1039,13 +741,14 @@ def fusion_study(
         raise ValueError("fusion_study needs a device, e.g. 'cpu' or 'cuda:0'")
     check_positive_int("numel", numel)
     check_positive_int("steps", steps)
+    check_warmup_repeats(1, rounds)
     traffic = fusion_study_traffic(numel, device=dev)
     generator = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(numel, device=dev, generator=generator)
     b = torch.randn(numel, device=dev, generator=generator)
     before = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
-        torch.set_num_threads(check_positive_int("threads", threads))
+        torch.set_num_threads(threads)
     try:
         times = interleaved_times(fusion_study_loops(a, b, steps), dev, rounds=rounds,
                                   progress=progress)
@@ -1054,17 +757,10 @@ def fusion_study(
     return FusionStudy(str(dev), numel, steps, traffic, times)
 
 
-# --------------------------------------------------------------------------- #
-# torch.utils.benchmark.Timer next to time_fn, and what a profiler trace shows
-# --------------------------------------------------------------------------- #
-
 @dataclass(frozen=True)
 class TraceSpans:
-    """When, in a profiler trace, the host finished its calls and the device its kernels.
-
-    Microseconds from the first host event. ``device_end`` is None when the trace
-    holds no device events (a CPU-only run).
-    """
+    """When, in microseconds from the first host event of a profiler trace, the host finished
+    its calls and the device its kernels (None: no device events, a CPU-only run)."""
 
     host_ops: int
     host_end: float
@@ -1072,19 +768,18 @@ class TraceSpans:
     device_end: float | None
 
 
-def trace_spans(events: Sequence[Any], host_names: Sequence[str] = ("aten::mul", "aten::add",
-                                                                     "aten::addcmul_",
-                                                                     "cudaLaunchKernel")
-                ) -> TraceSpans:
+def trace_spans(events: Sequence[Any], host_names: Sequence[str] = (
+        "aten::mul", "aten::add", "aten::addcmul_", "cudaLaunchKernel")) -> TraceSpans:
     """Read :class:`TraceSpans` from ``prof.events()`` of a ``torch.profiler`` run (chapter 2).
 
-    Host events are those named in ``host_names`` (the loop's operators and, on a
-    GPU, its kernel launches); device events are those whose ``device_type`` is
-    not the CPU (the kernels as the GPU ran them).
+    Host events are those named in ``host_names``; device events are those whose
+    ``device_type`` is not the CPU.
     """
-    check_sequence("events", events, of="profiler events (prof.events())", allow_empty=True)
-    host = [e for e in events if _is_host(e) and e.name in host_names]
-    device = [e for e in events if not _is_host(e)]
+    def on_host(event: Any) -> bool:
+        return str(getattr(event, "device_type", "CPU")).rsplit(".", 1)[-1] == "CPU"
+
+    host = [e for e in events if on_host(e) and e.name in host_names]
+    device = [e for e in events if not on_host(e)]
     if not host:
         raise ValueError(f"no host event named one of {list(host_names)} in the trace")
     origin = min(e.time_range.start for e in host)
@@ -1094,7 +789,3 @@ def trace_spans(events: Sequence[Any], host_names: Sequence[str] = ("aten::mul",
         kernels=len(device),
         device_end=(max(e.time_range.end for e in device) - origin) if device else None,
     )
-
-
-def _is_host(event: Any) -> bool:
-    return str(getattr(event, "device_type", "CPU")).rsplit(".", 1)[-1] == "CPU"

@@ -1,36 +1,28 @@
-"""What this machine offers, and why CUDA is missing when it is.
+"""What this machine offers, and why CUDA is missing when it is (chapter 1).
 
-Three layers, each usable on its own:
-
-* :func:`diagnose_cuda` is a pure function: given the facts (is torch a CUDA
-  build, what ``CUDA_VISIBLE_DEVICES`` says, is an NVIDIA driver present, how
-  many GPUs torch sees) it says whether CUDA is usable and, if not, why and how
-  to fix it. Being pure, every branch is tested on a machine without a GPU.
-  :func:`diagnose_this_machine` feeds it the real facts.
-* :func:`read_nvml` asks the driver (through NVML, the library behind
-  ``nvidia-smi``) for live readings: utilisation, memory, temperature, power.
-* :func:`environment_report` gathers versions, every visible GPU's properties,
-  the NVML view, optional pycuda attributes and the diagnosis into one
-  :class:`EnvironmentReport`; :func:`format_report` turns it into text and
-  ``python -m d2lgpu info`` prints it.
-
-Nothing here starts a subprocess or waits on anything, so a report cannot hang.
+:func:`diagnose_cuda` is a pure function of the facts (so every branch is tested without
+a GPU); :func:`read_nvml` asks the driver for live readings; :func:`environment_report`
+gathers both with versions and GPU properties, and ``python -m d2lgpu info`` prints it.
+Nothing here starts a subprocess or waits, so a report cannot hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
+import re
 import sys
+import textwrap
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from d2lgpu.chips import GPU_DATASHEETS, native_tensor_core_formats
-from d2lgpu.runtime.checks import check_bool, check_positive_int
+from d2lgpu.chips import CUDA_13_DROPPED_BELOW, GPU_DATASHEETS, native_tensor_core_formats
 from d2lgpu.runtime.config import describe_mode
 from d2lgpu.runtime.gpus import (
     as_device,
@@ -42,26 +34,10 @@ from d2lgpu.runtime.gpus import (
 )
 
 __all__ = [
-    "CudaDiagnosis",
-    "CudaProblem",
-    "EnvironmentReport",
-    "GpuInfo",
-    "GpuMemory",
-    "NvmlGpuReading",
-    "NvmlView",
-    "diagnose_cuda",
-    "diagnose_this_machine",
-    "driver_cuda_version_from_error",
-    "environment_report",
-    "device_numbers",
-    "format_report",
-    "gpu_in_numbers",
-    "gpu_memory",
-    "nccl_version",
-    "parse_cuda_visible_devices",
-    "print_report",
-    "print_setup",
-    "read_nvml",
+    "CudaDiagnosis", "CudaProblem", "EnvironmentReport", "GpuInfo", "GpuMemory",
+    "NvmlGpuReading", "NvmlView", "diagnose_cuda", "diagnose_this_machine",
+    "environment_report", "device_numbers", "format_report", "gpu_in_numbers", "gpu_memory",
+    "nccl_version", "parse_cuda_visible_devices", "print_report", "print_setup", "read_nvml",
     "setup_summary",
 ]
 
@@ -70,18 +46,10 @@ _MIB = 2**20
 _GIB = 2**30
 
 
-# --------------------------------------------------------------------------------------
-# The few lines at the top of every notebook
-# --------------------------------------------------------------------------------------
-
-
 def setup_summary() -> str:
-    """A few lines for the top of every notebook: versions, what runs where, and why.
+    """Versions, what runs where and, without a GPU, why in a few words; then the workload.
 
-    With GPUs: how many, and each one's name. Without: that everything runs on the
-    CPU, and the first reason in a few words (chapter 1 and ``python -m d2lgpu info``
-    give the whole diagnosis and the fix). Last, the workload this process runs.
-    Introduced in chapter 1; every chapter's first cell calls it.
+    Introduced in chapter 1; every chapter's first cell prints it.
     """
     import d2lgpu
     from d2lgpu.runtime.config import workload
@@ -118,33 +86,18 @@ def print_setup() -> None:
     print(setup_summary())
 
 
-# --------------------------------------------------------------------------------------
-# CUDA_VISIBLE_DEVICES and the diagnosis
-# --------------------------------------------------------------------------------------
-
-
 def _leading_int(entry: str) -> int | None:
-    """The integer an entry starts with, read the way C's ``strtoul`` does; None if none."""
-    digits = entry[1:] if entry[:1] in "+-" else entry
-    count = 0
-    while count < len(digits) and digits[count].isdigit():
-        count += 1
-    if count == 0:
-        return None
-    return int(entry[: len(entry) - len(digits) + count])
+    """The integer an entry starts with, as C's ``strtoul`` reads it; None if none."""
+    match = re.match(r"[+-]?\d+", entry)
+    return int(match.group()) if match else None
 
 
 def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
-    """Which GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible, as CUDA reads it (chapter 1).
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible, as CUDA reads it (chapter 1).
 
-    Returns None when the variable is unset (every GPU is visible), else the
-    list of GPU indices (or ``GPU-``/``MIG-`` UUIDs) that CUDA will expose, in
-    order. CUDA does not reject a malformed value, it reads the comma-separated
-    entries from the left and silently *stops* at the first one that is not a
-    number (``""``, ``"abc"``, ``"-1"``, the empty entry in ``"0,,1"``); an
-    entry that merely starts with digits counts as that number (``"1gpu"`` is
-    1); a repeated entry hides every GPU. This mirrors the parser in
-    ``torch.cuda``, which copies CUDA's behaviour.
+    None when unset (every GPU). CUDA reads entries from the left and stops at the first
+    that is not a number (or ``GPU-``/``MIG-`` UUID); ``"1gpu"`` counts as 1, and a
+    repeated entry hides every GPU. This mirrors the parser in ``torch.cuda``.
     """
     if value is None:
         return None
@@ -188,10 +141,9 @@ class CudaProblem:
 class CudaDiagnosis:
     """Whether CUDA is usable, and every problem found, most fundamental first.
 
-    ``problems`` is empty when all is well. A usable CUDA can still carry a
-    problem, e.g. a malformed ``CUDA_VISIBLE_DEVICES`` that hides some GPUs.
-    ``device_count`` is how many GPUs torch lists: more than 0 on an unusable CUDA
-    where the build has no kernels for one of them (``arch_missing``).
+    A usable CUDA can still carry a problem (a malformed ``CUDA_VISIBLE_DEVICES`` that
+    hides some GPUs); ``device_count`` is what torch lists, more than 0 when the build
+    lacks kernels for a GPU (``arch_missing``).
     """
 
     usable: bool
@@ -238,49 +190,20 @@ _FIX_NO_DRIVER = (
 )
 
 
-def _check_cuda_facts(
-    cuda_build: object, visible_devices_env: object, driver_found: object, device_count: object,
-    physical_gpu_count: object,
-) -> None:
-    """Refuse facts :func:`diagnose_cuda` cannot read, naming where each one comes from."""
-    if visible_devices_env is not None and not isinstance(visible_devices_env, str):
-        raise TypeError(f"visible_devices_env must be CUDA_VISIBLE_DEVICES as a str (or None: "
-                        f"not set), got {type(visible_devices_env).__name__} "
-                        f"{visible_devices_env!r}")
-    if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 0:
-        raise ValueError(f"device_count must be an int of 0 or more (torch.cuda.device_count()), "
-                         f"got {device_count!r}")
-    if isinstance(physical_gpu_count, bool) or not (
-        physical_gpu_count is None or (isinstance(physical_gpu_count, int)
-                                       and physical_gpu_count >= 0)):
-        raise ValueError("physical_gpu_count must be an int of 0 or more, or None when unknown; "
-                         f"got {physical_gpu_count!r}")
-    if not (cuda_build is None or isinstance(cuda_build, str)):
-        raise TypeError(f"cuda_build is torch.version.cuda: a string such as '12.4', or None for "
-                        f"a CPU-only build; got {type(cuda_build).__name__} {cuda_build!r}")
-    check_bool("driver_found", driver_found)
-
-
 def _visible_devices_problems(
     visible_devices_env: str | None, physical_gpu_count: int | None
 ) -> list[CudaProblem]:
     """What is wrong with ``CUDA_VISIBLE_DEVICES``: it hides every GPU, or it is malformed."""
     visible = parse_cuda_visible_devices(visible_devices_env)
     shown = repr(visible_devices_env)
-    hides_all = visible == []
-    if (
-        visible
-        and physical_gpu_count is not None
-        and all(isinstance(i, int) for i in visible)
-        and visible[0] >= physical_gpu_count
-    ):
-        # CUDA stops at the first index that does not exist, so a first entry
-        # past the end hides everything.
-        hides_all = True
-    if hides_all:
-        if visible_devices_env is not None and visible_devices_env.strip() == "":
+    # CUDA stops at the first index that does not exist, so a first entry past the end
+    # hides everything.
+    past_end = (bool(visible) and physical_gpu_count is not None
+                and all(isinstance(i, int) for i in visible) and visible[0] >= physical_gpu_count)
+    if visible == [] or past_end:
+        if visible_devices_env.strip() == "":
             detail = "is set to an empty string, which hides every GPU from CUDA"
-        elif visible == [] and visible_devices_env is not None and _has_repeat(visible_devices_env):
+        elif visible == [] and _has_repeat(visible_devices_env):
             detail = "names a GPU twice, and CUDA then hides every GPU"
         elif visible == []:
             detail = (
@@ -294,7 +217,8 @@ def _visible_devices_problems(
             )
         return [CudaProblem("hidden_by_env", f"{VISIBLE_DEVICES_ENV}={shown} {detail}.",
                             _FIX_VISIBLE_DEVICES)]
-    if visible_devices_env is not None and _is_malformed(visible_devices_env, visible):
+    entries = [] if visible_devices_env is None else visible_devices_env.split(",")
+    if visible is not None and [str(item) for item in visible] != [e.strip() for e in entries]:
         return [
             CudaProblem(
                 "malformed_env",
@@ -308,45 +232,17 @@ def _visible_devices_problems(
     return []
 
 
-def _install_problems(cuda_build: str | None, driver_found: bool) -> list[CudaProblem]:
-    """What is wrong below the variable: a CPU-only torch build, no NVIDIA driver."""
-    problems: list[CudaProblem] = []
-    if cuda_build is None:
-        problems.append(
-            CudaProblem(
-                "cpu_build",
-                "this torch is a CPU-only build "
-                "(torch.version.cuda is None): it cannot use a GPU even if one is present.",
-                _FIX_CPU_BUILD,
-            )
-        )
-    if not driver_found:
-        problems.append(
-            CudaProblem(
-                "no_driver",
-                "no NVIDIA driver was found (NVML cannot load and /proc/driver/nvidia is "
-                "missing): this machine, VM or container has no usable NVIDIA GPU.",
-                _FIX_NO_DRIVER,
-            )
-        )
-    return problems
-
-
-def _cuda_version_text(version: int) -> str:
-    """"12.4" for CUDA's integer form 12040 (1000 x major + 10 x minor), as NVML and the
-    driver's error messages give it."""
-    if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
-        raise ValueError(f"a CUDA version as an int such as 12040, got {version!r}")
-    return f"{version // 1000}.{version % 1000 // 10}"
-
-
-def driver_cuda_version_from_error(text: str) -> str | None:
-    """The driver's CUDA version from torch's "driver ... too old (found version 11040)"
-    message, as "11.4"; None when the text holds no such number."""
-    import re
-
-    match = re.search(r"too old \(found version (\d+)\)", str(text))
-    return _cuda_version_text(int(match.group(1))) if match else None
+def _has_repeat(value: str) -> bool:
+    """Whether a CUDA_VISIBLE_DEVICES value repeats an entry before it stops being valid."""
+    seen: list[object] = []
+    for entry in value.split(","):
+        key: object = entry if entry.startswith(("GPU-", "MIG-")) else _leading_int(entry.strip())
+        if key is None or (isinstance(key, int) and key < 0):
+            return False
+        if key in seen:
+            return True
+        seen.append(key)
+    return False
 
 
 def _version_tuple(version: str) -> tuple[int, ...] | None:
@@ -374,8 +270,6 @@ def _driver_too_old(cuda_build: str, driver_cuda_version: str) -> CudaProblem:
 
 def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[str],
                   cuda_build: str | None) -> CudaProblem:
-    from d2lgpu.chips import CUDA_13_DROPPED_BELOW
-
     major, minor = capability
     listed = " ".join(arch_list) or "(empty)"
     why = (f"cuda:{index} has compute capability {major}.{minor} (sm_{major}{minor}), which "
@@ -418,36 +312,10 @@ def diagnose_cuda(
 ) -> CudaDiagnosis:
     """Say whether CUDA is usable and, if not, why and how to fix it (chapter 1).
 
-    A pure function of the facts, so that every case can be tested anywhere:
-
-    cuda_build
-        ``torch.version.cuda``: the CUDA version torch was built with, None for
-        a CPU-only build.
-    visible_devices_env
-        The value of ``CUDA_VISIBLE_DEVICES`` (None when unset).
-    driver_found
-        Whether an NVIDIA driver is present (NVML loads, or ``/proc/driver/nvidia`` exists).
-    device_count
-        How many GPUs torch sees (``torch.cuda.device_count()`` when available, else 0).
-    physical_gpu_count
-        How many GPUs the driver sees regardless of ``CUDA_VISIBLE_DEVICES``
-        (NVML's count), or None when unknown.
-    driver_cuda_version
-        The newest CUDA the driver supports, e.g. "12.4" (NVML's
-        ``nvmlSystemGetCudaDriverVersion``, or :func:`driver_cuda_version_from_error`),
-        or None when unknown. Older than ``cuda_build``: the driver is too old.
-    gpu_capabilities, arch_list
-        The compute capability of each visible GPU (None: unreadable, skipped) and
-        ``torch.cuda.get_arch_list()`` (None: not to be checked): a GPU the build has no
-        kernels for is reported (``arch_missing``), and CUDA is then not usable, as
-        :func:`d2lgpu.runtime.gpus.cuda_usable` decides.
+    A pure function of the facts: ``torch.version.cuda``, ``CUDA_VISIBLE_DEVICES``, whether
+    a driver is present, how many GPUs torch and (optionally) NVML see, the newest CUDA the
+    driver supports, and each GPU's compute capability with ``torch.cuda.get_arch_list()``.
     """
-    _check_cuda_facts(
-        cuda_build, visible_devices_env, driver_found, device_count, physical_gpu_count
-    )
-    if driver_cuda_version is not None and _version_tuple(driver_cuda_version) is None:
-        raise ValueError(f"driver_cuda_version must read like '12.4' (or be None), got "
-                         f"{driver_cuda_version!r}")
     env_problems = _visible_devices_problems(visible_devices_env, physical_gpu_count)
     if device_count > 0:
         arch_problems = []
@@ -461,7 +329,22 @@ def diagnose_cuda(
                              tuple(arch_problems + env_problems))
 
     # Most fundamental first: the build, then the driver, then the variable.
-    problems = _install_problems(cuda_build, driver_found) + env_problems
+    problems = []
+    if cuda_build is None:
+        problems.append(CudaProblem(
+            "cpu_build",
+            "this torch is a CPU-only build "
+            "(torch.version.cuda is None): it cannot use a GPU even if one is present.",
+            _FIX_CPU_BUILD,
+        ))
+    if not driver_found:
+        problems.append(CudaProblem(
+            "no_driver",
+            "no NVIDIA driver was found (NVML cannot load and /proc/driver/nvidia is "
+            "missing): this machine, VM or container has no usable NVIDIA GPU.",
+            _FIX_NO_DRIVER,
+        ))
+    problems += env_problems
     if (not problems and driver_cuda_version is not None and cuda_build is not None
             and _version_tuple(cuda_build) is not None
             and _version_tuple(driver_cuda_version) < _version_tuple(cuda_build)):
@@ -484,42 +367,19 @@ def diagnose_cuda(
     return CudaDiagnosis(False, 0, tuple(problems))
 
 
-def _has_repeat(value: str) -> bool:
-    """Whether a CUDA_VISIBLE_DEVICES value repeats an entry before it stops being valid."""
-    seen: list[object] = []
-    for entry in value.split(","):
-        key: object = entry if entry.startswith(("GPU-", "MIG-")) else _leading_int(entry.strip())
-        if key is None or (isinstance(key, int) and key < 0):
-            return False
-        if key in seen:
-            return True
-        seen.append(key)
-    return False
-
-
-def _is_malformed(value: str, visible: list[int] | list[str] | None) -> bool:
-    """Whether CUDA ignores part of ``value`` (it stopped early or skipped trailing text)."""
-    entries = value.split(",")
-    if visible is None or len(visible) != len(entries):
-        return True
-    return any(str(item) != entry.strip() for item, entry in zip(visible, entries, strict=True))
-
-
 def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
-    """:func:`diagnose_cuda` for this process, with the facts read from the machine (chapter 1).
+    """:func:`diagnose_cuda` with the facts read from this process and machine (chapter 1).
 
-    The driver counts as found when NVML starts or ``/proc/driver/nvidia``
-    exists (Linux). ``nvml`` reuses a view already read by :func:`read_nvml`.
+    ``nvml`` reuses a view already read by :func:`read_nvml`.
     """
     nvml = read_nvml() if nvml is None else nvml
-    driver_found = nvml.error is None or Path("/proc/driver/nvidia").exists()
     # The GPUs torch lists, not num_gpus(): that is 0 where the build lacks their kernels,
     # and the diagnosis is where that is found and explained.
     count = _gpus_torch_lists()
     return diagnose_cuda(
         cuda_build=torch.version.cuda,
         visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
-        driver_found=driver_found,
+        driver_found=nvml.error is None or Path("/proc/driver/nvidia").exists(),
         device_count=count,
         physical_gpu_count=len(nvml.gpus) if nvml.error is None else None,
         driver_cuda_version=nvml.cuda_driver_version,
@@ -533,19 +393,9 @@ def _gpus_torch_lists() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# --------------------------------------------------------------------------------------
-# NVML: live readings from the driver
-# --------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class NvmlGpuReading:
-    """One physical GPU as the driver sees it right now.
-
-    A reading that is None is not supported by this GPU, or failed; ``error`` says
-    what failed and why (e.g. "memory: Insufficient Permissions", "GPU is lost"),
-    and is None when everything that the GPU supports was read.
-    """
+    """One physical GPU as the driver sees it now; None: unsupported or failed (``error``)."""
 
     index: int
     name: str
@@ -562,10 +412,10 @@ class NvmlGpuReading:
 
 @dataclass(frozen=True)
 class NvmlView:
-    """The driver's view: its version and every physical GPU, or why NVML is unavailable.
+    """The driver's version and every physical GPU, or why NVML is unavailable (``error``).
 
-    NVML ignores ``CUDA_VISIBLE_DEVICES``: it lists every GPU in the machine, and
-    its indices need not match torch's ``cuda:i``. Match them by UUID when needed.
+    NVML ignores ``CUDA_VISIBLE_DEVICES`` and numbers GPUs its own way: match torch's
+    ``cuda:i`` by UUID.
     """
 
     driver_version: str | None
@@ -575,36 +425,16 @@ class NvmlView:
     cuda_driver_version: str | None = None
 
 
-class _NvmlReader:
-    """Runs the NVML queries of one GPU: an unsupported query gives None quietly, a
-    failing one (no permission, GPU lost, ...) gives None and is noted in ``errors``.
-    Either way the report shows the reading as "n/a"; no NVML error gets past it."""
-
-    def __init__(self, pynvml) -> None:  # type: ignore[no-untyped-def]
-        self.pynvml = pynvml
-        self.errors: list[str] = []
-
-    def __call__(self, what: str, call, *args):  # type: ignore[no-untyped-def]
-        try:
-            return call(*args)
-        except self.pynvml.NVMLError as exc:
-            if not isinstance(exc, getattr(self.pynvml, "NVMLError_NotSupported", ())):
-                self.errors.append(f"{what}: {exc}")
-            return None
-
-
 def _as_str(value: str | bytes) -> str:
     # Older nvidia-ml-py releases return bytes, newer ones str.
     return value.decode() if isinstance(value, bytes) else value
 
 
 def read_nvml() -> NvmlView:
-    """Read driver version and live per-GPU readings through NVML (``pynvml``) (chapter 1).
+    """The driver's version and live per-GPU readings through NVML (chapter 1).
 
-    Never raises: when NVML is missing or cannot start (no driver, no GPU, a
-    CPU-only container), the view says why in ``error``. A GPU that fails (no
-    permission, fallen off the bus) says so in its own reading's ``error``; the
-    other GPUs are still read.
+    Never raises: without NVML the view says why in ``error``, and a GPU that fails says
+    so in its own reading while the others are still read.
     """
     try:
         import pynvml
@@ -623,32 +453,36 @@ def read_nvml() -> NvmlView:
         driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
         count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError as exc:
-        _nvml_shutdown(pynvml)
-        return NvmlView(None, (), f"NVML query failed: {exc}")
+        return _shut_down(pynvml, NvmlView(None, (), f"NVML query failed: {exc}"))
     try:
-        cuda_driver = _cuda_version_text(pynvml.nvmlSystemGetCudaDriverVersion())
-    except (pynvml.NVMLError, AttributeError, TypeError, ValueError):
+        version = pynvml.nvmlSystemGetCudaDriverVersion()  # 12040 for CUDA 12.4
+        cuda_driver = f"{version // 1000}.{version % 1000 // 10}"
+    except (pynvml.NVMLError, AttributeError, TypeError):
         cuda_driver = None  # an old NVML or nvidia-ml-py without the call
-    try:
-        return NvmlView(driver, tuple(_read_nvml_gpu(pynvml, i) for i in range(count)), None,
-                        cuda_driver)
-    finally:
-        _nvml_shutdown(pynvml)
+    gpus = tuple(_read_nvml_gpu(pynvml, i) for i in range(count))
+    return _shut_down(pynvml, NvmlView(driver, gpus, None, cuda_driver))
 
 
-def _nvml_shutdown(pynvml) -> None:  # type: ignore[no-untyped-def]
-    """``nvmlShutdown``, which can fail too (a GPU lost meanwhile, another library that
-    shut NVML down already): the readings are taken by then, and are kept."""
-    try:
+def _shut_down(pynvml, view: NvmlView) -> NvmlView:  # type: ignore[no-untyped-def]
+    """``nvmlShutdown``, which can fail too (a GPU lost meanwhile): the view is kept."""
+    with contextlib.suppress(pynvml.NVMLError):
         pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        pass
+    return view
 
 
 def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-untyped-def]
-    """One GPU's readings; a GPU that NVML cannot reach gives a reading that says why,
-    so that one lost or forbidden GPU does not hide the others."""
-    read = _NvmlReader(pynvml)
+    """One GPU's readings. An unsupported query gives None quietly; a failing one gives None
+    and is noted in ``error``, so one lost or forbidden GPU does not hide the others."""
+    errors: list[str] = []
+
+    def read(what: str, call, *args):  # type: ignore[no-untyped-def]
+        try:
+            return call(*args)
+        except pynvml.NVMLError as exc:
+            if not isinstance(exc, getattr(pynvml, "NVMLError_NotSupported", ())):
+                errors.append(f"{what}: {exc}")
+            return None
+
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     except pynvml.NVMLError as exc:
@@ -674,29 +508,17 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
         temperature_c=temperature,
         power_watts=None if power_mw is None else power_mw / 1000,
         power_limit_watts=None if limit_mw is None else limit_mw / 1000,
-        error="; ".join(read.errors) or None,
+        error="; ".join(errors) or None,
     )
-
-
-# --------------------------------------------------------------------------------------
-# The full environment report
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class GpuInfo:
     """One GPU visible to torch, as ``cuda:index``.
 
-    ``native_formats`` are the reduced-precision training formats (fp16, bf16,
-    tf32) that its Tensor Cores run, from the compute capability; fp8, fp4 and
-    int8 are not listed. ``torch_says_bf16`` is what
-    ``torch.cuda.is_bf16_supported()`` answers; it counts emulation as support,
-    so on a 7.x GPU it can say True although bf16 is slow there.
-
-    ``error`` says what could not be read from this GPU (a GPU taken by another
-    process in exclusive mode, or one that fell off the bus); the readings it
-    stopped are None (or 0 and ``"?"`` for the properties), and the other GPUs
-    of the report are unaffected.
+    ``native_formats``: the training formats its Tensor Cores run. ``torch_says_bf16`` is
+    ``torch.cuda.is_bf16_supported()``, which counts emulation as support. ``error`` says
+    what could not be read (a GPU lost, or taken in exclusive mode).
     """
 
     index: int
@@ -763,8 +585,7 @@ def nccl_version() -> str | None:
         return None
     try:
         version = torch.cuda.nccl.version()
-    except (RuntimeError, AttributeError):
-        # Builds without NCCL (Windows, macOS) raise or lack the binding.
+    except (RuntimeError, AttributeError):  # builds without NCCL (Windows, macOS)
         return None
     return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
 
@@ -797,27 +618,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def _nvml_reading_of(uuid: str, nvml: NvmlView) -> NvmlGpuReading | None:
-    """NVML's reading of the GPU whose torch UUID is ``uuid``, or None.
-
-    NVML numbers GPUs in its own order and ignores ``CUDA_VISIBLE_DEVICES``, so the UUID
-    is what ties ``cuda:i`` to it (NVML's carries a ``GPU-`` prefix that torch's may lack).
-    A MIG slice has a UUID of its own and matches no physical GPU: no reading then.
-    """
-    uuid = uuid.lower()
-    if not uuid:
-        return None
-    return next((r for r in nvml.gpus if r.uuid.lower().endswith(uuid)), None)
-
-
 def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
               nvml: NvmlView) -> GpuInfo:
     """:class:`GpuInfo` of ``cuda:index``; what fails is reported in ``error``, not raised.
 
-    Read without a CUDA context where torch allows it: the properties need none, and
-    free memory comes from NVML (``torch.cuda.mem_get_info`` would create a context, a
-    few hundred MiB, on every GPU). A lost GPU fails already at its properties; the
-    report then goes on to the next GPU.
+    Free memory comes from NVML, matched by UUID (NVML's has a ``GPU-`` prefix; a MIG
+    slice matches nothing): ``torch.cuda.mem_get_info`` would create a CUDA context, a
+    few hundred MiB, on every GPU.
     """
     try:
         props = torch.cuda.get_device_properties(index)
@@ -829,18 +636,16 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
                        torch_says_bf16=None, uuid="", pycuda_attributes=pycuda_attributes,
                        error=f"properties: {_first_line(exc)}")
     free, total = None, int(getattr(props, "total_memory", 0)) or None
-    reading = _nvml_reading_of(uuid, nvml)
+    reading = next((r for r in nvml.gpus if uuid and r.uuid.lower().endswith(uuid.lower())),
+                   None)
     if reading is not None and reading.memory_free_bytes is not None:
         free, total = reading.memory_free_bytes, reading.memory_total_bytes
     torch_says_bf16, error = None, None
     if capability >= (8, 0):
-        # torch.cuda.is_bf16_supported() answers True from the properties alone here
-        # (torch/cuda/__init__.py), so the answer is known without a context.
-        torch_says_bf16 = True
+        torch_says_bf16 = True  # torch answers from the properties alone, without a context
     else:
-        # Below 8.0 torch answers by creating a bf16 tensor on the GPU: a context there is
-        # unavoidable for its answer, which chapter 1's note on emulated bf16 is about. A GPU
-        # held by another process in exclusive mode fails here.
+        # Below 8.0 torch answers by creating a bf16 tensor on the GPU, so a context there is
+        # unavoidable; a GPU held by another process in exclusive mode fails here.
         try:
             with torch.cuda.device(index):
                 torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
@@ -864,17 +669,13 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
 def environment_report() -> EnvironmentReport:
     """Collect the :class:`EnvironmentReport` of this process (chapter 1).
 
-    Lists every GPU torch lists, also one that this build has no kernels for (the
-    diagnosis then says so). Creates no CUDA context on GPUs of compute capability 8.0
-    and up: properties and NVML are read instead (see :func:`_read_gpu`); free memory
-    is unknown where NVML cannot be read or does not know the GPU (a MIG slice). A GPU
-    that cannot be queried (lost, or taken) is listed with what failed, and the others
-    are still read: see :class:`GpuInfo`'s ``error``.
+    Every GPU torch lists is read, also one this build has no kernels for; a GPU that
+    cannot be queried is listed with what failed. No CUDA context is created on GPUs of
+    compute capability 8.0 and up.
     """
     count = _gpus_torch_lists()
     nvml = read_nvml()
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
-    gpus = tuple(_read_gpu(i, pycuda_attrs[i], nvml) for i in range(count))
     return EnvironmentReport(
         python_version=sys.version.split()[0],
         platform=platform.platform(),
@@ -883,7 +684,7 @@ def environment_report() -> EnvironmentReport:
         cudnn_version=_cudnn_version(),
         nccl_version=nccl_version(),
         visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
-        gpus=gpus,
+        gpus=tuple(_read_gpu(i, pycuda_attrs[i], nvml) for i in range(count)),
         nvml=nvml,
         pycuda_status=pycuda_status,
         diagnosis=diagnose_this_machine(nvml),
@@ -891,41 +692,16 @@ def environment_report() -> EnvironmentReport:
 
 
 # pycuda exposes ~100 attributes; these are the ones the course talks about.
-_PYCUDA_SHOWN = (
-    "MAX_THREADS_PER_BLOCK",
-    "WARP_SIZE",
-    "MAX_SHARED_MEMORY_PER_BLOCK",
-    "L2_CACHE_SIZE",
-    "GLOBAL_MEMORY_BUS_WIDTH",
-    "ASYNC_ENGINE_COUNT",
-    "ECC_ENABLED",
-)
+_PYCUDA_SHOWN = ("MAX_THREADS_PER_BLOCK", "WARP_SIZE", "MAX_SHARED_MEMORY_PER_BLOCK",
+                 "L2_CACHE_SIZE", "GLOBAL_MEMORY_BUS_WIDTH", "ASYNC_ENGINE_COUNT", "ECC_ENABLED")
 
 
 def _or_na(value: object, unit: str = "") -> str:
     return "n/a" if value is None else f"{value}{unit}"
 
 
-def _check_report(report: object, what: str) -> EnvironmentReport:
-    if not isinstance(report, EnvironmentReport):
-        raise TypeError(
-            f"{what} needs an EnvironmentReport, got {type(report).__name__} {report!r:.60}; "
-            "make one with d2lgpu.environment_report()"
-        )
-    return report
-
-
-def _format_memory(gpu: GpuInfo) -> str:
-    if gpu.free_memory_bytes is None or gpu.total_memory_bytes is None:
-        total = "?" if gpu.total_memory_bytes is None else f"{gpu.total_memory_bytes / _GIB:.2f}"
-        return f"  memory: free unknown, {total} GiB in all"
-    return (f"  memory: {gpu.free_memory_bytes / _GIB:.2f} GiB free of "
-            f"{gpu.total_memory_bytes / _GIB:.2f} GiB")
-
-
 def format_report(report: EnvironmentReport) -> str:
     """The report as readable text (what ``python -m d2lgpu info`` prints) (chapter 1)."""
-    _check_report(report, "format_report")
     lines = [
         "== d2lgpu environment report ==",
         f"python {report.python_version} on {report.platform}",
@@ -939,18 +715,25 @@ def format_report(report: EnvironmentReport) -> str:
         f"-- GPUs visible to torch: {len(report.gpus)} --",
     ]
     for gpu in report.gpus:
-        major, minor = gpu.capability
-        formats = ", ".join(gpu.native_formats) or "none (fp32 only)"
         if gpu.name == "?" and gpu.error is not None:
             lines += [f"cuda:{gpu.index}  cannot be read: {gpu.error}",
                       "  fix: check `nvidia-smi` for this GPU (lost, or held by another "
                       "process in exclusive mode); the other GPUs are unaffected"]
             continue
+        if gpu.free_memory_bytes is None or gpu.total_memory_bytes is None:
+            total = ("?" if gpu.total_memory_bytes is None
+                     else f"{gpu.total_memory_bytes / _GIB:.2f}")
+            memory = f"  memory: free unknown, {total} GiB in all"
+        else:
+            memory = (f"  memory: {gpu.free_memory_bytes / _GIB:.2f} GiB free of "
+                      f"{gpu.total_memory_bytes / _GIB:.2f} GiB")
+        major, minor = gpu.capability
         lines += [
             f"cuda:{gpu.index}  {gpu.name}  (compute capability {major}.{minor}, "
             f"{gpu.multiprocessor_count} SMs)",
-            _format_memory(gpu),
-            f"  Tensor Core formats (native): {formats}",
+            memory,
+            "  Tensor Core formats (native): "
+            + (", ".join(gpu.native_formats) or "none (fp32 only)"),
         ]
         if gpu.error is not None:
             lines.append(f"  failed: {gpu.error} (is another process holding this GPU in "
@@ -970,34 +753,24 @@ def format_report(report: EnvironmentReport) -> str:
             lines.append("  pycuda: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     if not report.gpus:
         lines.append("(none)")
-    lines += ["", "-- NVML (the driver's live view, all physical GPUs) --"]
-    lines.append(format_nvml_view(report.nvml))
-    lines += ["", "-- pycuda --", report.pycuda_status, "", "-- diagnosis --",
-              str(report.diagnosis)]
+    lines += ["", "-- NVML (the driver's live view, all physical GPUs) --",
+              format_nvml_view(report.nvml), "", "-- pycuda --", report.pycuda_status, "",
+              "-- diagnosis --", str(report.diagnosis)]
     return "\n".join(lines)
 
 
 def print_report(report: EnvironmentReport | None = None) -> None:
-    """Print :func:`format_report` of ``report`` (by default, of this machine)."""
-    if report is not None:
-        _check_report(report, "print_report")
+    """Print :func:`format_report` of ``report`` (by default, of this machine) (chapter 1)."""
     print(format_report(environment_report() if report is None else report))
-
-
-# --------------------------------------------------------------------------------------
-# GPU memory, as the caching allocator and the driver see it
-# --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class GpuMemory:
     """A snapshot of one GPU's memory, in bytes.
 
-    ``allocated``: held by live tensors. ``reserved``: held by PyTorch's caching
-    allocator (allocated plus cached free blocks; older posts call it
-    ``memory_cached``). ``peak_allocated``: the most ``allocated`` reached since
-    the last ``reset_peak_memory_stats``. ``free``/``total``: the driver's
-    numbers for the whole GPU, which also count the CUDA context and other processes.
+    ``allocated``: held by live tensors; ``reserved``: held by PyTorch's caching allocator;
+    ``peak_allocated``: since the last ``reset_peak_memory_stats``; ``free``/``total``: the
+    driver's numbers for the whole GPU (the CUDA context and other processes included).
     """
 
     allocated: int
@@ -1033,23 +806,14 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
     )
 
 
-# --------------------------------------------------------------------------------------
-# The notebook header, as a pure function; NVML readings as text; NVML under load
-# --------------------------------------------------------------------------------------
-
-# The first problem of a diagnosis, in a few words for the notebook header.
 def format_nvml_view(
     view: NvmlView, mark_uuid: str | None = None, mark: str = "<- this GPU"
 ) -> str:
     """NVML's readings as text, one line per physical GPU (chapter 1).
 
-    ``mark_uuid`` puts ``mark`` behind the GPU whose NVML UUID ends with it: torch's
-    ``get_device_properties(i).uuid`` lacks NVML's ``GPU-`` prefix, and NVML numbers
-    GPUs in its own order, so the UUID is the way to find torch's ``cuda:i`` there.
+    ``mark`` goes behind the GPU whose NVML UUID ends with ``mark_uuid`` (torch's
+    ``get_device_properties(i).uuid``, which lacks NVML's ``GPU-`` prefix).
     """
-    if not isinstance(view, NvmlView):
-        raise TypeError(f"format_nvml_view needs an NvmlView, got {type(view).__name__} "
-                        f"{view!r:.60}; read one with d2lgpu.read_nvml()")
     if view.error is not None:
         return view.error
     lines = [f"driver {view.driver_version}, {len(view.gpus)} GPU(s)"]
@@ -1072,39 +836,28 @@ def format_nvml_view(
     return "\n".join(lines)
 
 
-def read_nvml_while_busy(
-    device: torch.device | str | int, busy_seconds: float = 3.0, matrix_size: int = 8192
-) -> NvmlView:
-    """Keep ``device`` busy with queued matrix products and read NVML in the middle (chapter 1).
+def read_nvml_while_busy(device: torch.device | str | int, busy_seconds: float = 3.0,
+                         matrix_size: int = 8192) -> NvmlView:
+    """Keep ``device`` busy with queued matrix products and read NVML meanwhile (chapter 1).
 
-    One product is timed first, then enough of them are queued to last about
-    ``busy_seconds``; CUDA launches are asynchronous, so Python reads NVML a
-    second into that queue (a full sample period on every GPU), and only then
-    waits for the products to finish.
+    CUDA launches are asynchronous: enough products for ``busy_seconds`` are queued, and
+    NVML is read a second (a full sample period) into that queue.
     """
-    import time
-
     dev = as_device(device)
     if dev.type != "cuda":
         raise ValueError(
             f"read_nvml_while_busy needs a CUDA device, got {dev}: NVML watches NVIDIA GPUs "
             "only. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
         )
-    if isinstance(busy_seconds, bool) or not isinstance(busy_seconds, (int, float)) or not (
-            busy_seconds > 1.0 and math.isfinite(busy_seconds)):
-        raise ValueError(f"busy_seconds must be a number of seconds above the 1 s NVML waits, "
-                         f"got {busy_seconds!r}; try busy_seconds=3.0")
-    check_positive_int("matrix_size", matrix_size)
     a = torch.randn(matrix_size, matrix_size, device=dev)
     b = a @ a  # the first product also starts cuBLAS, so it is not timed
     torch.cuda.synchronize(dev)
     start = time.perf_counter()
     b = a @ a
     torch.cuda.synchronize(dev)
-    one_product = time.perf_counter() - start
-    for _ in range(math.ceil(busy_seconds / one_product)):
+    for _ in range(math.ceil(busy_seconds / (time.perf_counter() - start))):
         b = a @ a  # queued: Python goes on while the GPU computes
-    time.sleep(1.0)  # a full sample period into the queued work
+    time.sleep(1.0)
     view = read_nvml()
     torch.cuda.synchronize(dev)
     del a, b
@@ -1112,18 +865,11 @@ def read_nvml_while_busy(
 
 
 def wrapped(text: str, width: int = 100) -> str:
-    """``text`` with every line longer than ``width`` wrapped at spaces (chapter 1).
+    """``text`` with lines longer than ``width`` wrapped at spaces (chapter 1).
 
-    A wrapped line's continuation is indented four spaces more than the line
-    itself, so the ``why:``/``fix:`` items of a diagnosis stay readable in a
-    notebook. Lines without a space to break at are left as they are.
+    Continuations are indented four spaces more than their line, so the ``why:``/``fix:``
+    items of a diagnosis stay readable in a notebook.
     """
-    import textwrap
-
-    if not isinstance(text, str):
-        raise TypeError(f"wrapped needs a string, got {type(text).__name__} {text!r:.60}; "
-                        "pass str(...) of what you want to print")
-    check_positive_int("width", width)
     out = []
     for line in text.splitlines():
         indent = line[: len(line) - len(line.lstrip())]
@@ -1131,10 +877,6 @@ def wrapped(text: str, width: int = 100) -> str:
                              break_long_words=False, break_on_hyphens=False) or [""]
     return "\n".join(out)
 
-
-# --------------------------------------------------------------------------------------
-# Your GPU in numbers, beside two chips from NVIDIA's documents
-# --------------------------------------------------------------------------------------
 
 #: The rows of :func:`gpu_in_numbers`, in the order of the lesson.
 GPU_NUMBERS_ROWS = (
@@ -1144,27 +886,14 @@ GPU_NUMBERS_ROWS = (
 )
 
 
-def _kib(nbytes: int) -> str:
-    return f"{nbytes / 2**10:g} KiB"
-
-
 def device_numbers(props: object) -> dict[str, object]:
     """The figures of :data:`GPU_NUMBERS_ROWS` that ``torch.cuda.get_device_properties(i)``
-    gives, keyed like :data:`GPU_DATASHEETS`; a figure it lacks is left out.
+    gives, keyed like :data:`GPU_DATASHEETS`.
 
-    torch 2.9 has ``warp_size``, ``max_threads_per_multi_processor``,
-    ``regs_per_multiprocessor``, ``shared_memory_per_multiprocessor`` and
-    ``L2_cache_size``; ``memory_clock_rate`` and ``memory_bus_width`` (from which the
-    peak bandwidth follows: two transfers per clock, ``bus_width / 8`` bytes each)
-    came later, so each is read with ``getattr`` and skipped where missing.
-    Tensor Cores and the L1 size are not among the properties at all.
+    Fields newer than torch 2.9 (``memory_clock_rate``, ``memory_bus_width``: two transfers
+    per clock, ``bus_width / 8`` bytes each) are read with ``getattr`` and skipped where
+    missing; Tensor Cores and the L1 size are not among the properties.
     """
-    for needed in ("major", "minor", "multi_processor_count", "total_memory"):
-        if not hasattr(props, needed):
-            raise TypeError(
-                f"device_numbers needs torch.cuda.get_device_properties(i), got "
-                f"{type(props).__name__} {props!r:.60} (it has no {needed!r})"
-            )
     out: dict[str, object] = {
         "compute capability": f"{props.major}.{props.minor}",
         "SMs": int(props.multi_processor_count),
@@ -1174,7 +903,8 @@ def device_numbers(props: object) -> dict[str, object]:
         "warp size (threads)": ("warp_size", int),
         "max threads per SM": ("max_threads_per_multi_processor", int),
         "registers per SM (32-bit)": ("regs_per_multiprocessor", int),
-        "shared memory per SM, max": ("shared_memory_per_multiprocessor", _kib),
+        "shared memory per SM, max": ("shared_memory_per_multiprocessor",
+                                      lambda b: f"{b / 2**10:g} KiB"),
         "L2 cache": ("L2_cache_size", lambda b: f"{b / 1e6:.1f} MB"),
     }
     for key, (attr, show) in optional.items():

@@ -147,11 +147,6 @@ def test_diagnosis_driver_but_no_device():
     assert "CUDA 13.0" in diagnosis.problems[0].why
 
 
-def test_diagnosis_rejects_negative_count():
-    with pytest.raises(ValueError, match="device_count"):
-        _diagnose(device_count=-1)
-
-
 def test_diagnose_this_machine_agrees_with_torch():
     diagnosis = d2lgpu.diagnose_this_machine()
     assert diagnosis.usable == (_torch_gpu_count() > 0)
@@ -722,26 +717,11 @@ def test_environment_report_reports_a_lost_gpu_and_reads_the_other(monkeypatch):
     assert "cuda:1  GPU1  (compute capability 7.5, 40 SMs)" in text
 
 
-@pytest.mark.parametrize("bad", [None, "report", 3])
-def test_format_report_names_the_fix_for_bad_input(bad):
-    with pytest.raises(TypeError, match=r"environment_report\(\)"):
-        d2lgpu.format_report(bad)
-    with pytest.raises(TypeError, match=r"environment_report\(\)"):
-        d2lgpu.report.print_report(bad if bad is not None else "x")
-
-
 @pytest.mark.parametrize(("call", "match"), [
     (lambda: parse_cuda_visible_devices(0), r"write str\(0\)"),
-    (lambda: diagnose_cuda(cuda_build=None, visible_devices_env=None, driver_found=True,
-                           device_count="1"), "device_count must be an int"),
-    (lambda: diagnose_cuda(cuda_build=None, visible_devices_env=None, driver_found="no",
-                           device_count=0), "driver_found must be True or False"),
-    (lambda: diagnose_cuda(cuda_build=12.4, visible_devices_env=None, driver_found=True,
-                           device_count=0), "torch.version.cuda"),
+    (lambda: diagnose_cuda(cuda_build=None, visible_devices_env=0, driver_found=True,
+                           device_count=0), r"write str\(0\)"),
     (lambda: report.gpu_memory(None), "use 'cpu', 'cuda'"),
-    (lambda: report.format_nvml_view(None), r"read_nvml\(\)"),
-    (lambda: report.wrapped(None), "needs a string"),
-    (lambda: report.device_numbers("T4"), "get_device_properties"),
 ])
 def test_report_functions_name_the_fix_for_bad_input(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
@@ -789,7 +769,7 @@ def test_gpu_in_numbers_without_a_gpu_shows_the_data_sheets():
 
 @pytest.mark.parametrize("value", [0, True, float("nan")])
 def test_diagnose_names_a_non_string_visible_devices(value):
-    with pytest.raises(TypeError, match="visible_devices_env"):
+    with pytest.raises(TypeError, match="CUDA_VISIBLE_DEVICES value is a string"):
         _diagnose(visible_devices_env=value)
 
 
@@ -824,17 +804,13 @@ def test_driver_too_old_comes_after_a_cpu_build_and_a_missing_driver():
     assert cpu.cause == "cpu_build" and "driver_too_old" not in [p.code for p in cpu.problems]
 
 
-def test_driver_cuda_version_from_nvml_and_from_torchs_error(monkeypatch):
+def test_driver_cuda_version_from_nvml(monkeypatch):
     fake = _fake_pynvml()
     fake.nvmlSystemGetCudaDriverVersion = lambda: 12040
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert d2lgpu.read_nvml().cuda_driver_version == "12.4"
     del fake.nvmlSystemGetCudaDriverVersion  # an old nvidia-ml-py: the version stays unknown
     assert d2lgpu.read_nvml().cuda_driver_version is None
-    message = ("The NVIDIA driver on your system is too old (found version 11040). Please "
-               "update your GPU driver")
-    assert report.driver_cuda_version_from_error(message) == "11.4"
-    assert report.driver_cuda_version_from_error("no driver at all") is None
 
 
 def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
