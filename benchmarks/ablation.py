@@ -54,6 +54,32 @@ def skip_compiled_rows() -> dict[str, str]:
             "cuda_graphs": "left out (--skip-compile: compiled too)"}
 
 
+def format_ablation_table(rows: list[profiling.AblationRow]) -> str:
+    """``profiling.ablation_numbers`` as a text table of at most 100 characters a line, with
+    each row's first-epoch seconds (compiling included) and test accuracy, skipped rows' reasons
+    and counted rows' counts. No verdict: the reader draws it."""
+    width = max(len(r.label) for r in rows)
+    header = (f"{'step':<{width}}  {'x prev':>6}  {'pairs':>9}  {'img/s':>7}  {'x base':>6}  "
+              f"{'MFU':>5}  {'epoch1 s':>8}  {'test acc':>8}")
+    lines = [header, "-" * len(header)]
+    for r, n in zip(rows, profiling.ablation_numbers(rows), strict=True):
+        if n is None:
+            lines.append(f"{r.label:<{width}}  skipped: {r.step.skip_reason}")
+            continue
+        mfu = "n/a" if n.mfu is None else f"{100 * n.mfu:.1f}%"
+        pairs = f"{n.low:.2f}-{n.high:.2f}"
+        lines.append(
+            f"{r.label:<{width}}  {n.x_prev:>5.2f}x  {pairs:>9}  {n.images_per_second:>7,.0f}  "
+            f"{n.x_base:>5.2f}x  {mfu:>5}  {r.first_epoch_seconds:>8.2f}  {r.test_acc:>8.3f}")
+    lines.append("x prev: median of the epoch-by-epoch ratios to the row before; pairs: "
+                 "their range")
+    lines.append("img/s: the baseline's median times the x prev of every row down to this one")
+    units = profiling.COUNT_UNITS
+    lines.extend(f"  {r.label}: {units[r.step.technique]} {r.counted[0]:.3g} -> "
+                 f"{r.counted[1]:.3g}, counted" for r in rows if r.ran and r.counted)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("quick", "cpu", "full"), default=None,
@@ -99,14 +125,15 @@ def main() -> None:
     start = time.perf_counter()
 
     def report(row: profiling.AblationRow) -> None:
-        done = f"{row.images_per_second:,.0f} img/s" if row.ran else row.status
+        done = (f"{row.images_per_second:,.0f} img/s" if row.ran
+                else f"skipped: {row.step.skip_reason}")
         print(f"  {row.label}: {done} ({time.perf_counter() - start:.0f} s so far)", flush=True)
 
     rows = profiling.run_ablation(
         settings.make_model, plan, data, resident, settings.num_epochs, settings.lr, device,
         seed=args.seed, flops_per_example=flops, peak=peak, on_row=report, repeats=repeats,
     )
-    table = profiling.format_ablation_table(rows)
+    table = format_ablation_table(rows)
     print(table)
     print(f"total {time.perf_counter() - start:.0f} s")
     if args.output is not None:

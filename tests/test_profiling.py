@@ -23,6 +23,18 @@ from d2lgpu.fast import Techniques
 CPU = torch.device("cpu")
 
 
+def ablation_benchmark():
+    """benchmarks/ablation.py as a module: it formats the ablation's table."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ablation.py"
+    spec = importlib.util.spec_from_file_location("ablation_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # --------------------------------------------------------------------------- #
 # Synthetic traces: events whose counts we know
 # --------------------------------------------------------------------------- #
@@ -114,8 +126,6 @@ def test_summary_needs_train_steps():
 
 def test_merge_intervals_and_idle_gaps():
     assert P.merge_intervals([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
-    with pytest.raises(ValueError):
-        P.merge_intervals([(3, 1)])
     busy = [(2, 4), (3, 5), (8, 9)]
     assert P.idle_gaps(busy, 0, 10) == [(0, 2), (5, 8), (9, 10)]
     assert P.idle_gaps(busy, 0, 10, min_gap=1.5) == [(0, 2), (5, 8)]
@@ -124,7 +134,7 @@ def test_merge_intervals_and_idle_gaps():
 
 
 def test_timeline_lanes_on_a_cpu_and_a_gpu_trace(tmp_path, trace_path):
-    lanes = P.timeline_lanes(P.read_trace(trace_path), min_gap_us=0)
+    lanes = P.timeline_lanes(P.read_trace(trace_path))
     assert lanes["train steps"] == [(10, 50), (80, 120)]
     assert lanes[".item() in steps"] == [(35, 37), (40, 42), (100, 102), (110, 112)]
     assert "GPU kernels" not in lanes and "host ops" not in lanes
@@ -133,7 +143,7 @@ def test_timeline_lanes_on_a_cpu_and_a_gpu_trace(tmp_path, trace_path):
 
     gpu_path = tmp_path / "gpu.json"
     gpu_path.write_text(json.dumps(synthetic_trace(gpu=True)))
-    gpu_lanes = P.timeline_lanes(P.read_trace(gpu_path), min_gap_us=0)
+    gpu_lanes = P.timeline_lanes(P.read_trace(gpu_path))
     assert gpu_lanes["GPU kernels"] == [(20, 30), (90, 100)]
     assert gpu_lanes["idle"] == [(10, 20), (30, 90), (100, 120)]  # gaps between kernels
     assert (12, 32) in gpu_lanes["host ops"]
@@ -143,7 +153,7 @@ def test_plot_timeline_draws_one_labelled_lane_each(trace_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    ax = P.plot_timeline(P.read_trace(trace_path), title="two steps", min_gap_us=0)
+    ax = P.plot_timeline(P.read_trace(trace_path), title="two steps")
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels == ["train steps", "DataLoader", ".item() in steps"]
     assert ax.get_xlim() == pytest.approx((-0.010, 0.110))  # ms from the first step
@@ -295,8 +305,6 @@ def test_plot_memory_timeline_in_mib():
                                 spans=[(0.0, 2000.0, "step 1")])
     x, y = ax.lines[0].get_data()
     assert list(x) == [0.0, 1.0, 3.0] and list(y) == [0.0, 2.0, 1.0]
-    with pytest.raises(ValueError):
-        P.plot_memory_timeline([])
 
 
 # --------------------------------------------------------------------------- #
@@ -352,10 +360,10 @@ def test_measured_roofline_and_points_on_the_cpu():
     import matplotlib
 
     matplotlib.use("Agg")
-    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, dtype=torch.float32,
-                                      stream_numel=1 << 16)
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, stream_numel=1 << 16)
     assert roof.peak_tflops > 0 and roof.bandwidth_gbps > 0
-    assert matmul.flops == 2 * 64**3 and matmul.intensity == pytest.approx(64 / 6)
+    assert matmul.flops == 2 * 64**3 and matmul.intensity == pytest.approx(
+        2 * 64**3 / matmul.nbytes)
     assert roof.peak_tflops >= matmul.achieved_tflops  # the roof is the best run
     stream, tiny = P.roofline_points(CPU, elementwise_numel=1000, tiny_numel=8,
                                      tiny_repeats=10, repeats=2)
@@ -363,8 +371,6 @@ def test_measured_roofline_and_points_on_the_cpu():
     assert (tiny.flops, tiny.nbytes) == (80, 960)
     ax = P.plot_roofline(roof, [matmul, stream, tiny])
     assert len(ax.collections) == 3
-    with pytest.raises(ValueError, match="dtype"):
-        P.measure_roofline(CPU, 64, dtype="bf16")
 
 
 # --------------------------------------------------------------------------- #
@@ -421,7 +427,7 @@ def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
     # (its mean is summed in float64 on the host in one, in float32 on the device in the other).
     assert rows[1].history.train_loss == pytest.approx(rows[2].history.train_loss, rel=1e-6)
     assert rows[1].history.test_acc == rows[2].history.test_acc
-    table = P.format_ablation_table(rows)
+    table = ablation_benchmark().format_ablation_table(rows)
     assert all(len(line) <= 100 for line in table.splitlines())
     assert [line.split("  ")[0].strip() for line in table.splitlines()[2:2 + len(rows)]] == [
         r.label for r in rows]
@@ -430,14 +436,6 @@ def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
                                flops_per_example=1e6, peak=1.0)
     row = with_peak[0]
     assert row.mfu == pytest.approx(row.images_per_second * 1e6 / 1e12)
-
-
-def test_steady_speed_is_the_median_epoch_after_the_first():
-    history = d2lgpu.History(examples_per_second=[10.0, 100.0, 1200.0, 110.0])
-    assert P.steady_images_per_second(history) == 110.0  # one outlier moves it little
-    history = d2lgpu.History(examples_per_second=[500.0, 100.0, 120.0])
-    assert P.steady_images_per_second(history) == 110.0  # the first epoch never counts
-    assert P.steady_images_per_second(d2lgpu.History(examples_per_second=[5.0])) == 5.0
 
 
 def test_mfu_note_on_a_cpu():
@@ -564,25 +562,17 @@ def test_gpu_compile_modes_compute_the_same_step():
 
 
 def test_roofline_values_are_checked():
-    for bad in (dict(flops=-1.0), dict(nbytes=0.0), dict(seconds=float("nan")),
-                dict(flops=True)):
+    for bad in (dict(flops=-1.0), dict(nbytes=0.0), dict(seconds=float("nan"))):
         kwargs = dict(flops=1.0, nbytes=1.0, seconds=1.0) | bad
-        with pytest.raises(ValueError, match=next(iter(bad))):
+        with pytest.raises(ValueError, match="nbytes > 0"):
             P.RooflinePoint("op", **kwargs)
     assert P.RooflinePoint("op", flops=0, nbytes=4, seconds=1.0).intensity == 0
-    for bad in (True, "10", float("inf"), -1.0):
+    for bad in (float("inf"), -1.0, float("nan")):
         with pytest.raises(ValueError, match="peak_tflops"):
             P.Roofline(peak_tflops=bad, bandwidth_gbps=1.0)
-    with pytest.raises(TypeError, match="RooflinePoint"):
-        P.Roofline(1.0, 1.0).regime((1.0, 2.0))
 
 
-def test_op_table_and_read_trace_refuse_what_they_cannot_read(tmp_path):
-    for bad in (None, "prof"):
-        with pytest.raises(TypeError, match="torch.profiler.profile"):
-            P.op_table(bad)
-    with pytest.raises(TypeError, match="export_chrome_trace"):
-        P.read_trace(None)
+def test_read_trace_refuses_what_it_cannot_read(tmp_path):
     garbage = tmp_path / "garbage.json"
     garbage.write_bytes(b"\x00\xffnot json at all")
     with pytest.raises(ValueError, match="not a Chrome trace"):
@@ -596,7 +586,7 @@ def test_op_table_and_read_trace_refuse_what_they_cannot_read(tmp_path):
         P.read_trace(tmp_path / "list.json")
     (tmp_path / "bad_ts.json").write_text(json.dumps(
         {"traceEvents": [{"ph": "X", "name": "op", "ts": "soon", "dur": 1}]}))
-    with pytest.raises(ValueError, match="not numbers"):
+    with pytest.raises(ValueError, match="not a Chrome trace.*soon"):
         P.read_trace(tmp_path / "bad_ts.json")
     with pytest.raises(ValueError, match="directory"):
         P.read_trace(tmp_path)
@@ -715,19 +705,14 @@ def test_captured_step_uses_the_streams_of_the_batchs_gpu(monkeypatch):
 
 def test_stream_bandwidth_counts_three_passes():
     assert P.measure_stream_bandwidth(CPU, 1 << 16, repeats=2) > 0
-    roof, _ = P.measure_roofline(CPU, 32, repeats=2, dtype=torch.float32,
-                                 stream_numel=1 << 16)
+    roof, _ = P.measure_roofline(CPU, 32, repeats=2, stream_numel=1 << 16)
     assert set(roof.bandwidths) == {"copy", "add"}
     assert roof.bandwidth_gbps == max(roof.bandwidths.values())
     assert roof.memory_label == max(roof.bandwidths, key=roof.bandwidths.get)
-    with pytest.raises(ValueError, match="numel"):
-        P.measure_stream_bandwidth(CPU, 0)
 
 
 def _row(label_index, speeds, ran=True, runs=2):
     """A row whose ``speeds`` (epochs after the first) came from ``runs`` interleaved runs."""
-    import statistics
-
     plan = P.ablation_plan(CPU, skip={"compile": "not here"})
     step = plan[label_index]
     if not ran:
@@ -736,7 +721,7 @@ def _row(label_index, speeds, ran=True, runs=2):
                              epoch_seconds=[1.0] * 5)
     per_run = len(speeds) // runs
     rounds = tuple(tuple(speeds[i * per_run:(i + 1) * per_run]) for i in range(runs))
-    return P.AblationRow(step, history, statistics.median(speeds), None, tuple(speeds), rounds)
+    return P.AblationRow(step, history, rounds)
 
 
 def test_ablation_numbers_chain_the_paired_ratios_so_table_and_bars_agree():
@@ -757,16 +742,12 @@ def test_ablation_numbers_chain_the_paired_ratios_so_table_and_bars_agree():
     assert numbers[1].images_per_second == pytest.approx(base.images_per_second * x_prev)
     assert numbers[3].images_per_second < numbers[1].images_per_second
     assert numbers[3].x_base == pytest.approx(numbers[3].images_per_second / base.images_per_second)
-    table = P.format_ablation_table(rows)
+    table = ablation_benchmark().format_ablation_table(rows)
     assert all(len(line) <= 100 for line in table.splitlines())
     body = table.splitlines()[2:6]
     assert f" {x_prev:.2f}x " in body[1] and "skipped" in body[2]
     assert f"{numbers[1].images_per_second:,.0f}" in body[1]
     assert "verdict" not in table and "faster" not in table
-    with pytest.raises(TypeError):
-        P.format_ablation_table(None)
-    with pytest.raises(TypeError):
-        P.ablation_numbers(None)
 
 
 def test_run_ablation_interleaves_its_repeats(monkeypatch):
@@ -789,68 +770,21 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
     # The baseline ran first in round 1 and last (the 6th run) in round 2:
     assert rows[0].speeds == (10.0, 10.0, 60.0, 60.0) and rows[0].images_per_second == 35.0
     assert rows[0].round_speeds == ((10.0, 10.0), (60.0, 60.0))
-    with pytest.raises(ValueError, match="repeats"):
-        P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU, repeats=0)
 
 
 @pytest.mark.parametrize("call, name", [
-    (lambda: P.Roofline(1.0, 2.0, memory_label=None), "memory_label"),
-    (lambda: P.Roofline(1.0, 2.0, bandwidths={"copy": float("nan")}), "bandwidths"),
-    (lambda: P.Roofline(1.0, 2.0, bandwidths=None), "bandwidths"),
-    (lambda: P.ablation_data(8, "cpu", train_size="no"), "train_size"),
-    (lambda: P.ablation_data(8, "cpu", test_size=-1), "test_size"),
-    (lambda: P.ablation_data(8, "cpu", quick="no"), "quick"),
-    (lambda: P.ablation_plan("cpu", skip="compile"), "skip"),
     (lambda: P.ablation_settings(True), "chosen"),
-    (lambda: P.measure_roofline("cpu", 8, stream_numel="big"), "stream_numel"),
+    (lambda: P.runs_dir(7), "name"),
 ])
-def test_roofline_and_ablation_helpers_name_a_bad_argument(call, name):
-    with pytest.raises((TypeError, ValueError)) as info:
+def test_ablation_settings_and_runs_dir_name_a_bad_argument(call, name):
+    with pytest.raises(ValueError, match=name):
         call()
-    assert name in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("function", [P.profiler_activities, P.ablation_plan])
 def test_profiling_helpers_name_a_bad_device(function):
     with pytest.raises(ValueError, match="device"):
         function(-1)
-
-
-@pytest.mark.parametrize("call, name", [
-    (lambda: P.summarize_trace(None), "events"),
-    (lambda: P.timeline_lanes([1, 2]), "events"),
-    (lambda: P.merge_intervals(None), "intervals"),
-    (lambda: P.format_ablation_table(None), "rows"),
-    (lambda: P.ablation_numbers("rows"), "rows"),
-])
-def test_trace_and_ablation_readers_name_a_bad_argument(call, name):
-    with pytest.raises(TypeError, match=name):
-        call()
-
-
-@pytest.mark.parametrize("call, name", [
-    (lambda: P.memory_timeline_from_trace(None), "events"),
-    (lambda: P.memory_timeline_from_snapshot(-1), "snapshot"),
-    (lambda: P.plot_roofline(None, []), "roofline"),
-    (lambda: P.plot_roofline(P.Roofline(1.0, 2.0), None), "points"),
-    (lambda: P.idle_gaps([], None, 1.0), "start"),
-    (lambda: P.idle_gaps([], 0.0, float("nan")), "end"),
-])
-def test_memory_timeline_roofline_plot_and_gaps_name_a_bad_argument(call, name):
-    with pytest.raises(TypeError, match=name):
-        call()
-
-
-@pytest.mark.parametrize("call, name", [
-    (lambda: P.plot_memory_timeline(None), "timeline"),
-    (lambda: P.plot_memory_timeline([1, 2]), "timeline"),
-    (lambda: P.capture_training_step(None, None, None, None), "model"),
-    (lambda: P.capture_training_step(nn.Linear(2, 2), None, None, "batch"), "example"),
-    (lambda: P.explain_graph_breaks("model"), "fn"),
-])
-def test_timeline_plot_cuda_graph_and_explain_name_a_bad_argument(call, name):
-    with pytest.raises(TypeError, match=name):
-        call()
 
 
 # --------------------------------------------------------------------------- #
@@ -878,8 +812,6 @@ def test_past_the_recompile_limit_fullgraph_raises_instead_of_running_eager():
     outs = _compiled_twice(lambda net: P.fresh_compile(net, backend="eager", dynamic=False))
     assert [o.shape[0] for o in outs] == [2, 3]
     torch._dynamo.reset()
-    with pytest.raises(TypeError):
-        P.fresh_compile(7)
 
 
 def test_compile_modes_compile_the_whole_step_after_a_reset(monkeypatch):
@@ -929,8 +861,6 @@ def test_paired_multiply_add_ratio_is_a_positive_median(monkeypatch):
     assert P.paired_multiply_add_ratio(CPU, 8, repeats=3) == pytest.approx(1.0)
     monkeypatch.undo()
     assert P.paired_multiply_add_ratio(CPU, 1 << 12, repeats=3) > 0
-    with pytest.raises(ValueError):
-        P.paired_multiply_add_ratio(CPU, 0)
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
@@ -952,17 +882,13 @@ def test_on_a_cpu_the_gpu_techniques_are_counted_as_well_as_timed(monkeypatch, n
     # "auto" is bf16 only where the CPU computes it natively; bf16 activations take half.
     fp32, auto = count("precision", tiny_net, batches, 0.1, CPU, before)
     assert (auto < 0.75 * fp32) if native_bf16 else (auto == fp32)
-    with pytest.raises(ValueError, match="to be counted"):
-        count("compile", tiny_net, batches, 0.1, CPU, before)
-    with pytest.raises(ValueError, match="needs 4 batches"):
-        count("no_sync", tiny_net, batches[:3], 0.1, CPU, before)
 
     plan = P.ablation_plan(CPU, skip={"compile": "slow in tests"})[:3]
     rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU)
     # Counted as well as timed: the row keeps its paired ratios.
     assert rows[1].counted is None and rows[2].counted == (2, 0)
     assert P.ablation_numbers(rows)[2].x_prev > 0
-    table = P.format_ablation_table(rows).splitlines()
+    table = ablation_benchmark().format_ablation_table(rows).splitlines()
     assert table[-1] == f"  + no per-step sync: {P.COUNT_UNITS['no_sync']} 2 -> 0, counted"
     assert all(len(line) <= 100 for line in table)
 

@@ -74,8 +74,6 @@ VALID = {
     fast.technique_skip_reason: lambda: dict(technique="channels_last", device=CPU),
     fast.make_sgd: lambda: dict(params=list(_linear().parameters()), lr=0.1, device=CPU),
     fast.compile_model: lambda: dict(net=_linear(), techniques=fast.Techniques(), device=CPU),
-    fast.as_device_loader: lambda: dict(data=_uint8_pair(), name="train_data", device=CPU,
-                                        batch_size=10),
     fast.train_fast: lambda: dict(
         net=_linear(), train_data=_uint8_pair(), test_data=_uint8_pair(), num_epochs=1, lr=0.1,
         device=CPU, batch_size=10, progress=False, init=True),
