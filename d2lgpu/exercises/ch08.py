@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from d2lgpu.exercises import ExerciseWrong, attempt, expect, passed
+from d2lgpu.exercises import ExerciseWrong, attempt, expect, expect_value_error, passed
 from d2lgpu.memory import (
     OPTIMIZERS,
     gradient_bytes,
@@ -69,15 +69,8 @@ def training_bytes(fn: Callable[[nn.Module, str], int]) -> None:
             raise ExerciseWrong(
                 f"Exercise {ex}: {what} with {name!r}: a real step leaves {want:,} bytes of "
                 f"parameters, gradients and optimizer state; you predicted {got:,}.{hint}")
-    try:
-        attempt(ex, fn, residual_mlp(width=8, hidden=8, depth=1), "adamw")
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        pass
-    else:
-        raise ExerciseWrong(f"Exercise {ex}: 'adamw' is not one of {tuple(OPTIMIZERS)}; raise "
-                            "a ValueError that names the known ones")
+    expect_value_error(ex, fn, (residual_mlp(width=8, hidden=8, depth=1), "adamw"),
+                       f"'adamw' is not one of {tuple(OPTIMIZERS)}")
     passed(ex, "8, 12 and 16 bytes a parameter in fp32 (plus Adam's step counters), half of it "
                "in bf16")
 
@@ -100,15 +93,7 @@ def shard_rows(fn: Callable[[int, int], list[int]]) -> None:
                f"{rows} rows on {world} ranks: FSDP2 keeps {want} rows per rank, you gave "
                f"{list(got)}. Every chunk has ceil(rows / world_size) rows except the last, "
                "and the ranks after the last chunk hold none")
-    try:
-        attempt(ex, fn, 10, 0)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        pass
-    else:
-        raise ExerciseWrong(f"Exercise {ex}: shard_rows(10, 0) has no ranks to hold the rows; "
-                            "raise a ValueError that says world_size must be at least 1")
+    expect_value_error(ex, fn, (10, 0), "shard_rows(10, 0) has no ranks to hold the rows")
     passed(ex, "10 rows on 3 ranks: 4, 4 and 2; 5 rows on 4 ranks: 2, 2, 1 and none")
 
 
@@ -161,14 +146,8 @@ def forward_in_segments(fn: Callable[[nn.Sequential, torch.Tensor, int], torch.T
                f"{plain_bytes:,}). Wrap each run of blocks, as one nn.Sequential slice, in a "
                "single checkpoint call")
     for bad in (4, 0):
-        try:
-            attempt(ex, fn, net, x, bad)
-        except ExerciseWrong:
-            raise
-        except ValueError:
-            continue
-        raise ExerciseWrong(f"Exercise {ex}: {depth} blocks do not split into {bad} equal "
-                            "segments; raise a ValueError that says so")
+        expect_value_error(ex, fn, (net, x, bad),
+                           f"{depth} blocks do not split into {bad} equal segments")
     passed(ex, "6 blocks in 2 checkpointed segments keep 2 inputs for backward, not 6 blocks' "
                "activations, and give the same gradients")
 
