@@ -1,15 +1,7 @@
-"""What a chip can do: the formats its Tensor Cores run, its data-sheet figures, and FLOP counts.
+"""What a chip can do: its Tensor Cores' formats, its data-sheet figures, and FLOP counts.
 
-Facts about GPUs that do not need one to be read: they come from NVIDIA's data sheets
-and architecture whitepapers (each figure names its source), keyed by compute
-capability or by the name ``torch.cuda.get_device_name()`` reports.
-
-* :func:`native_tensor_core_formats` and :func:`narrow_tensor_core_formats`: the
-  formats Tensor Cores run, by compute capability (chapters 1 and 6).
-* :data:`GPU_DATASHEETS`: two GPUs in numbers, beside which chapter 1 puts yours.
-* :func:`training_flops_per_example`, :data:`PEAK_TFLOPS`, :func:`peak_tflops` and
-  :func:`peak_format`: the work of a training step, and the peak it is measured
-  against, for the model FLOP utilisation (MFU) of chapters 4 and 7.
+Facts that need no GPU to be read, from NVIDIA's data sheets and whitepapers (each figure
+names its source), keyed by compute capability or by ``torch.cuda.get_device_name()``.
 """
 
 from __future__ import annotations
@@ -20,24 +12,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from d2lgpu.runtime.checks import check_capability, check_positive_int
+from d2lgpu.runtime.checks import check_capability
 from d2lgpu.runtime.gpus import as_device, require_cuda_device
 
-__all__ = [
-    "CUDA_13_DROPPED_BELOW",
-    "GPU_DATASHEETS",
-    "PEAK_TFLOPS",
-    "narrow_tensor_core_formats",
-    "native_tensor_core_formats",
-    "peak_format",
-    "peak_tflops",
-    "training_flops_per_example",
-]
+__all__ = ["CUDA_13_DROPPED_BELOW", "GPU_DATASHEETS", "PEAK_TFLOPS", "narrow_tensor_core_formats",
+           "native_tensor_core_formats", "peak_format", "peak_tflops",
+           "training_flops_per_example"]
 
 
-# --------------------------------------------------------------------------------------
-# The formats Tensor Cores run
-# --------------------------------------------------------------------------------------
 
 
 def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
@@ -55,11 +37,9 @@ def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
 def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     """Tensor Core formats narrower than 16 bits on GPUs of this compute capability (chapter 6).
 
-    ``torch.autocast`` uses none of them; they matter for inference and for
-    libraries such as Transformer Engine. INT8 from 7.2 (Xavier) and 7.5 (Turing),
-    FP8 from 8.9 (Ada: L4, RTX 40xx) and 9.0 (Hopper: H100), FP6 and FP4 from
-    10.0 (Blackwell: B200, GB200; 12.0 is GeForce Blackwell, RTX 50xx), following
-    NVIDIA's architecture white papers and the PTX ISA's ``mma`` types.
+    ``torch.autocast`` uses none of them. INT8 from 7.2, FP8 from 8.9 (Ada) and 9.0
+    (Hopper), FP6 and FP4 from 10.0 (Blackwell), following NVIDIA's architecture
+    whitepapers and the PTX ISA's ``mma`` types.
     """
     check_capability(capability)
     formats = []
@@ -72,25 +52,13 @@ def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     return formats
 
 
-# --------------------------------------------------------------------------------------
-# Which GPUs a torch build has kernels for
-# --------------------------------------------------------------------------------------
 
-#: CUDA 13.0 removed Maxwell, Pascal and Volta (compute capability below 7.5) from its
-#: compilers (CUDA 13.0 release notes), so torch's CUDA 13 wheels carry no kernels for them:
-#: torch 2.15+cu132 lists sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 in
-#: ``torch.cuda.get_arch_list()``. "A CUDA 12 build" is not enough either: torch 2.15's table
-#: of its own release wheels (``PYTORCH_RELEASES_CODE_CC`` in torch/cuda/__init__.py) gives
-#: the x86-64 cu126 wheels sm_50 sm_60 sm_70 sm_75 sm_80 sm_86 sm_90 and every later CUDA
-#: sm_75 and up, so a P100 (6.0) or V100 (7.0) needs a cu126 wheel. Other CUDA 12 wheels of
-#: older releases need not carry them; ``torch.cuda.get_arch_list()`` says, and
-#: :func:`d2lgpu.runtime.gpus.build_runs_on` reads it.
+#: CUDA 13.0 removed compute capabilities below 7.5 from its compilers (release notes), so
+#: torch's CUDA 13 wheels carry no kernels for a P100 or V100; of torch 2.15's release
+#: wheels only cu126 does (``PYTORCH_RELEASES_CODE_CC`` in torch/cuda/__init__.py).
 CUDA_13_DROPPED_BELOW = (7, 5)
 
 
-# --------------------------------------------------------------------------------------
-# Two GPUs in numbers, from NVIDIA's documents
-# --------------------------------------------------------------------------------------
 
 # Each figure names its source. H100 (SXM5 board): "NVIDIA H100 Tensor Core GPU
 # Architecture" whitepaper (table comparing A100 and H100, and the H100 SM section).
@@ -131,27 +99,22 @@ GPU_DATASHEETS: dict[str, dict[str, object]] = {
 }
 
 
-# --------------------------------------------------------------------------------------
-# The work of a training step, and the peak it is measured against
-# --------------------------------------------------------------------------------------
 
 
 def training_flops_per_example(
     net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
 ) -> float:
     """FLOPs of one training step (forward and backward) per example, counted by
-    ``torch.utils.flop_counter.FlopCounterMode`` on a small batch on the CPU (chapter 4).
+    ``FlopCounterMode`` on a copy of ``net`` on the CPU (chapter 4).
 
-    Counts matrix multiplications and convolutions (2 FLOPs per multiply-add), which
-    is what Tensor Core peaks are quoted for; elementwise work is left out. The
-    model's weights and batch-norm statistics are left unchanged (it runs on a copy).
+    Matrix products and convolutions count (2 FLOPs per multiply-add), as Tensor Core
+    peaks do; elementwise work is left out.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module (the model to count), "
                         f"got {type(net).__name__} {net!r}")
-    check_positive_int("batch_size", batch_size)
     probe = copy.deepcopy(net).to("cpu", torch.float32).train()
     X = torch.zeros(batch_size, *example_shape)
     with FlopCounterMode(display=False) as counter:
@@ -160,15 +123,11 @@ def training_flops_per_example(
     return counter.get_total_flops() / batch_size
 
 
-#: Dense (no sparsity) Tensor Core peak in TFLOP/s of the fast reduced-precision format
-#: (bf16, or fp16 on GPUs without native bf16: T4, V100) from NVIDIA's data sheets,
-#: keyed by (model, form factor) as :func:`_model_and_form_factor` reads them from
-#: ``torch.cuda.get_device_name()``; form factor None: the name carries none (the H100
-#: SXM reports itself as "NVIDIA H100 80GB HBM3", the H200 SXM as "NVIDIA H200"). A
-#: GeForce card's model is its whole name after "GeForce" ("rtx 4090"), since the words
-#: after the number name other chips ("RTX 4090 D", "RTX 4090 Laptop GPU").
-#: Each value is (peak, SMs of the full GPU); the SM count is given for the GPUs that
-#: MIG can split, to scale the peak of a slice (None: not splittable).
+#: Dense Tensor Core peak in TFLOP/s of bf16 (fp16 without native bf16: T4, V100) from
+#: NVIDIA's data sheets, keyed by (model, form factor) as :func:`_model_and_form_factor`
+#: reads ``torch.cuda.get_device_name()`` (None: the name carries none, as the H100 and
+#: H200 SXM's do not). Each value is (peak, SMs of the full GPU), the SMs for the GPUs
+#: MIG can split, to scale a slice's peak (None: not splittable).
 PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
     # "NVIDIA H100 Tensor Core GPU" datasheet: BF16 Tensor Core 1,979 TFLOPS (SXM), 1,671
     # (NVL), 1,513 (PCIe), each "with sparsity", i.e. twice the dense rate; 132 SMs on
@@ -192,18 +151,11 @@ PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
     ("l40", None): (181.0, None),  # "NVIDIA L40" datasheet: BF16 181.05 (362.1 sparse)
     ("l4", None): (121.0, None),  # "NVIDIA L4 Tensor Core GPU" datasheet: BF16 242 sparse
     ("t4", None): (65.0, None),  # "NVIDIA T4" datasheet: mixed precision (FP16/FP32) 65
-    # "NVIDIA ADA GPU ARCHITECTURE" whitepaper, Appendix A, GeForce RTX 4090 column:
-    # Peak FP16 Tensor TFLOPS with FP32 Accumulate 165.2/330.4 and Peak BF16 Tensor
-    # TFLOPS with FP32 Accumulate 165.2/330.4 (footnote: the second number uses the
-    # sparsity feature). Autocast's matmuls accumulate in FP32, so this is their peak;
-    # the column's Peak FP16 Tensor TFLOPS with FP16 Accumulate, 330.3, is a rate they do
-    # not use. The same column gives Peak FP32 TFLOPS (non-Tensor) 82.6, half the bf16
-    # peak. A GeForce card has no MIG: no SM count.
+    # "NVIDIA ADA GPU ARCHITECTURE" whitepaper, Appendix A, RTX 4090: BF16 Tensor TFLOPS
+    # with FP32 accumulate (autocast's) 165.2, 330.4 with sparsity.
     ("rtx 4090", None): (165.2, None),
     # "NVIDIA V100 Tensor Core GPU" datasheet, Tensor Performance (fp16): 125 (SXM2),
     # 112 (PCIe), 130 (V100S PCIe). Volta has no sparsity, so these are dense.
-    # A V100 (sm_70) needs a cu126 wheel: CUDA 13 builds carry no sm_70 kernels (see
-    # CUDA_13_DROPPED_BELOW and d2lgpu.runtime.gpus.build_runs_on).
     ("v100", "sxm2"): (125.0, None),
     ("v100", "pcie"): (112.0, None),
     ("v100s", "pcie"): (130.0, None),
@@ -213,10 +165,9 @@ _FORM_FACTORS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
 
 
 def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
-    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the whole model word after the brand,
-    and the first form-factor word. Whole words, so "RTX A1000" is not an A100. A GeForce
-    card is its whole name after "GeForce": ("rtx 4090", None) for "NVIDIA GeForce RTX
-    4090", and "RTX 4090 D" (fewer SMs) or "RTX 4090 Laptop GPU" (another chip) is not it."""
+    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the model word and the first form-factor
+    word, whole words ("RTX A1000" is no A100). A GeForce card is its whole name after
+    "GeForce", since "RTX 4090 D" and "RTX 4090 Laptop GPU" are other chips."""
     words = name.lower().replace("-", " ").replace("_", " ").split()
     while words and words[0] in ("nvidia", "tesla"):
         words = words[1:]
@@ -229,9 +180,8 @@ def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
 
 
 def peak_format(device: torch.device | str) -> str | None:
-    """The format of :func:`peak_tflops`'s data-sheet peak on ``device``: "bf16" from
-    compute capability 8.0 (Ampere on), "fp16" on 7.x (T4, V100: no native bf16), None
-    where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
+    """The format of :func:`peak_tflops`'s peak on ``device``: "bf16" from compute capability
+    8.0, "fp16" on 7.x, None where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
     device = as_device(device)
     if device.type != "cuda":
         return None
@@ -241,13 +191,11 @@ def peak_format(device: torch.device | str) -> str | None:
 
 def peak_tflops(device: torch.device | str) -> float | None:
     """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None
-    (chapter 7).
+    when unknown (chapter 7).
 
-    None means unknown: the CPU, or a GPU that is not in the table (say "unknown peak").
-    A MIG slice reports its parent GPU's name but only its own multiprocessors; its
-    peak is the parent's scaled by its share of the SMs (a 3g.20gb slice of an A100
-    has 42 of 108). A GPU with more SMs than the table's is not the one the data
-    sheet describes, so its peak is unknown too.
+    A MIG slice reports its parent's name but only its own SMs: its peak is the parent's
+    scaled by its share (a 3g.20gb slice of an A100 has 42 of 108). A GPU with more SMs
+    than the table's is not the one the data sheet describes.
     """
     device = as_device(device)
     if device.type != "cuda":

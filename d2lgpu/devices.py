@@ -1,13 +1,9 @@
-"""Naming devices: the CPU, one GPU, or all of them; and the one place that resolves them.
+"""Naming devices: the CPU, one GPU, or all of them (chapters 1 and 3).
 
-These follow "Dive into Deep Learning" (``d2l.try_gpu`` and friends) with one
-deliberate difference: :func:`try_all_gpus` returns ``[cpu]`` on a machine
-without GPUs, never an empty list. d2l returns ``[]`` there, and its training
-loop then fails with ``IndexError`` on ``devices[0]``. A list with the CPU in
-it lets code written for "a list of devices" run unchanged everywhere.
-
-The checks of a device a learner passes in (``as_device``, ``require_cuda_device``,
-``resolve_devices``) live in the runtime's ``gpus`` module, with the GPU counts.
+As in "Dive into Deep Learning" (``d2l.try_gpu``), with one difference: :func:`try_all_gpus`
+returns ``[cpu]`` on a machine without GPUs, never ``[]``, on which d2l's training loop
+fails at ``devices[0]``. The checks of a device a learner passes in are the runtime's
+``gpus``.
 """
 
 from __future__ import annotations
@@ -18,20 +14,14 @@ import torch
 
 from d2lgpu.runtime.gpus import num_gpus
 
-__all__ = [
-    "cpu",
-    "gpu",
-    "try_gpu",
-    "try_all_gpus",
-]
+__all__ = ["cpu", "gpu", "try_gpu", "try_all_gpus"]
 
 
 def _check_index(i: object) -> int:
-    # bool is a subclass of int; gpu(True) is almost certainly a mistake.
-    if isinstance(i, bool):
-        raise TypeError(f"a GPU index must be an int, got bool {i!r}")
+    # bool is a subclass of int, and operator.index takes numpy integers but no floats or strings.
     try:
-        # operator.index accepts int-like values (e.g. numpy integers), not floats or strings.
+        if isinstance(i, bool):
+            raise TypeError
         index = operator.index(i)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
@@ -39,9 +29,7 @@ def _check_index(i: object) -> int:
             + (f"; write {int(i)} instead" if isinstance(i, str) and i.strip().isdigit() else "")
         ) from None
     if index < 0:
-        raise ValueError(
-            f"a GPU index must be 0 or more, got {index}; GPUs are numbered 0, 1, ..."
-        )
+        raise ValueError(f"a GPU index must be 0 or more, got {index}; GPUs are numbered 0, 1, ...")
     return index
 
 
@@ -51,10 +39,7 @@ def cpu() -> torch.device:
 
 
 def gpu(i: int = 0) -> torch.device:
-    """The ``i``-th visible GPU; an error when it does not exist.
-
-    Use :func:`try_gpu` to fall back to the CPU instead.
-    """
+    """The ``i``-th visible GPU; an error when it does not exist (:func:`try_gpu` falls back)."""
     i = _check_index(i)
     n = num_gpus()
     if i >= n:
@@ -67,8 +52,7 @@ def gpu(i: int = 0) -> torch.device:
 
 
 def try_gpu(i: int = 0) -> torch.device:
-    """GPU ``i`` if it exists and this process can use it (:func:`num_gpus`), else the CPU
-    (chapter 1)."""
+    """GPU ``i`` if it exists and this process can use it, else the CPU (chapter 1)."""
     i = _check_index(i)
     return torch.device("cuda", i) if i < num_gpus() else cpu()
 

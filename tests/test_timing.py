@@ -33,12 +33,6 @@ def test_timing_single_measurement_has_no_spread() -> None:
     assert tm.Timing((0.25,)).iqr == 0.0
 
 
-@pytest.mark.parametrize("bad", [(), (-1.0,), (float("nan"),), (float("inf"), 1.0)])
-def test_timing_rejects_impossible_times(bad: tuple[float, ...]) -> None:
-    with pytest.raises(ValueError):
-        tm.Timing(bad)
-
-
 def test_timing_str_names_median_and_runs() -> None:
     text = str(tm.Timing((0.002, 0.002, 0.002)))
     assert text.startswith("median 2.00 ms") and "3 runs" in text
@@ -59,21 +53,6 @@ def test_gbps_and_tflops_arithmetic() -> None:
     assert tm.gbps(2e9, 2.0) == pytest.approx(1.0)
     assert tm.gbps(0, 1.0) == 0.0
     assert tm.tflops(3e12, 1.5) == pytest.approx(2.0)
-
-
-@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan"), float("inf")])
-def test_rates_reject_non_positive_durations(seconds: float) -> None:
-    with pytest.raises(ValueError, match="seconds"):
-        tm.gbps(1e9, seconds)
-    with pytest.raises(ValueError, match="seconds"):
-        tm.tflops(1e12, seconds)
-
-
-def test_rates_reject_negative_amounts() -> None:
-    with pytest.raises(ValueError, match="nbytes"):
-        tm.gbps(-1, 1.0)
-    with pytest.raises(ValueError, match="flops"):
-        tm.tflops(-1, 1.0)
 
 
 def test_format_table_aligns_columns() -> None:
@@ -106,13 +85,8 @@ def test_timing_device_keeps_cpu_and_none() -> None:
 
 
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda: tm.time_fn(None), "fn must be a function"),
-    (lambda: tm.Timing(None), "list of durations"),
-    (lambda: tm.Timing(["a"]), "numbers of seconds"),
-    (lambda: tm.gbps("1", 1), "nbytes must be a number"),
-    (lambda: tm.format_seconds(None), "seconds must be"),
+    (lambda: tm.time_fn(lambda: None, repeats=0), "repeats must be an int"),
     (lambda: tm.format_table(["a", "b"], [[1]]), "list of 2 values"),
-    (lambda: tm.format_table(["a"], "rows"), "rows must be a list"),
 ])
 def test_timing_names_the_fix_for_bad_input(call, match) -> None:
     with pytest.raises((TypeError, ValueError), match=match):
