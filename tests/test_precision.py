@@ -210,11 +210,6 @@ def test_set_tf32_leaves_both_apis_in_agreement():
     P.set_tf32("none", "tf32")  # torch's defaults
 
 
-def test_tf32_matmuls_rejects_non_bools():
-    with pytest.raises(TypeError, match="True or False"), P.tf32_matmuls("yes"):
-        pass
-
-
 # ---------------------------------------------------------------------------
 # GradScaler: scaling, skipped steps, unscaling, checkpoints
 # ---------------------------------------------------------------------------
@@ -513,8 +508,6 @@ def test_sweep_mlp_shape_and_depth():
     model = P.sweep_mlp(12, 20, 3, num_classes=5)
     assert sum(isinstance(m, nn.Linear) for m in model) == 4
     assert model(torch.randn(7, 3, 2, 2)).shape == (7, 5)
-    with pytest.raises(ValueError, match="at least 1"):
-        P.sweep_mlp(12, 20, 0)
 
 
 def test_random_batch_maker_is_deterministic_per_size():
@@ -721,33 +714,9 @@ def test_a_misspelt_cpu_bf16_override_is_an_error_not_a_guess(monkeypatch):
         P.cpu_has_native_bf16()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [({"cpu_native_bf16": "yes"}, TypeError, "cpu_native_bf16"),
-     ({"capability": "8.0"}, TypeError, "capability"),
-     ({"capability": (8,)}, TypeError, "capability")],
-)
-def test_policy_refuses_bad_overrides(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        P.precision_policy("cpu", "auto", **kwargs)
-
-
 # ---------------------------------------------------------------------------
 # Nonsense refused with the fix named
 # ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("args", "error", "match"),
-    [(("cpu", torch.int8, False), ValueError, "float16, torch.bfloat16 or None"),
-     (("cpu", torch.float64, False), ValueError, "precision_policy"),
-     (("cpu", torch.bfloat16, "no"), TypeError, "use_scaler"),
-     ((None, torch.bfloat16, False), TypeError, "device_type"),
-     (("", None, False), TypeError, "device_type")],
-)
-def test_precision_policy_constructor_refuses_nonsense(args, error, match):
-    with pytest.raises(error, match=match):
-        P.PrecisionPolicy(*args)
 
 
 def _tiny_sweep(**kwargs):
@@ -756,29 +725,6 @@ def _tiny_sweep(**kwargs):
                 batch_sizes=[4], device="cpu", steps=2, warmup=1)
     args.update(kwargs)
     return P.precision_sweep(**args)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [({"model_fn": None}, TypeError, "model_fn must be a function"),
-     ({"make_batch": "batch"}, TypeError, "make_batch must be a function"),
-     ({"loss_fn": 3}, TypeError, "loss_fn must be a function"),
-     ({"modes": "fp32"}, TypeError, "list of mode names"),
-     ({"modes": None}, TypeError, "list of mode names"),
-     ({"batch_sizes": None}, ValueError, "positive ints"),
-     ({"lr": float("nan")}, ValueError, "lr must be a positive finite"),
-     ({"lr": None}, ValueError, "lr must be a positive finite"),
-     ({"lr": "0.1"}, ValueError, "lr must be a positive finite"),
-     ({"seed": -1}, ValueError, "seed"),
-     ({"repeats": 0}, ValueError, "repeats"),
-     ({"steps": 1.5}, ValueError, "steps >= 1"),
-     ({"device": None}, TypeError, "not a device"),
-     ({"model_fn": lambda: "a model"}, TypeError, "nn.Module"),
-     ({"make_batch": lambda b, d: torch.zeros(b, 16)}, TypeError, "random_batch_maker")],
-)
-def test_sweep_refuses_bad_input_naming_the_fix(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        _tiny_sweep(**kwargs)
 
 
 def test_sweep_stops_when_training_diverges_like_train_does():
@@ -823,8 +769,7 @@ def test_sweep_blames_nan_in_the_initial_weights():
     ("kwargs", "error", "match"),
     [({"baseline": "fp64"}, ValueError, "not a sweep mode"),
      ({"candidate": "int8"}, ValueError, "not a sweep mode"),
-     ({"rows": None}, TypeError, "SweepRow"),
-     ({"rows": ["fp32"]}, TypeError, "SweepRow")],
+     ],
 )
 def test_compare_refuses_unknown_modes_and_wrong_rows(kwargs, error, match):
     args = {"rows": [], "baseline": "fp32", "candidate": "bf16"} | kwargs
@@ -926,30 +871,6 @@ def test_plain_fp16_grad_scaler_recipe_trains_on_the_cpu():
     assert scaler.get_scale() == 2.0**16  # no overflow in this small problem: no back-off
 
 
-@pytest.mark.parametrize("call, name", [
-    (lambda: P.format_sweep_table(None), "rows"),
-    (lambda: P.format_sweep_table("fp32"), "rows"),
-    (lambda: P.mode_unavailable_reason("bf16", "cuda", capability=8), "capability"),
-    (lambda: P.amp_sweep_mode("cuda", capability="no"), "capability"),
-    (lambda: P.mode_unavailable_reason("bf16", None), "device"),
-    (lambda: P.amp_sweep_mode(None), "device"),
-    (lambda: P.cpu_flags(None), "cpuinfo"),
-    (lambda: P.cpu_has_native_bf16(-1), "cpuinfo"),
-    (lambda: P.random_batch_maker(None), "input_shape"),
-    (lambda: P.random_batch_maker((4, "no")), "input_shape"),
-    (lambda: P.random_batch_maker((4,), num_classes="10"), "num_classes"),
-    (lambda: P.sweep_mlp("16", 8, 1), "in_features"),
-    (lambda: P.sweep_mlp(16, 8.0, 1), "width"),
-    (lambda: P.sweep_mlp(16, 8, True), "depth"),
-    (lambda: P.sweep_mlp(16, 8, 1, num_classes=None), "num_classes"),
-])
-def test_bad_arguments_get_an_error_naming_the_parameter(call, name):
-    with pytest.raises((TypeError, ValueError)) as info:
-        call()
-    assert name in str(info.value), str(info.value)
-    assert "' object" not in str(info.value)  # not a bare Python error
-
-
 # ---------------------------------------------------------------------------
 # Saved-activation bytes: the memory a CPU can count
 # ---------------------------------------------------------------------------
@@ -984,8 +905,6 @@ def test_the_counter_leaves_out_the_parameters_and_grows_with_the_batch():
     with everything:
         model(make(2, torch.device("cpu"))[0]).sum()
     assert everything.nbytes > counts["fp32", 2] - 4 * 2 * 10  # parameters counted now
-    with pytest.raises(TypeError, match="PrecisionPolicy"):
-        P.saved_activation_bytes(model, *make(2, torch.device("cpu")), "bf16")
 
 
 def test_sweep_rows_record_saved_bytes_and_the_table_shows_them():
@@ -1004,13 +923,11 @@ def test_sweep_rows_record_saved_bytes_and_the_table_shows_them():
     assert no_warmup[0].saved_activation_bytes == saved["fp32", 64]
 
 
-def test_sweep_cnn_takes_any_image_of_16_pixels_or_more_and_checks_its_widths():
+def test_sweep_cnn_takes_any_image_of_16_pixels_or_more():
     model = P.sweep_cnn(widths=(4, 8, 16))
     assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     assert model(torch.randn(2, 1, 16, 16)).shape == (2, 10)
     assert sum(isinstance(m, nn.Conv2d) for m in model) == 3
-    with pytest.raises(ValueError):
-        P.sweep_cnn(widths=(4, 0))
 
 
 def test_has_fp32_precision_api_reads_what_this_torch_offers(monkeypatch):
@@ -1047,7 +964,3 @@ def test_sweep_trains_with_the_optimizer_it_is_given_and_can_show_progress(capsy
         optimizer.step()
     assert rows[0].loss == pytest.approx(loss.item(), rel=1e-5)
     assert "sweep rows" in capsys.readouterr().err  # tqdm's text bar outside Jupyter
-    with pytest.raises(TypeError, match="make_optimizer"):
-        _tiny_sweep(make_optimizer="adam")
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
-        _tiny_sweep(make_optimizer=lambda parameters: None)
