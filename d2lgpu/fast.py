@@ -33,14 +33,8 @@ from d2lgpu.runtime.gpus import as_device, resolve_devices
 from d2lgpu.training import History, check_epoch_loss, evaluate_accuracy, progress_bar, start_run
 
 __all__ = [
-    "TECHNIQUES",
-    "Techniques",
-    "compile_model",
-    "fast_epoch",
-    "fused_sgd_device_types",
-    "make_sgd",
-    "technique_skip_reason",
-    "train_fast",
+    "TECHNIQUES", "Techniques", "compile_model", "fast_epoch", "fused_sgd_device_types",
+    "make_sgd", "technique_skip_reason", "train_fast",
 ]
 
 #: The techniques of the fast path, in the order chapter 7's ablation adds them.
@@ -266,53 +260,39 @@ def _fast_loaders(
 ) -> tuple[Iterable, Iterable]:
     """DeviceLoaders on ``device`` with ``device_data`` (tensor pairs are put there now),
     other loaders without it; the wrong kind is an error that names the fix."""
-    if not techniques.device_data:
-        for name, data in (("train_data", train_data), ("test_data", test_data)):
-            if _is_pair(data):
-                raise TypeError(
-                    f"{name} is a pair of tensors, which train_fast puts on the device only "
-                    "with the device_data switch: pass techniques=d2lgpu.Techniques.fast("
-                    "device), or DataLoaders without it")
-            if isinstance(data, DeviceLoader):
-                raise ValueError(
-                    f"{name} is a DeviceLoader, whose data already lives on {data.device}, "
-                    "but the device_data switch is off: pass techniques=d2lgpu.Techniques."
-                    "fast(device) (or Techniques(device_data=True))")
-            check_loader(name, data)
-        return train_data, test_data
     loaders = []
     for name, data, shuffle in (("train_data", train_data, True), ("test_data", test_data, False)):
-        if _is_pair(data):
-            data = DeviceLoader(*data, batch_size, device=device, shuffle=shuffle, seed=seed or 0,
-                                channels_last=techniques.channels_last)
-        elif not isinstance(data, DeviceLoader):
+        kind = "a DeviceLoader" if isinstance(data, DeviceLoader) else (
+            "a pair of tensors" if _is_pair(data) else None)
+        if not techniques.device_data:
+            if kind is not None:
+                raise TypeError(
+                    f"{name} is {kind}, which train_fast reads only with the device_data "
+                    "switch: pass techniques=d2lgpu.Techniques.fast(device), or DataLoaders")
+            loaders.append(check_loader(name, data))
+        elif kind is None:
             raise TypeError(
                 f"{name} must be a d2lgpu.DeviceLoader or a pair (uint8 images, labels), got "
                 f"{type(data).__name__}. The fast path keeps the data set on the device "
                 "instead of reading a DataLoader: use d2lgpu.fashion_mnist_on_device("
                 "batch_size, device), or switch device_data off (plain d2lgpu.Techniques()).")
+        elif kind == "a pair of tensors":
+            loaders.append(DeviceLoader(*data, batch_size, device=device, shuffle=shuffle,
+                                        seed=seed or 0, channels_last=techniques.channels_last))
         elif data.device != device:
             raise ValueError(
                 f"{name} lives on {data.device} but training runs on {device}: build the "
                 f"loader on {device} (e.g. d2lgpu.fashion_mnist_on_device(..., device))")
-        loaders.append(data)
+        else:
+            loaders.append(data)
     return loaders[0], loaders[1]
 
 
 def train_fast(
-    net: nn.Module,
-    train_data: object,
-    test_data: object,
-    num_epochs: int,
-    lr: float,
-    device: torch.device | str | None = None,
-    *,
-    techniques: Techniques | None = None,
-    batch_size: int = 256,
-    seed: int | None = 0,
-    precision: str | None = None,
-    progress: bool = True,
-    init: bool = True,
+    net: nn.Module, train_data: object, test_data: object, num_epochs: int, lr: float,
+    device: torch.device | str | None = None, *, techniques: Techniques | None = None,
+    batch_size: int = 256, seed: int | None = 0, precision: str | None = None,
+    progress: bool = True, init: bool = True,
 ) -> History:
     """Chapter 4's :func:`d2lgpu.train` on one device (None: :func:`d2lgpu.try_gpu`), with the
     switches of ``techniques`` (None: :meth:`Techniques.fast`) (chapter 7).

@@ -42,7 +42,7 @@ __all__ = [
     "memory_timeline_from_trace", "merge_intervals", "mfu_note", "op_table",
     "paired_multiply_add_ratio", "plot_memory_timeline", "plot_roofline", "plot_timeline",
     "previous_ran", "profiler_activities", "read_trace", "roofline_points", "run_ablation",
-    "runs_dir", "speed_ratios", "summarize_trace", "timeline_lanes", "training_window",
+    "runs_dir", "speed_ratios", "summarize_trace", "timeline_lanes",
 ]
 
 
@@ -269,14 +269,6 @@ def timeline_lanes(events: Sequence[TraceEvent]) -> dict[str, list[tuple[float, 
     return lanes
 
 
-def training_window(events: Sequence[TraceEvent]) -> tuple[float, float]:
-    """From the batch fetch before the first training step (if any) to the end of the last."""
-    steps = _train_steps(events)
-    first = steps[0].start_us
-    before = [e.start_us for e in _fetches(events) if e.end_us <= first]
-    return (max(before) if before else first), max(s.end_us for s in steps)
-
-
 _LANE_COLOURS = {
     "train steps": "tab:blue", "DataLoader": "tab:orange", "host ops": "tab:green",
     ".item() in steps": "tab:red", "GPU kernels": "tab:purple",
@@ -284,13 +276,14 @@ _LANE_COLOURS = {
 
 
 def plot_timeline(events: Sequence[TraceEvent], ax=None, *, title: str | None = None):
-    """Draw the :func:`training_window` of a trace as the lanes of :func:`timeline_lanes`, idle
-    gaps hatched, in ms from the first step (chapter 7)."""
+    """Draw a trace's training steps, from the batch fetch before the first, as the lanes of
+    :func:`timeline_lanes`, idle gaps hatched, in ms from the first step (chapter 7)."""
     import matplotlib.pyplot as plt
 
     lanes = timeline_lanes(events)
-    window = training_window(events)
     origin = lanes["train steps"][0][0]
+    fetched = [e.start_us for e in _fetches(events) if e.end_us <= origin]
+    window = (max(fetched) if fetched else origin), max(b for _, b in lanes["train steps"])
     names = [name for name in lanes if name != "idle"]
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.5 * len(names) + 1.3))
@@ -345,23 +338,6 @@ _SNAPSHOT_IS = ("a CUDA memory snapshot is the pickle that "
                 "torch.cuda.memory._record_memory_history()")
 
 
-def _read_snapshot(path: Path) -> Mapping[str, Any]:
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory, not a memory snapshot: {_SNAPSHOT_IS}")
-    if not path.is_file():
-        raise FileNotFoundError(f"no memory snapshot at {path}: {_SNAPSHOT_IS}")
-    try:
-        with open(path, "rb") as f:
-            snapshot = pickle.load(f)
-    except Exception as err:  # unpickling can raise almost anything
-        raise ValueError(f"{path} is not a memory snapshot (it does not read as a pickle: "
-                         f"{type(err).__name__}: {err}); {_SNAPSHOT_IS}") from None
-    if not isinstance(snapshot, Mapping):
-        raise ValueError(f"{path} holds a pickled {type(snapshot).__name__}, not a memory "
-                         f"snapshot (a dict with 'segments' and 'device_traces'); {_SNAPSHOT_IS}")
-    return snapshot
-
-
 def memory_timeline_from_snapshot(
     snapshot: Mapping[str, Any] | str | Path, device_index: int = 0
 ) -> list[tuple[float, int]]:
@@ -373,7 +349,18 @@ def memory_timeline_from_snapshot(
     the history added. Time is the entry's ``time_us``, else its position in the history.
     """
     if not isinstance(snapshot, Mapping):
-        snapshot = _read_snapshot(Path(snapshot))
+        path = Path(snapshot)
+        try:
+            with open(path, "rb") as f:
+                snapshot = pickle.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no memory snapshot at {path}: {_SNAPSHOT_IS}") from None
+        except Exception as err:  # a directory, or a file that does not unpickle
+            raise ValueError(f"{path} is not a memory snapshot ({type(err).__name__}: {err}); "
+                             f"{_SNAPSHOT_IS}") from None
+        if not isinstance(snapshot, Mapping):
+            raise ValueError(f"{path} holds a pickled {type(snapshot).__name__}, not a memory "
+                             f"snapshot (a dict with 'device_traces'); {_SNAPSHOT_IS}")
     traces = snapshot.get("device_traces")
     if traces is None:
         raise ValueError("not a CUDA memory snapshot: it has no 'device_traces'")
@@ -402,13 +389,8 @@ def memory_timeline_from_snapshot(
     return timeline
 
 
-def plot_memory_timeline(
-    timeline: Sequence[tuple[float, int]],
-    ax=None,
-    *,
-    spans: Sequence[tuple[float, float, str]] = (),
-    title: str | None = None,
-):
+def plot_memory_timeline(timeline: Sequence[tuple[float, int]], ax=None, *,
+                         spans: Sequence[tuple[float, float, str]] = (), title: str | None = None):
     """Draw allocated MiB over time (ms, from microseconds) as a step line, shading the
     ``(start, end, label)`` ``spans``, e.g. the training steps (chapter 7)."""
     import matplotlib.pyplot as plt
@@ -811,12 +793,8 @@ def ablation_settings(chosen: str | None = None) -> AblationSettings:
 
 
 def ablation_data(
-    batch_size: int,
-    device: torch.device | str,
-    *,
-    train_size: int | None = None,
-    test_size: int | None = None,
-    quick: bool | None = None,
+    batch_size: int, device: torch.device | str, *, train_size: int | None = None,
+    test_size: int | None = None, quick: bool | None = None,
 ) -> tuple[tuple[Iterable, Iterable], tuple[DeviceLoader, DeviceLoader]]:
     """The same Fashion-MNIST examples as DataLoaders (the d2l-style pipeline) and as
     :class:`d2lgpu.DeviceLoader` s on ``device``, for :func:`run_ablation` (chapter 7): the
@@ -864,11 +842,8 @@ def _profiled_events(fn: Callable[[], Any]) -> list:
 
 
 def count_technique_effect(
-    technique: str,
-    make_model: Callable[[], nn.Module],
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    lr: float,
-    device: torch.device,
+    technique: str, make_model: Callable[[], nn.Module],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]], lr: float, device: torch.device,
     before: Techniques,
 ) -> tuple[float, float]:
     """What switching ``technique`` on (on top of ``before``) changes, counted without it and
@@ -910,20 +885,12 @@ def count_technique_effect(
 
 
 def run_ablation(
-    make_model: Callable[[], nn.Module],
-    plan: Sequence[AblationStep],
-    dataloaders: tuple[Iterable, Iterable],
-    device_loaders: tuple[Iterable, Iterable],
-    num_epochs: int,
-    lr: float,
-    device: torch.device | str,
-    *,
-    seed: int = 0,
-    flops_per_example: float | None = None,
-    peak: float | None = None,
+    make_model: Callable[[], nn.Module], plan: Sequence[AblationStep],
+    dataloaders: tuple[Iterable, Iterable], device_loaders: tuple[Iterable, Iterable],
+    num_epochs: int, lr: float, device: torch.device | str, *, seed: int = 0,
+    flops_per_example: float | None = None, peak: float | None = None,
     on_row: Callable[[AblationRow], None] | None = None,
-    on_run: Callable[[AblationStep], None] | None = None,
-    repeats: int = 1,
+    on_run: Callable[[AblationStep], None] | None = None, repeats: int = 1,
 ) -> list[AblationRow]:
     """Train a fresh ``make_model()`` from ``seed`` with :func:`d2lgpu.train_fast` for every
     row of ``plan`` not skipped, ``repeats`` times interleaved (chapter 7).
@@ -1106,13 +1073,10 @@ def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Call
 
 
 def compare_compile_modes(
-    make_model: Callable[[], nn.Module],
-    batch: tuple[torch.Tensor, torch.Tensor],
+    make_model: Callable[[], nn.Module], batch: tuple[torch.Tensor, torch.Tensor],
     device: torch.device | str,
-    modes: Sequence[str] = ("eager", "default", "reduce-overhead", "max-autotune"),
-    *,
-    repeats: int = 20,
-    backend: str = "inductor",
+    modes: Sequence[str] = ("eager", "default", "reduce-overhead", "max-autotune"), *,
+    repeats: int = 20, backend: str = "inductor",
 ) -> list[CompileModeRow]:
     """Time one SGD training step (forward, backward and update) of a fresh, seeded
     ``make_model()`` per ``torch.compile`` mode ("eager": not compiled), each compiled with
@@ -1155,11 +1119,8 @@ def compare_compile_modes(
 
 
 def capture_training_step(
-    model: nn.Module,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    example: tuple[torch.Tensor, torch.Tensor],
-    *,
+    model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer, example: tuple[torch.Tensor, torch.Tensor], *,
     warmup_steps: int = 3,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Record one training step (forward, backward, optimizer step) as a CUDA graph and

@@ -505,7 +505,7 @@ def test_device_data_switch_reads_device_loaders_and_refuses_the_wrong_kind(monk
     assert calls == [resident[0], resident[1]]  # one training epoch, one evaluation
     with pytest.raises(TypeError, match="fashion_mnist_on_device"):
         run(Techniques(device_data=True), dataloaders)
-    with pytest.raises(ValueError, match="device_data"):
+    with pytest.raises(TypeError, match="a DeviceLoader.*device_data"):
         run(Techniques(), resident)  # the switch must say where the data was
 
 

@@ -166,20 +166,8 @@ def copy_into_static(fn: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor
     }
     for what, batch in bad_batches.items():
         before = [t.clone() for t in static]
-        try:
-            attempt(ex, fn, static, batch)
-        except ExerciseWrong:
-            raise
-        except ValueError:
-            pass
-        except RuntimeError as error:  # copy_ itself refused: torch's words, not the learner's
-            raise ExerciseWrong(
-                f"Exercise {ex}: {what}: copy_ refused it ({str(error).splitlines()[0]}); "
-                "compare shapes and dtypes first and raise a ValueError that says what differs"
-            ) from None
-        else:
-            raise ExerciseWrong(f"Exercise {ex}: {what}: a replay would compute the wrong thing "
-                                "or read past the data; raise a ValueError that says what differs")
+        expect_value_error(ex, fn, (static, batch),
+                           f"{what}: a replay would compute the wrong thing or read past the data")
         expect(ex, all(torch.equal(a, b) for a, b in zip(before, static, strict=True)),
                f"{what}: refuse before copying anything, so the static tensors stay as they were")
     passed(ex, "new batches go into the recorded tensors in place; other shapes, dtypes and "
