@@ -6,46 +6,130 @@ otherwise), as 2 data-parallel groups of 2 tensor-parallel ranks::
     torchrun --standalone --nproc_per_node=4 -m d2lgpu.model_parallel_train \\
         --dp 2 --tp 2 --steps 40 --checkpoint-dir checkpoints
 
-Every rank builds the same stack of blocks (:class:`d2lgpu.model_parallel.ModelSpec`,
-same seed), splits each block's matmuls over its ``tp`` group (``parallelize_module``,
-column-wise then row-wise), shards the pieces over its ``dp`` group (``fully_shard``),
-and trains on its ``dp`` group's share of every batch
-(:func:`d2lgpu.model_parallel.train_2d`). The data are a fixed random regression, the
-same on every machine, so a run can be checked against one process
-(:func:`d2lgpu.model_parallel.train_reference`).
-
-Every ``--save-every`` steps, and after the last, all ranks write a distributed
-checkpoint together (a temporary directory renamed when complete). Started again with
-the same ``--checkpoint-dir``, by hand or by ``torchrun --max-restarts``, a job
-continues from the latest complete checkpoint, **on any mesh shape**: saved on
-``--dp 2 --tp 1``, it resumes on ``--dp 1 --tp 2``, and DCP gives each rank the
-pieces of the saved tensors it now holds. Model, batch, sequence length, learning
-rate, seed and precision are recorded and must match; a different mesh is announced.
+Each block's matmuls are split over a ``tp`` group and the pieces sharded over a ``dp``
+group (:func:`d2lgpu.model_parallel.train_2d`). Started again with the same
+``--checkpoint-dir`` (by hand or by ``torchrun --max-restarts``), a job continues from the
+latest checkpoint on any mesh shape: DCP gives each rank the pieces it now holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
-from d2lgpu.model_parallel import (
-    ModelSpec,
-    ResumableTwoDRun,
-    TrainResult,
-    TwoDRun,
-    check_2d,
-)
+import torch
+from torch import nn
+
+from d2lgpu.model_parallel import ModelSpec, TrainResult, TwoDRun, check_2d, train_2d
 from d2lgpu.precision import PRECISIONS, check_precision, precision_policy
 from d2lgpu.runtime.checks import flag_type, positive_int_flag, positive_number_flag, seed_flag
-from d2lgpu.runtime.distributed import add_job_flags, process_group
-from d2lgpu.sharding import CheckpointError, fsdp2_unavailable_reason, prepare_checkpoint_root
+from d2lgpu.runtime.distributed import DistContext, add_job_flags, process_group
+from d2lgpu.sharding import (
+    CheckpointError,
+    check_resumable,
+    fsdp2_unavailable_reason,
+    latest_checkpoint,
+    load_checkpoint,
+    prepare_checkpoint_root,
+    read_checkpoint_extra,
+    save_checkpoint,
+)
 
 __all__ = ["main"]
 
 _COMMAND = "torchrun --standalone --nproc_per_node=N -m d2lgpu.model_parallel_train"
-_precision_flag = flag_type(lambda _name, value: check_precision(value, "--precision"), str)
+
+#: What a checkpoint records of its run and a resumed run must repeat, with the words that
+#: name each (for check_resumable). The mesh shape is recorded too, but may change.
+_MUST_MATCH = {
+    "model": "model (kind, width, hidden, depth, heads, norm)",
+    "batch_size": "global batch size",
+    "seq_len": "sequence length",
+    "lr": "learning rate",
+    "optimizer": "optimizer",
+    "seed": "seed",
+    "precision": "precision",
+}
+
+
+@dataclass(frozen=True)
+class ResumableTwoDRun:
+    """A :class:`TwoDRun` that writes a distributed checkpoint to ``checkpoint_root`` every
+    ``save_every`` steps and after the last (:func:`d2lgpu.sharding.save_checkpoint`), and
+    resumes from the latest one there, whatever mesh shape wrote it."""
+
+    two_d: TwoDRun
+    checkpoint_root: str
+    save_every: int
+    #: For showing a crash: the last rank is killed (SIGKILL, as the out-of-memory killer
+    #: does) after the forward of step ``kill_at_step`` (from 0), while the others wait for it.
+    kill_at_step: int | None = None
+
+    def run(self, ctx: DistContext) -> TrainResult:
+        prepare_checkpoint_root(self.checkpoint_root)  # before any training
+        return train_2d(self.two_d, ctx, self)
+
+    def _config(self, ctx: DistContext) -> dict[str, Any]:
+        run, spec = self.two_d, self.two_d.spec
+        return {
+            "model": [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
+            "batch_size": run.batch_size,
+            "seq_len": run.seq_len,
+            "lr": run.lr,
+            "optimizer": "sgd, momentum 0.9",
+            "seed": run.seed,
+            "precision": precision_policy(ctx.device, run.precision).name,
+        }
+
+    def resume(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
+               ctx: DistContext) -> tuple[int, list[float]]:
+        """Load the latest checkpoint, if there is one: (its step, the losses so far)."""
+        path = latest_checkpoint(self.checkpoint_root)
+        if path is None:
+            return 0, []
+        extra = read_checkpoint_extra(path)  # damage named first, before the settings
+        check_resumable(extra, self._config(ctx), path, _MUST_MATCH)
+        if extra["step"] >= self.two_d.steps:
+            raise CheckpointError(
+                f"checkpoint {path} is at step {extra['step']} and this run ends at step "
+                f"{self.two_d.steps}: nothing left to train. Ask for more steps (they count "
+                f"from the start, not from the checkpoint); or, to start fresh, delete "
+                f"{path.parent} or pass another checkpoint directory"
+            )
+        load_checkpoint(path, model, opt)
+        if "scaler" in extra:
+            scaler.load_state_dict(extra["scaler"])
+        saved = tuple(extra["mesh"])
+        if ctx.is_main:
+            print(f"resuming from {path} (step {extra['step']})", flush=True)
+            if saved != self.two_d.mesh_shape:
+                print(f"the checkpoint was written on a mesh (dp, tp) = {saved}, this run has "
+                      f"{self.two_d.mesh_shape}: each rank reads the pieces of the saved "
+                      "tensors it now holds", flush=True)
+        return extra["step"], list(extra["losses"])
+
+    def after_forward(self, step: int, ctx: DistContext) -> None:
+        if (ctx.world_size - 1, self.kill_at_step) == (ctx.rank, step):
+            print(f"rank {ctx.rank} is killed (SIGKILL) in step {step + 1}, after its "
+                  "forward; the others wait for it in backward", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_step(self, done: int, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
+                   losses: list[float], ctx: DistContext) -> None:
+        if done % self.save_every and done != self.two_d.steps:
+            return
+        extra = {"losses": losses, "mesh": list(self.two_d.mesh_shape),
+                 "config": self._config(ctx)}
+        if scaler.is_enabled():
+            extra["scaler"] = scaler.state_dict()
+        path = save_checkpoint(self.checkpoint_root, done, model, opt, extra)
+        if ctx.is_main:
+            print(f"step {done}/{self.two_d.steps}: loss {losses[-1]:.4f}; saved {path}",
+                  flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,63 +138,33 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a stack of blocks with FSDP2 over one mesh dimension (dp) and "
         "tensor parallel over the other (tp), with distributed checkpoints.",
     )
-    parser.add_argument(
-        "--dp",
-        type=positive_int_flag,
-        default=None,
-        help="data-parallel (FSDP2) ranks (default: the ranks / --tp)",
-    )
-    parser.add_argument(
-        "--tp",
-        type=positive_int_flag,
-        default=None,
-        help="tensor-parallel ranks per data-parallel group (default: 2 when the number of "
-        "ranks is even, else 1; the ranks / --dp when --dp is given)",
-    )
-    parser.add_argument("--steps", type=positive_int_flag, default=40)
-    parser.add_argument(
-        "--save-every",
-        type=positive_int_flag,
-        default=10,
-        help="steps between checkpoints; the last step is always saved (default %(default)s)",
-    )
-    parser.add_argument("--kind", choices=("mlp", "attention"), default=ModelSpec.kind)
-    parser.add_argument("--width", type=positive_int_flag, default=ModelSpec.width)
-    parser.add_argument(
-        "--hidden", type=positive_int_flag, default=ModelSpec.hidden, help="MLP hidden units"
-    )
-    parser.add_argument("--depth", type=positive_int_flag, default=ModelSpec.depth)
-    parser.add_argument("--heads", type=positive_int_flag, default=ModelSpec.heads)
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int_flag,
-        default=16,
-        help="global batch size, split evenly over the dp groups (default %(default)s)",
-    )
-    parser.add_argument("--seq-len", type=positive_int_flag, default=16)
-    parser.add_argument(
-        "--lr", type=positive_number_flag, default=0.05, help="SGD's learning rate (momentum 0.9)"
-    )
-    parser.add_argument("--seed", type=seed_flag, default=0)
-    parser.add_argument(
-        "--precision",
-        type=_precision_flag,
-        metavar="{" + ",".join(PRECISIONS) + "}",
-        default="auto",
-        help="auto: the device's rule (bf16 from compute capability 8.0, fp16 on 7.x; on a "
-        "CPU bf16 where it runs natively, else fp32); bf16/fp16: FSDP2 computes in it and "
-        "reduces gradients in fp32 (default %(default)s)",
-    )
-    parser.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        help="resume from the latest checkpoint here, and write one every --save-every steps",
-    )
-    add_job_flags(
-        parser,
-        crash_point="this epoch's checkpoint (an epoch here is --save-every steps)",
-        data=False,
-    )
+    add = parser.add_argument
+    add("--dp", type=positive_int_flag, help="data-parallel (FSDP2) ranks (default: the ranks "
+        "/ --tp)")
+    add("--tp", type=positive_int_flag, help="tensor-parallel ranks per data-parallel group "
+        "(default: the ranks / --dp, or 2 when neither is given and the ranks are even, else 1)")
+    add("--steps", type=positive_int_flag, default=40)
+    add("--save-every", type=positive_int_flag, default=10,
+        help="steps between checkpoints; the last step is always saved (default %(default)s)")
+    add("--kind", choices=("mlp", "attention"), default=ModelSpec.kind)
+    add("--width", type=positive_int_flag, default=ModelSpec.width)
+    add("--hidden", type=positive_int_flag, default=ModelSpec.hidden, help="MLP hidden units")
+    add("--depth", type=positive_int_flag, default=ModelSpec.depth)
+    add("--heads", type=positive_int_flag, default=ModelSpec.heads)
+    add("--batch-size", type=positive_int_flag, default=16,
+        help="global batch size, split evenly over the dp groups (default %(default)s)")
+    add("--seq-len", type=positive_int_flag, default=16)
+    add("--lr", type=positive_number_flag, default=0.05, help="SGD's learning rate (momentum 0.9)")
+    add("--seed", type=seed_flag, default=0)
+    add("--precision", type=flag_type(lambda _, value: check_precision(value, "--precision"), str),
+        metavar="{" + ",".join(PRECISIONS) + "}", default="auto",
+        help="auto: the device's rule (bf16 from compute capability 8.0, fp16 on 7.x; on a CPU "
+        "bf16 where it runs natively, else fp32); bf16/fp16: FSDP2 computes in it and reduces "
+        "gradients in fp32 (default %(default)s)")
+    add("--checkpoint-dir",
+        help="resume from the latest checkpoint here, and write one every --save-every steps")
+    add_job_flags(parser, data=False,
+                  crash_point="this epoch's checkpoint (an epoch here is --save-every steps)")
     return parser
 
 
@@ -158,7 +212,7 @@ def _parse_args(
                     args.precision)
     if args.checkpoint_dir is None:
         return args, two_d
-    return args, ResumableTwoDRun(two_d, args.checkpoint_dir, args.save_every, log=True)
+    return args, ResumableTwoDRun(two_d, args.checkpoint_dir, args.save_every)
 
 
 def main(argv: Sequence[str] | None = None) -> TrainResult:
@@ -170,30 +224,22 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
             f"torchrun, e.g. `{_COMMAND.replace('=N', '=4')} --dp 2 --tp 2`"
         )
     args, job = _parse_args(argv, int(os.environ["WORLD_SIZE"]))
-    assert job is not None
     with process_group(timeout_s=args.timeout) as ctx:
         reason = fsdp2_unavailable_reason(ctx.device.type)
         if reason is not None:
             raise RuntimeError(reason)
         two_d = job.two_d if isinstance(job, ResumableTwoDRun) else job
-        if isinstance(job, ResumableTwoDRun) and args.fail_after_epoch is not None:
-            # The first attempt only: a restarted job (torchrun counts attempts) runs through.
-            if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-                job = replace(
-                    job,
-                    kill_rank=ctx.world_size - 1,
-                    kill_at_step=args.fail_after_epoch * job.save_every,
-                )
+        # A crash on the first attempt only: a restarted job (torchrun counts them) runs through.
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if args.fail_after_epoch is not None and restarts == 0:
+            job = replace(job, kill_at_step=args.fail_after_epoch * job.save_every)
         if ctx.is_main:
             dp, tp = two_d.mesh_shape
             params = sum(p.numel() for p in two_d.spec.build().parameters())
             policy = precision_policy(ctx.device, two_d.precision)
-            print(
-                f"{ctx.world_size} ranks, backend {ctx.backend}; mesh (dp, tp) = ({dp}, {tp}); "
-                f"{two_d.spec.depth} {two_d.spec.kind} blocks, {params:,} parameters; "
-                f"precision {policy.name}",
-                flush=True,
-            )
+            print(f"{ctx.world_size} ranks, backend {ctx.backend}; mesh (dp, tp) = ({dp}, {tp}); "
+                  f"{two_d.spec.depth} {two_d.spec.kind} blocks, {params:,} parameters; "
+                  f"precision {policy.name}", flush=True)
             print(f"global batch {two_d.batch_size} ({two_d.batch_size // dp} per dp group) x "
                   f"{two_d.seq_len} positions, {two_d.steps} steps", flush=True)
         result = job.run(ctx)
