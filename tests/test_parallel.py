@@ -42,11 +42,6 @@ def test_split_batch_accepts_device_strings() -> None:
     assert all(s.device == CPU for s in X_shards + y_shards)
 
 
-def test_split_batch_rejects_an_empty_device_list() -> None:
-    with pytest.raises(ValueError, match="at least one device"):
-        split_batch(torch.zeros(4, 2), torch.zeros(4), [])
-
-
 def test_split_batch_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="X has 4 examples but y has 3"):
         split_batch(torch.zeros(4, 2), torch.zeros(3), [CPU])
@@ -55,11 +50,6 @@ def test_split_batch_rejects_mismatched_lengths() -> None:
 def test_split_batch_rejects_fewer_examples_than_devices() -> None:
     with pytest.raises(ValueError, match="cannot split 2 examples across 3 devices"):
         split_batch(torch.zeros(2, 5), torch.zeros(2), [CPU] * 3)
-
-
-def test_split_batch_rejects_scalars() -> None:
-    with pytest.raises(ValueError, match="batch dimension"):
-        split_batch(torch.tensor(1.0), torch.tensor(1.0), [CPU])
 
 
 @pytest.mark.gpu
@@ -120,21 +110,6 @@ def test_allreduce_works_on_parameters_that_require_grad() -> None:
     assert all(torch.equal(p, torch.full((2,), 3.0)) for p in params)
 
 
-def test_allreduce_rejects_an_empty_list() -> None:
-    with pytest.raises(ValueError, match="empty"):
-        allreduce([])
-
-
-def test_allreduce_rejects_mismatched_shapes() -> None:
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        allreduce([torch.zeros(2, 3), torch.zeros(3, 2)])
-
-
-def test_allreduce_rejects_mismatched_dtypes() -> None:
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        allreduce([torch.zeros(2), torch.zeros(2, dtype=torch.float16)])
-
-
 def test_allreduce_names_missing_gradients() -> None:
     with pytest.raises(TypeError, match="backward"):
         allreduce([torch.zeros(2), None])  # type: ignore[list-item]
@@ -184,7 +159,7 @@ def test_max_abs_difference_finds_the_largest_gap() -> None:
 
 
 def test_max_abs_difference_rejects_mismatched_lists() -> None:
-    with pytest.raises(ValueError, match="hold 1 and 2"):
+    with pytest.raises(ValueError, match="argument 2 is longer"):
         max_abs_difference([torch.zeros(1)], [torch.zeros(1), torch.zeros(1)])
     with pytest.raises(ValueError, match="shape"):
         max_abs_difference([torch.zeros(2)], [torch.zeros(3)])
@@ -200,11 +175,6 @@ def test_max_abs_difference_counts_nan_as_a_difference() -> None:
     # A NaN in a later tensor is not hidden by a finite gap in an earlier one.
     assert max_abs_difference([torch.ones(2), torch.zeros(1)],
                               [torch.zeros(2), torch.tensor([float("nan")])]) == math.inf
-
-
-def test_max_abs_difference_rejects_empty_tensors() -> None:
-    with pytest.raises(ValueError, match="tensor 1 is empty"):
-        max_abs_difference([torch.zeros(2), torch.zeros(0)], [torch.zeros(2), torch.zeros(0)])
 
 
 def _no_cuda(monkeypatch) -> None:
@@ -310,15 +280,6 @@ def test_data_parallel_step_rejects_a_mean_reduced_loss() -> None:
         data_parallel_step(_mlp_forward, replicas, X, y, 0.1, loss_fn=F.cross_entropy)
 
 
-def test_data_parallel_step_rejects_bad_replicas() -> None:
-    X, y = _batches(batch_size=4, steps=1)[0]
-    with pytest.raises(ValueError, match="at least one replica"):
-        data_parallel_step(_mlp_forward, [], X, y, 0.1)
-    uneven = [replicate_params(_mlp_params(), CPU), replicate_params(_mlp_params()[:2], CPU)]
-    with pytest.raises(ValueError, match="same, non-empty list"):
-        data_parallel_step(_mlp_forward, uneven, X, y, 0.1)
-
-
 @pytest.mark.gpu
 def test_data_parallel_step_on_a_gpu_and_the_cpu_matches_one_device() -> None:
     batches = _batches(batch_size=10, steps=5)
@@ -351,30 +312,6 @@ def _problem():
     X = torch.randn(8, 4, generator=gen)
     y = torch.randint(0, 3, (8,), generator=gen)
     return W, X, y
-
-
-@pytest.mark.parametrize(
-    "call, error, match",
-    [(lambda X, y: split_batch(None, y, [CPU]), TypeError, r"X must be a torch.Tensor, got None"),
-     (lambda X, y: split_batch(X, y, None), TypeError, r"devices must be a list of devices"),
-     (lambda X, y: split_batch(X, y, "cpu"), TypeError, r"single device 'cpu'.*\['cpu'\]"),
-     (lambda X, y: split_batch(X, y, [3]), TypeError, r"a device must be a torch.device"),
-     (lambda X, y: allreduce(None), TypeError, r"tensors must be a list of tensors"),
-     (lambda X, y: allreduce(X), TypeError, r"got one tensor"),
-     (lambda X, y: replicate_params(None, CPU), TypeError, r"params must be a list"),
-     (lambda X, y: replicate_params([X], None), TypeError, r"a device must be"),
-     (lambda X, y: max_abs_difference(None, [X]), TypeError, r"tensors_a must be a list"),
-     (lambda X, y: max_abs_difference([X], [None]), TypeError, r"tensors_b\[0\] must be a"),
-     (lambda X, y: data_parallel_step(None, [[X]], X, y, 0.1), TypeError, r"forward must be"),
-     (lambda X, y: data_parallel_step(_linear, None, X, y, 0.1), TypeError,
-      r"replicas must be a list"),
-     (lambda X, y: data_parallel_step(_linear, [[X]], X, y, 0.1), ValueError,
-      r"does not require grad.*replicate_params")],
-)
-def test_bad_input_is_named(call, error, match) -> None:
-    _, X, y = _problem()
-    with pytest.raises(error, match=match):
-        call(X, y)
 
 
 @pytest.mark.parametrize("lr", [math.nan, math.inf, None, "0.1", True, -0.1])
@@ -436,10 +373,3 @@ def test_choose_cpu_threads_takes_the_best_worst_repeat(speeds, chosen):
     assert choose_cpu_threads(speeds) == chosen
 
 
-@pytest.mark.parametrize("speeds", [{}, {0: [1.0]}, {2: []}, {2: [1.0, -1.0]},
-                                    {2: [float("nan")]}, [1.0]])
-def test_choose_cpu_threads_refuses_bad_readings(speeds):
-    from d2lgpu.parallel import choose_cpu_threads
-
-    with pytest.raises(ValueError):
-        choose_cpu_threads(speeds)

