@@ -1,11 +1,6 @@
-"""Chapter 5's demonstrations: a rank that fails on purpose, Hogwild training (several
-processes training one model whose tensors live in shared memory, each updating it in
-place without locks, the pattern of PyTorch's own MNIST Hogwild example), and
-DataParallel against DDP counted in bytes over the busiest GPU's link.
-
-They run on the runtime's launcher and process groups (``d2lgpu.runtime.distributed``);
-the chapter's own cells write the techniques in plain PyTorch first.
-"""
+"""Chapter 5's demonstrations: a rank that fails on purpose, Hogwild training (processes
+updating one model in shared memory without locks), and DataParallel against DDP counted
+in bytes over the busiest GPU's link."""
 
 from __future__ import annotations
 
@@ -32,13 +27,8 @@ __all__ = [
 def faulty_worker(
     rank: int, world_size: int, master_port: int, bad_rank: int, timeout_s: float = 30.0
 ) -> float:
-    """A worker that goes wrong on purpose, to show what :func:`launch` does with a failure
-    (chapter 5).
-
-    Rank ``bad_rank`` raises ``ValueError`` before the all-reduce; the other
-    ranks are already waiting in it and would wait until ``timeout_s`` if the
-    launcher did not notice the failure and stop them.
-    """
+    """Rank ``bad_rank`` raises before the all-reduce its peers wait in, to show what
+    :func:`launch` does with a failure (chapter 5)."""
     with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
         if ctx.rank == bad_rank:
             raise ValueError(f"rank {ctx.rank} found a bad batch (raised on purpose)")
@@ -91,18 +81,10 @@ def hogwild_train(
     seed: int = 0,
     timeout_s: float = 300.0,
 ) -> nn.Module:
-    """Train a CPU model with ``nprocs`` processes that all update the same shared parameters
-    (chapter 5).
+    """Train a CPU model (MSE loss) with ``nprocs`` processes that all update its shared
+    parameters in place, without locks (chapter 5); ``model`` then holds everybody's updates.
 
-    Regression (MSE loss). The model's tensors are moved into shared memory
-    (``model.share_memory()``, which calls
-    ``share_memory_()`` on every parameter and buffer), then every process gets a handle to that
-    memory, not a copy: when the call returns, ``model`` in the caller holds
-    the result of everybody's updates. The updates race (no locks); for sparse
-    or small updates that costs little accuracy, which is the point of Hogwild.
-    Like ``d2lgpu.training.train``, it refuses data or weights holding nan or inf, and
-    raises ``FloatingPointError`` when training diverged (the loss over the data is not
-    finite afterwards, or ten times what it was) instead of returning exploded weights.
+    Raises ``FloatingPointError`` when training diverged, by the course's one rule.
     """
     check_module("model", model)
     for name, tensor in (("features", features), ("targets", targets)):
@@ -136,9 +118,7 @@ def hogwild_train(
         (model, features, targets, nprocs, epochs, batch_size, lr, seed),
         timeout_s=timeout_s,
     )
-    # The course's one divergence rule (d2lgpu.runtime.checks): a loss that is not finite, or ten
-    # times the one training started from, is a diverged run, never a result. The ranks'
-    # steps race, so the loss over all the data, before and after, is what can be read.
+    # The ranks' steps race: the loss over all the data, before and after, is what is judged.
     with torch.no_grad():
         after = nn.functional.mse_loss(model(features), targets).item()
     check_training_loss(after, when=f"hogwild training ({epochs} epoch(s))", lr=lr,
@@ -156,34 +136,12 @@ def busiest_gpu_bytes(
     output_bytes: int = 0,
     buffer_bytes: int = 0,
 ) -> dict[str, float]:
-    """The fewest bytes the busiest GPU's link carries in one training step, for both wrappers
-    (chapter 5).
+    """The fewest bytes the busiest GPU's link carries in one training step, for
+    DataParallel and DDP (chapter 5, which derives both).
 
-    Counted are the bytes that must cross one GPU's link, one phase after another, when
-    every collective runs as fast as its link allows. Divided by the link's bandwidth (one
-    direction) they give the least time the step's communication takes, by the bounds in
-    NVIDIA's nccl-tests (``doc/PERFORMANCE.md``): a broadcast must send all ``S`` bytes out
-    of its root and a reduce must bring ``S`` bytes into its root, ``t >= S/B`` each; an
-    all-reduce over ``N`` ranks needs ``t >= 2 (N - 1)/N * S/B`` on every rank.
-
-    ``DataParallel`` (``torch/nn/parallel/data_parallel.py``; the batch starts on GPU 0):
-    everything passes GPU 0. Per step it scatters ``(N - 1)/N`` of the input out, broadcasts
-    the parameters and buffers to the replicas (``replicate`` -> ``comm.broadcast_coalesced``,
-    an NCCL broadcast), gathers ``(N - 1)/N`` of the outputs in and sends their gradient back
-    out (``Gather`` and its backward), and reduces the replicas' gradients into GPU 0
-    (``Broadcast``'s backward -> ``comm.reduce_add_coalesced``, an NCCL reduce)::
-
-        2 * param_bytes + buffer_bytes + (N - 1)/N * (input_bytes + 2 * output_bytes)
-
-    ``DDP`` (``torch/nn/parallel/distributed.py``): each rank loads its own share of the
-    batch; the gradients are all-reduced, and rank 0's buffers are broadcast before every
-    forward (``forward_sync_buffers``, formerly ``broadcast_buffers``, True by default)::
-
-        2 (N - 1)/N * param_bytes + buffer_bytes
-
-    The parameter terms differ by a factor ``N/(N - 1)`` (2 on two GPUs, 8/7 on eight): what
-    makes DataParallel slower is less the bytes than when and how they move (chapters 4 and
-    5). One device moves nothing.
+    DataParallel passes everything through GPU 0: ``2 * param_bytes + buffer_bytes +
+    (N - 1)/N * (input_bytes + 2 * output_bytes)``. DDP all-reduces the gradients and
+    broadcasts the buffers: ``2 (N - 1)/N * param_bytes + buffer_bytes``.
     """
     check_positive_int("world_size", world_size)
     for name, value in (("param_bytes", param_bytes), ("input_bytes", input_bytes),

@@ -22,20 +22,14 @@ import pytest
 import torch
 
 from d2lgpu.ddp_demos import hogwild_train
-from d2lgpu.healthcheck import health_check
 from d2lgpu.runtime import distributed
 from d2lgpu.runtime.distributed import (
     CollectiveTimeout,
-    DistContext,
     RankError,
     _Outcome,
     _raise_first_failure,
-    add_job_flags,
-    all_reduce_sum,
-    end_process,
     find_free_port,
     launch,
-    mark_progress,
     process_group,
     run_together,
 )
@@ -180,9 +174,6 @@ def test_rendezvous_on_a_port_held_by_another_program_ends_within_the_timeout(re
         ({"timeout_s": math.inf}, "timeout_s"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"timeout_s": "60"}, "timeout_s"),
-        ({"poll_s": -1}, "poll_s"),
-        ({"poll_s": 0}, "poll_s"),
-        ({"poll_s": math.nan}, "poll_s"),
         ({"grace_s": -1}, "grace_s"),
         ({"grace_s": math.nan}, "grace_s"),
     ],
@@ -333,9 +324,10 @@ def test_the_ranks_that_did_not_time_out_are_found_within_the_gather_time(monkey
     assert time.monotonic() - start < 0.3  # everyone noted: no wait
 
 
-def test_two_processes_that_claim_rank_0_are_named_as_such():
-    # The second rank 0 finds the port taken and asks the store there who serves it.
-    with pytest.raises(RuntimeError, match=r"two processes claim rank 0\b.*own rank, 0 to "
+def test_two_processes_that_claim_rank_0_are_named_as_a_cause():
+    # The second rank 0 finds the port taken.
+    with pytest.raises(RuntimeError, match=r"a second process started as rank 0 holds it "
+                                           r"\(give every process its own rank, 0 to "
                                            r"world_size-1"):
         launch(workers.claim_rank, 2, ([0, 0], 2, find_free_port()), timeout_s=60)
 
@@ -470,11 +462,6 @@ def test_every_entry_point_ends_through_end_process(module):
     assert "end_process(" in text and "os._exit" not in text and "sys.exit" not in text, text
 
 
-def test_end_process_refuses_a_status_that_is_not_an_int():
-    with pytest.raises(TypeError, match="status"):
-        end_process(True)
-
-
 # --- bad input to the public helpers names the fix -------------------------------------------
 
 
@@ -486,23 +473,12 @@ def test_find_free_port_names_a_host_it_cannot_use():
 
 
 def test_helpers_refuse_wrong_types_naming_what_they_take():
-    ctx = DistContext(0, 1, 0, 1, "gloo", torch.device("cpu"))
-    with pytest.raises(TypeError, match="values must be a sequence of numbers"):
-        all_reduce_sum(None, ctx)
-    with pytest.raises(TypeError, match="ctx must be the DistContext"):
-        all_reduce_sum([1.0], None)
     with pytest.raises(TypeError, match="fn must be a function"):
         launch(None, 2)
     with pytest.raises(TypeError, match="args must be a tuple"):
         launch(workers.return_rank, 1, [1])
     with pytest.raises(TypeError, match="commands must be a list"):
         run_together("echo hi")
-    with pytest.raises(TypeError, match="label must be a str"):
-        mark_progress(None)
-    with pytest.raises(TypeError, match="parser must be"):
-        add_job_flags(None, crash_point="x")
-    with pytest.raises(TypeError, match="ctx must be the DistContext"):
-        health_check(None)
 
 
 @pytest.mark.parametrize(

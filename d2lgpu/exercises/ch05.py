@@ -1,10 +1,5 @@
-"""Checks for chapter 5's exercises (distributed data parallel).
-
-Everything runs in the notebook's own process: the sampler takes its rank and world size
-as arguments, the ranks of a gradient average are computed one after the other, and the
-one check that needs DistributedDataParallel itself builds it on a process group of world
-size 1 (gloo, with a ``HashStore``: no port, no second process), which it destroys again.
-"""
+"""Checks for chapter 5's exercises, all in the notebook's own process (DDP itself on a
+gloo group of world size 1 over a ``HashStore``)."""
 
 from __future__ import annotations
 
@@ -31,12 +26,8 @@ from d2lgpu.exercises import (
 
 
 def shard_indices(fn: Callable[..., list[int]]) -> None:
-    """Exercise 5.1: ``fn(n, world, rank, shuffle, seed, epoch, drop_last)`` is a rank's share.
-
-    Compared with what ``DistributedSampler(range(n), num_replicas=world, rank=rank, ...)``
-    yields after ``set_epoch(epoch)``: data sets that divide and that do not, fewer examples
-    than ranks, shuffled and not, with and without ``drop_last``.
-    """
+    """Exercise 5.1: ``fn(n, world, rank, shuffle, seed, epoch, drop_last)`` is a rank's
+    share, as ``DistributedSampler`` yields it after ``set_epoch(epoch)``."""
     ex = "5.1"
     cases = [(n, world) for n in (8, 7, 10, 3) for world in (1, 2, 3, 4)] + [(3, 8), (1, 2)]
     for n, world in cases:
@@ -103,12 +94,8 @@ def _ddp_reference(model: nn.Module, X: torch.Tensor, y: torch.Tensor, world: in
 
 
 def ddp_gradient(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torch.Tensor]) -> None:
-    """Exercise 5.2: ``fn(model, features, labels, world)``, the gradient DDP's ranks agree on.
-
-    The batch is split as ``DistributedSampler(shuffle=False)`` splits it (padding included),
-    each rank's loss is the mean cross-entropy of its share, and the all-reduce averages the
-    ranks' gradients. Compared with that average, computed here rank by rank.
-    """
+    """Exercise 5.2: ``fn(model, features, labels, world)``, the gradient DDP's ranks agree
+    on: the mean of the ranks' gradients, each of its ``DistributedSampler`` share."""
     ex = "5.2"
     model = _small_classifier()
     before = [p.detach().clone() for p in model.parameters()]
@@ -177,25 +164,16 @@ def _accumulation_model() -> nn.Sequential:
 
 
 def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], float]) -> None:
-    """Exercise 5.3: ``fn(model, micro_batches)`` accumulates gradients with one all-reduce.
-
-    ``model`` is a DDP model on a gloo group of world size 1 built here; the chapter's
-    communication hook counts the all-reduces (one per bucket, and this model's gradients
-    fill one bucket), hooks on the wrapped module count its forward passes (with their rows)
-    and its backward passes. Compared: one forward and one backward per micro-batch, one
-    all-reduce, the gradient (the whole batch's mean loss) and the returned loss.
-    """
+    """Exercise 5.3: ``fn(model, micro_batches)`` accumulates gradients with one all-reduce:
+    one forward and backward per micro-batch, the whole batch's gradient and loss."""
     ex = "5.3"
     refuse_stub_early(ex, fn, 2)
     with _one_rank_group(ex):
         try:
             _check_accumulation(ex, fn)
         except BaseException as exc:
-            # A wrong answer raises with the checks' frames in its traceback, and with them
-            # their DDP models, which would then be destroyed after the process group, at
-            # whatever moment the caller drops the exception. Destroying a DDP model after
-            # its gloo group was seen to block for good in native code (torch 2.9), so the
-            # frames' locals go now, while the group exists.
+            # The exception's frames hold the checks' DDP models: destroying one after its
+            # gloo group was seen to block for good (torch 2.9), so they go now.
             seen: set[int] = set()
             while exc is not None and id(exc) not in seen:  # its cause and context too
                 seen.add(id(exc))
@@ -269,12 +247,8 @@ def _check_accumulation(ex: str, fn: Callable[[DDP, Sequence[tuple[torch.Tensor,
 
 
 def ring_all_reduce_seconds(fn: Callable[[float, int, float, float], float]) -> None:
-    """Exercise 5.4: ``fn(nbytes, n, bandwidth, latency)``, the ring's time in a simple model.
-
-    The chapter's ring: 2(n - 1) steps, in each of which every rank sends one chunk of
-    ``nbytes / n`` to its neighbour, all at once; a step costs ``latency`` seconds plus the
-    chunk's bytes over ``bandwidth`` (bytes per second).
-    """
+    """Exercise 5.4: ``fn(nbytes, n, bandwidth, latency)``, the time of the chapter's ring:
+    2(n - 1) steps of ``latency`` plus a chunk of ``nbytes / n`` over ``bandwidth``."""
     ex = "5.4"
     for nbytes in (4e3, 1 << 20, 25 * (1 << 20), 1e9):
         for n in (1, 2, 3, 8, 64):

@@ -40,29 +40,22 @@ __all__ = [
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is an int >= 1; otherwise a ValueError naming ``name``.
-
-    bool is refused although it is an int subclass: ``batch_size=True`` is a mistake.
-    """
+    """``value`` if it is an int >= 1 (not a bool); else a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
 def check_seed(value: object) -> int:
-    """Return ``value`` if torch takes it as a seed (an int from 0 to 2**64 - 1); otherwise
-    a ValueError with that range (torch itself says "Overflow when unpacking long")."""
+    """``value`` if torch takes it as a seed (an int from 0 to 2**64 - 1); else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
         raise ValueError(f"seed must be an int from 0 to 2**64 - 1, got {value!r}")
     return value
 
 
 def check_bool(name: str, value: object, *, none_means: str | None = None) -> bool | None:
-    """Return ``value`` if it is True or False (or None, when ``none_means`` says what
-    None stands for); otherwise a TypeError naming ``name``.
-
-    A truthy string such as ``"no"`` or ``"false"`` would otherwise read as True.
-    """
+    """``value`` if it is True or False (or None, when ``none_means`` says what None stands
+    for); else a TypeError naming ``name``: a string such as ``"no"`` would read as True."""
     if isinstance(value, bool) or (value is None and none_means is not None):
         return value
     allowed = "True or False" + (f" (or None: {none_means})" if none_means else "")
@@ -70,8 +63,7 @@ def check_bool(name: str, value: object, *, none_means: str | None = None) -> bo
 
 
 def check_capability(capability: object) -> tuple[int, int]:
-    """``capability`` if it is a (major, minor) tuple of ints, as
-    ``torch.cuda.get_device_capability()`` returns; else a TypeError naming it."""
+    """``capability`` if it is a (major, minor) tuple of ints; else a TypeError."""
     if not (
         isinstance(capability, tuple) and len(capability) == 2
         and all(isinstance(c, int) and not isinstance(c, bool) for c in capability)
@@ -81,8 +73,7 @@ def check_capability(capability: object) -> tuple[int, int]:
 
 
 def check_callable(name: str, value: object, *, example: str) -> None:
-    """A TypeError naming ``name`` and an ``example`` of what to pass, unless ``value`` can be
-    called."""
+    """A TypeError naming ``name`` and an ``example``, unless ``value`` can be called."""
     if not callable(value):
         raise TypeError(f"{name} must be a function to call (e.g. {example}), got "
                         f"{type(value).__name__} {value!r:.60}")
@@ -97,11 +88,8 @@ def check_warmup_repeats(warmup: object, repeats: object) -> None:
 
 
 def check_positive_float(name: str, value: object) -> float:
-    """Return ``value`` as a float if it is a finite number > 0, else a ValueError naming ``name``.
-
-    nan and inf are refused: an infinite learning rate or timeout is a mistake,
-    and nan compares false with everything, so it would slip through ``> 0``.
-    """
+    """``value`` as a float if it is a finite number > 0 (nan and inf refused); else a
+    ValueError naming ``name``."""
     if (
         isinstance(value, bool)
         or not isinstance(value, Real)
@@ -113,10 +101,8 @@ def check_positive_float(name: str, value: object) -> float:
 
 
 def flag_type(check: Callable[[str, object], object], parse: type) -> Callable[[str], object]:
-    """An argparse ``type=`` that parses with ``parse`` and checks with one of the checks here.
-
-    argparse turns the error into a usage error: ``argument --epochs: must be ...``, exit 2.
-    """
+    """An argparse ``type=`` that parses with ``parse`` and checks with ``check``; argparse
+    turns its error into a usage error (exit 2)."""
 
     def convert(text: str) -> object:
         try:
@@ -158,12 +144,8 @@ def _given(value: object) -> str:
 def check_finite_float(
     name: str, value: object, *, minimum: float | None = None, below: float | None = None
 ) -> float:
-    """Return ``value`` as a float if it is a finite real number in ``[minimum, below)``.
-
-    Otherwise a ValueError naming ``name``, the accepted range and what was given:
-    None, a bool, a string, nan or inf are refused (nan would pass every comparison
-    test written the other way round, since it compares false with everything).
-    """
+    """``value`` as a float if it is a finite real number in ``[minimum, below)``; else a
+    ValueError naming ``name``, the range and what was given."""
     ok = not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value)
     ok = ok and (minimum is None or value >= minimum) and (below is None or value < below)
     if not ok:
@@ -177,11 +159,8 @@ def check_finite_float(
 
 
 def check_str_list(name: str, value: object, *, fix: str = "") -> list[str]:
-    """Return ``value`` as a list of strings; a lone string, None or non-strings are refused.
-
-    A lone string would otherwise be iterated letter by letter (``legend="loss"``
-    becoming four lines called l, o, s and s).
-    """
+    """``value`` as a list of strings; a lone string (iterated letter by letter otherwise),
+    None or non-strings are refused."""
     hint = f" {fix}" if fix else ""
     if isinstance(value, str):
         raise TypeError(
@@ -199,11 +178,8 @@ def check_str_list(name: str, value: object, *, fix: str = "") -> list[str]:
 
 
 def check_sequence(name: str, value: object, *, of: str, allow_empty: bool = False) -> list:
-    """Return ``value`` as a list if it is a list, tuple or other non-string iterable.
-
-    ``of`` says what the items should be (for the message). None, a string or a
-    non-iterable is a TypeError; an empty one a ValueError unless ``allow_empty``.
-    """
+    """``value`` as a list if it is a non-string iterable of ``of`` (for the message);
+    empty is a ValueError unless ``allow_empty``."""
     if value is None or isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a list of {of}, got {_given(value)}")
     items = list(value)  # type: ignore[call-overload]
@@ -219,7 +195,7 @@ def check_sequence(name: str, value: object, *, of: str, allow_empty: bool = Fal
 
 
 def check_module(name: str, value: object):
-    """Return ``value`` if it is a ``torch.nn.Module``; otherwise a TypeError naming ``name``."""
+    """``value`` if it is a ``torch.nn.Module``; else a TypeError naming ``name``."""
     from torch import nn
 
     if not isinstance(value, nn.Module):
@@ -239,12 +215,10 @@ def check_tensor(
     device: object | None = None,
     finite: bool = False,
 ):
-    """Return ``value`` if it is a torch.Tensor as asked; else an error naming ``name``.
+    """``value`` if it is a torch.Tensor as asked; else an error naming ``name``.
 
-    ``dtype``: a ``torch.dtype``, or ``"floating"`` / ``"integer"`` for a kind.
-    ``ndim`` / ``min_ndim``: the exact or least number of dimensions. ``device``: the
-    device it must be on. ``finite=True`` also refuses NaN and inf in it (one
-    reduction and one host read: use it on inputs, not inside a hot loop).
+    ``dtype``: a ``torch.dtype``, or ``"floating"`` / ``"integer"``; ``finite=True`` also
+    refuses NaN and inf (one host read: for inputs, not inside a loop).
     """
     import torch
 
@@ -281,8 +255,7 @@ def check_tensor(
 
 
 def count_non_finite(tensors) -> tuple[int, int]:
-    """(NaN count, inf count) over ``tensors`` (floating ones; others hold neither),
-    read with one host synchronisation."""
+    """(NaN count, inf count) over ``tensors``, read with one host synchronisation."""
     import torch
 
     floats = [t.detach() for t in tensors if isinstance(t, torch.Tensor)
@@ -298,11 +271,7 @@ def count_non_finite(tensors) -> tuple[int, int]:
 
 
 def check_finite_tensors(what: str, tensors, *, fix: str = "") -> None:
-    """A ValueError when ``tensors`` (an iterable of tensors) hold any NaN or inf.
-
-    ``what`` names them (``"the model's weights"``, ``"batch 3 of train_iter"``);
-    the message counts the NaNs and infs and adds ``fix``.
-    """
+    """A ValueError counting the NaNs and infs in ``tensors``, named by ``what``, with ``fix``."""
     nans, infs = count_non_finite(list(tensors))
     if nans or infs:
         found = " and ".join(
@@ -317,12 +286,8 @@ def check_finite_tensors(what: str, tensors, *, fix: str = "") -> None:
 
 
 def check_loader(name: str, value: object) -> object:
-    """Return ``value`` if it can be iterated for batches and is not known to be empty.
-
-    None, a string, a tensor (iterating one gives rows, not batches) and anything
-    not iterable are a TypeError; a loader with ``len() == 0`` (e.g. a DataLoader
-    with ``drop_last=True`` over fewer examples than a batch) a ValueError.
-    """
+    """``value`` if it can be iterated for batches (a tensor gives rows, not batches) and is
+    not known to be empty."""
     import torch
 
     fix = ("pass a DataLoader (e.g. from d2lgpu.load_data_fashion_mnist) or a list of "
@@ -340,12 +305,8 @@ def check_loader(name: str, value: object) -> object:
 
 
 def check_batch(name: str, batch: object, index: int):
-    """Return ``(X, y)`` if ``batch`` is a pair of tensors with as many labels as examples.
-
-    Called on every batch a loop reads (a few isinstance tests), so that a loader that
-    yields something else fails with its name and the batch number rather than with
-    an unpacking error from inside the loop.
-    """
+    """``(X, y)`` if ``batch`` is a pair of tensors with as many labels as examples; else an
+    error naming the loader and the batch number, not an unpacking error in the loop."""
     import torch
 
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -385,26 +346,18 @@ def find_non_finite_batch(name: str, loader: object) -> str | None:
 # Training losses: one check for every loop that trains
 # --------------------------------------------------------------------------- #
 
-#: The course's one rule for "training diverged": a loss that is NaN or inf, or one more
-#: than this many times the loss the run started from (its first step's). A loss that
-#: learns only goes down from its start, give or take the noise of one batch; ten times
-#: the start is far beyond that noise (cross-entropy over 10 classes starts near 2.3,
-#: so 23 is the line) and well before the loss overflows, so the error names the step
-#: at which it happened instead of the step at which the float ran out.
+#: The course's one rule for "training diverged": a loss that is NaN or inf, or more than
+#: this many times the loss the run started from: far beyond one batch's noise, and well
+#: before the float overflows, so the error names the step where it happened.
 DIVERGENCE_FACTOR = 10.0
 
-#: Losses that start below 1 are measured against 1 instead: a run whose MSE starts at
-#: 0.01 and wanders to 0.2 is noise, not divergence.
+#: Losses that start below 1 are measured against 1 (an MSE from 0.01 to 0.2 is noise).
 DIVERGENCE_FLOOR = 1.0
 
 
 def loss_diverged(loss: float, first_loss: float | None) -> bool:
-    """True when ``loss`` breaks the course's divergence rule against ``first_loss``.
-
-    The rule (:data:`DIVERGENCE_FACTOR`): not finite, or above ten times the starting
-    loss (counted from :data:`DIVERGENCE_FLOOR` when the start is smaller). With no
-    ``first_loss`` only the finiteness is judged.
-    """
+    """True when ``loss`` breaks the divergence rule against ``first_loss`` (None: only
+    finiteness is judged)."""
     if not math.isfinite(loss):
         return True
     if first_loss is None or not math.isfinite(first_loss):
@@ -420,15 +373,8 @@ def check_training_loss(
     first_loss: float | None = None,
     advice: str = "",
 ) -> None:
-    """A FloatingPointError when a training loss breaks the divergence rule.
-
-    The one rule of every function in the course that trains (:func:`loss_diverged`):
-    NaN or inf, or more than :data:`DIVERGENCE_FACTOR` times ``first_loss``, the loss
-    the run started from. ``when`` says where (``"step 12"``, ``"epoch 3 (steps
-    101-150)"``). The message names the step, the learning rate and ``advice`` (what
-    else to try). Every trainer calls this on a loss it has already read, so it costs
-    no host read. Callers check the data and weights before blaming the learning rate.
-    """
+    """A FloatingPointError when a training loss breaks the divergence rule, naming
+    ``when`` (``"step 12"``), the learning rate and ``advice``."""
     if not loss_diverged(loss, first_loss):
         return
     if math.isfinite(loss):
@@ -452,13 +398,9 @@ _PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 
 
 def check_writable_path(name: str, value: object, *, kind: str = "file") -> Path:
-    """Return ``value`` as a Path where a ``kind`` ("file" or "directory") can be written.
-
-    Checked before any work is done: None or a non-path, a location under /proc,
-    /sys or /dev, a parent that is a regular file, an existing directory given for a
-    file (or a file for a directory), and a nearest existing parent that this
-    process cannot write into. Nothing is created.
-    """
+    """``value`` as a Path where a ``kind`` ("file" or "directory") can be written, checked
+    before any work (nothing is created): not under /proc, /sys or /dev, no file in the way,
+    a writable nearest parent."""
     if value is None or isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or pathlib.Path), got {_given(value)}")
     if isinstance(value, str) and not value.strip():

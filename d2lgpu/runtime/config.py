@@ -1,38 +1,10 @@
-"""Settings read from the environment, in one place.
+"""The workload of every chapter, and where data lives, read from the environment.
 
-Every chapter runs one of three workloads:
-
-``quick``
-    Tiny data, few steps: every notebook runs in seconds (the test suite sets
-    ``D2LGPU_QUICK=1``). The numbers are for checking, not for quoting.
-``cpu``
-    The default where no CUDA GPU is usable: workloads cut so that each
-    chapter finishes in minutes on a laptop CPU and its training still learns.
-``full``
-    The default with a CUDA GPU: the real data sizes and epochs. On a CPU,
-    ``D2LGPU_FULL=1`` forces it (expect hours for the ResNet-18 chapters).
-
-Three variables steer the course:
-
-``D2LGPU_QUICK``
-    ``1`` selects the quick workload; it wins over ``D2LGPU_FULL``.
-``D2LGPU_FULL``
-    ``1`` selects the full workload even without a GPU.
-``D2LGPU_DATA``
-    Where data sets live. Unset means a per-user cache directory
-    (``~/.cache/d2lgpu/data`` on Linux), where they are downloaded once.
-
-Two more are for testing the course itself:
-
-``D2LGPU_SMOKE``
-    ``1``: full mode's code path (its models, branches and settings) with the
-    work cut to a few steps, so that a CPU runs in minutes what a GPU user runs
-    first. :func:`workload` says ``"full"``; :func:`pick` hands out the quick
-    sizes. CI runs every notebook this way.
-``D2LGPU_CPU_BF16``
-    ``1`` or ``0``: what the course assumes about this CPU's bf16 instructions,
-    instead of reading ``/proc/cpuinfo``. CI sets it to the opposite of the
-    machine's, so that both branches run on every machine.
+Workloads: ``quick`` (tiny data, few steps; ``D2LGPU_QUICK=1``, which wins), ``cpu`` (cut
+to minutes, the default without a usable GPU) and ``full`` (the real sizes; the default
+with a GPU, forced by ``D2LGPU_FULL=1``). ``D2LGPU_SMOKE=1`` runs full mode's code with
+quick amounts of work (CI). ``D2LGPU_DATA`` is the data root; ``D2LGPU_CPU_BF16`` (1 or
+0) overrides what the course reads about this CPU's bf16 instructions.
 """
 
 from __future__ import annotations
@@ -75,11 +47,8 @@ T = TypeVar("T")
 
 
 def _env_flag(name: str) -> bool:
-    """Read a yes/no environment variable; unset or empty means no.
-
-    Accepts 1/0, true/false, yes/no, on/off (any case). Anything else is an
-    error rather than a guess, so a typo never silently picks a workload.
-    """
+    """A yes/no variable (1/0, true/false, yes/no, on/off; unset: no); anything else is
+    an error, so that a typo never silently picks a workload."""
     raw = os.environ.get(name, "").strip().lower()
     if raw in _TRUE:
         return True
@@ -97,10 +66,8 @@ def quick_mode() -> bool:
 
 
 def smoke_mode() -> bool:
-    """True when ``D2LGPU_SMOKE`` asks for full mode's code path with the work cut.
-
-    ``D2LGPU_QUICK`` wins over it, as it wins over ``D2LGPU_FULL``.
-    """
+    """True when ``D2LGPU_SMOKE`` asks for full mode's code path with the work cut (and
+    ``D2LGPU_QUICK`` does not win over it)."""
     return _env_flag(SMOKE_ENV) and not quick_mode()
 
 
@@ -117,18 +84,13 @@ def cpu_bf16_override() -> bool | None:
 
 
 def _cuda_usable() -> bool:
-    # Imported here so that reading a setting does not import torch by itself.
-    from d2lgpu.runtime.gpus import cuda_usable
+    from d2lgpu.runtime.gpus import cuda_usable  # here: reading a setting imports no torch
 
     return cuda_usable()
 
 
 def workload() -> Workload:
-    """The workload this process runs: ``"quick"``, ``"cpu"`` or ``"full"``.
-
-    ``D2LGPU_QUICK=1`` gives quick, else ``D2LGPU_FULL=1`` or ``D2LGPU_SMOKE=1``
-    gives full, else full where a CUDA GPU is usable and cpu where none is.
-    """
+    """The workload this process runs: ``"quick"``, ``"cpu"`` or ``"full"``."""
     if quick_mode():
         return "quick"
     if _env_flag(FULL_ENV) or smoke_mode():
@@ -155,16 +117,11 @@ def _is_amount(value: object) -> bool:
 def pick(
     full: T, quick: T, cpu: T = _SAME_AS_FULL, smoke: T = _SAME_AS_FULL  # type: ignore[assignment]
 ) -> T:
-    """Return the value for this process's workload.
+    """The value for this process's workload, e.g. ``pick(full=10, quick=1, cpu=3)``;
+    ``cpu`` defaults to ``full``.
 
-    Notebooks size their work with it, e.g.
-    ``num_epochs = pick(full=10, quick=1, cpu=3)``. Leave ``cpu`` out only for
-    sizes that are cheap on a CPU too: it then defaults to ``full``.
-
-    Smoke mode runs full mode's code with the work cut: amounts (numbers, and
-    lists, tuples or dicts of numbers) come from ``quick``, every other choice
-    (a model, a flag, a string) from ``full``. Pass ``smoke`` where a choice is
-    itself an amount of work (a script's ``--full`` flag, say).
+    Smoke mode takes amounts (numbers, and containers of them) from ``quick`` and every
+    other choice from ``full``, unless ``smoke`` is given.
     """
     chosen = workload()
     if chosen == "quick":

@@ -1,14 +1,6 @@
-"""What CUDA can use in this process: device spellings, GPU counts, and whether this torch
-build has kernels for the GPUs it sees; and the NCCL peer-to-peer decision made before a
-job starts.
-
-Chapter 1 explains these checks (``build_runs_on``: "no kernel image is available");
-every other part of the package asks them here, so that one answer decides whether the
-course runs on a GPU or on the CPU. Every function of the package that takes a device
-checks it here: ``as_device`` reads one spelling (``'cuda:1'``, ``torch.device('cpu')``),
-``require_cuda_device`` also makes sure that a CUDA device exists in this process and names
-its GPU, and ``resolve_devices`` turns ``None``, one device or a list into the non-empty
-list of distinct devices a training loop runs on.
+"""What CUDA can use in this process (device spellings, GPU counts, whether this torch
+build has kernels for its GPUs), the checks of a device a learner passes in, and the NCCL
+peer-to-peer decision made before a job starts. Chapter 1 explains the checks.
 """
 
 from __future__ import annotations
@@ -40,11 +32,8 @@ __all__ = [
 
 
 def as_device(device: torch.device | str | int) -> torch.device:
-    """``torch.device(device)``, with an error that shows the accepted spellings.
-
-    torch's own errors for a misspelt device list twenty device types or its C++
-    overloads; this names the few that the course uses.
-    """
+    """``torch.device(device)``, with an error that names the spellings the course uses
+    (torch's lists twenty device types)."""
     if isinstance(device, torch.device):
         return device
     hint = "use 'cpu', 'cuda', 'cuda:0' or torch.device('cuda', 0)"
@@ -66,14 +55,8 @@ def _arch_number(entry: str) -> tuple[str, int] | None:
 
 
 def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
-    """Whether a torch build whose ``torch.cuda.get_arch_list()`` is ``arch_list`` has
-    kernels for a GPU of compute capability ``capability``.
-
-    CUDA's rules: machine code built for ``sm_XY`` runs on GPUs of the same major
-    version X and minor version Y or higher (sm_80 code runs on an 8.6 GPU); PTX
-    (``compute_XY``) is compiled by the driver for any GPU of capability XY or higher.
-    Without either, every kernel fails with "no kernel image is available".
-    """
+    """Whether a build with ``arch_list`` has kernels for a GPU of ``capability``: ``sm_XY``
+    runs on X.Y and later minor versions of X, PTX (``compute_XY``) on X.Y and later."""
     major, minor = check_capability(capability)
     mine = major * 10 + minor
     for entry in arch_list:
@@ -89,13 +72,8 @@ def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool
 
 
 def cuda_arch_list() -> list[str] | None:
-    """``torch.cuda.get_arch_list()`` where it can be held against a GPU's compute
-    capability; None where it cannot.
-
-    torch's own check at CUDA start-up (``_check_capability`` in torch/cuda/__init__.py)
-    skips the same two cases: a ROCm build (``torch.version.cuda`` is None; its list
-    names gfx targets, not compute capabilities) and a build that recorded no list.
-    """
+    """``torch.cuda.get_arch_list()``; None for a ROCm build or a build that recorded no
+    list (the cases torch's own start-up check skips)."""
     if torch.version.cuda is None:
         return None
     try:
@@ -106,8 +84,7 @@ def cuda_arch_list() -> list[str] | None:
 
 
 def capability_or_none(index: int) -> tuple[int, int] | None:
-    """GPU ``index``'s compute capability (from its properties, which create no CUDA
-    context); None for a GPU that cannot be read, so that the others are still judged."""
+    """GPU ``index``'s compute capability; None for a GPU that cannot be read."""
     try:
         return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
     except Exception:  # noqa: BLE001 - a lost or busy GPU must not stop the others
@@ -115,9 +92,7 @@ def capability_or_none(index: int) -> tuple[int, int] | None:
 
 
 def gpus_without_kernels() -> list[int]:
-    """The visible GPUs this torch build has no kernels for (a P100, sm_60, under a wheel
-    whose arch list starts at sm_75, say): CUDA lists them, and every kernel launched on
-    them fails with "no kernel image is available for execution on the device"."""
+    """The visible GPUs this torch build has no kernels for ("no kernel image is available")."""
     if not torch.cuda.is_available():
         return []
     arch_list = cuda_arch_list()
@@ -132,33 +107,21 @@ def gpus_without_kernels() -> list[int]:
 
 
 def cuda_usable() -> bool:
-    """True when torch finds CUDA and this build has kernels for every visible GPU.
-
-    Every GPU, not just GPU 0: ``try_all_gpus``, DataParallel and the launcher of
-    chapter 5 spread work over all of them, and one GPU without kernels fails the
-    whole step. Where some GPUs work, hiding the others with ``CUDA_VISIBLE_DEVICES``
-    makes CUDA usable again (``python -m d2lgpu info`` names them).
-    """
+    """True when torch finds CUDA and this build has kernels for every visible GPU (work is
+    spread over all of them, and one without kernels fails the whole step)."""
     return torch.cuda.is_available() and not gpus_without_kernels()
 
 
 def num_gpus() -> int:
-    """How many CUDA GPUs this process can use (0 on a CPU-only build or machine).
-
-    Honours ``CUDA_VISIBLE_DEVICES``: hidden GPUs are not counted. 0 too where CUDA
-    lists GPUs that this torch build has no kernels for (:func:`cuda_usable`): the
-    course then runs on the CPU instead of failing at its first kernel.
-    """
+    """How many CUDA GPUs this process can use: 0 without CUDA, or where this build has no
+    kernels for them (the course then runs on the CPU)."""
     return torch.cuda.device_count() if cuda_usable() else 0
 
 
 @dataclass(frozen=True)
 class P2PDecision:
-    """Whether NCCL should copy between GPUs through host memory (``NCCL_P2P_DISABLE=1``).
-
-    ``disable``: the variable is (to be) set to 1; ``reason``: one line saying why;
-    ``user_set``: the environment already held a value, which is left as it is.
-    """
+    """Whether NCCL should copy between GPUs through host memory (``NCCL_P2P_DISABLE=1``),
+    why, and whether the user had already set the variable (then kept)."""
 
     disable: bool
     reason: str
@@ -169,12 +132,9 @@ class P2PDecision:
         return f"{verdict}: {self.reason}"
 
 
-#: Run in a fresh interpreter, so that the caller's process creates no CUDA context on
-#: every GPU and a copy that hangs cannot hang the caller. First every GPU of a peer pair
-#: gets its context and its buffers; a GPU that cannot have them (held by another process
-#: in exclusive mode, out of memory) makes it print "CANNOT START" and why, before any
-#: copy. Then "STARTED", and the copies: 1 Mi known floats from GPU i into a buffer on
-#: GPU j for every pair that reports peer access; the pairs that came out wrong are printed.
+#: Run in a fresh interpreter, so that a copy that hangs cannot hang the caller: "CANNOT
+#: START" when the GPUs cannot be prepared, then "STARTED", the copies between every pair
+#: that reports peer access, and the pairs that came out wrong.
 _PEER_COPY_CHECK = """
 import torch
 try:
@@ -207,13 +167,8 @@ def _as_text(output: str | bytes | None) -> str:
 
 
 def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
-    """Whether peer copies between this machine's GPUs arrive intact, and if not, why.
-
-    (True, ''): every copy arrived intact. (False, why): one came out wrong, or the check
-    hung or crashed once its copies had begun. (None, why): the check could not even get
-    to its first copy (a GPU held in exclusive mode, out of memory, CUDA failing to start),
-    which says nothing about the peer path.
-    """
+    """(True, ''): peer copies arrive intact; (False, why): one came out wrong, hung or
+    crashed; (None, why): the check never got to its first copy, which says nothing."""
     try:
         run = subprocess.run([sys.executable, "-c", _PEER_COPY_CHECK], capture_output=True,
                              text=True, timeout=timeout_s)
@@ -237,10 +192,8 @@ def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
     return True, ""
 
 
-#: The peer copy check's verdicts in this process, by the CUDA_VISIBLE_DEVICES its child
-#: inherited: the check costs a process and a CUDA context per GPU, and its answer does
-#: not change while the process lives, so every launch after the first reuses it. Only a
-#: verdict on the copies is kept; a check that could not start is tried again.
+#: The peer copy check's verdicts, by CUDA_VISIBLE_DEVICES: the answer does not change
+#: while the process lives, and the check costs a process and a CUDA context per GPU.
 _PEER_COPY_VERDICTS: dict[str | None, tuple[bool, str]] = {}
 
 
@@ -266,25 +219,12 @@ def _nvlink_active(index: int) -> bool | None:
 
 
 def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
-    """Decide whether NCCL's direct GPU-to-GPU copies (P2P) should be switched off here.
+    """Whether NCCL's direct GPU-to-GPU copies should be switched off here: some machines
+    (Kaggle's two T4s) report peer access that hangs or sums wrong.
 
-    Some machines, Kaggle's two T4s among them, report peer access between their
-    GPUs that does not work: NCCL then hangs or returns wrong sums. The rules, in order:
-
-    1. ``NCCL_P2P_DISABLE`` already in ``environ`` (default ``os.environ``): the user's
-       value stands.
-    2. Fewer than two GPUs: NCCL has no peer to copy to; nothing to set.
-    3. Two T4s without NVLink (T4 boards have no NVLink connector; NVML is asked where
-       it answers): set it. Their PCIe peer path is the one known to fail.
-    4. No pair of GPUs reports peer access (``torch.cuda.can_device_access_peer``):
-       NCCL does not use P2P anyway; nothing to set.
-    5. Peer access is reported: copy a known tensor between every such pair, in a
-       child process with a time limit. A copy that arrives wrong, hangs or crashes:
-       set it. All intact: leave P2P on, it is the fast path. A check that cannot get
-       to its first copy (a GPU held in exclusive mode, out of memory) leaves P2P on
-       and says why: that failure says nothing about the peer path, and switching P2P
-       off would cost NVLink on every machine that merely was busy. The verdict on the
-       copies is remembered for the rest of the process.
+    A value the user set stands; two T4s without NVLink switch it off; otherwise, where
+    peer access is reported, a known tensor is copied between every pair (in a child
+    process, with a time limit) and a wrong, hung or crashed copy switches it off.
     """
     environ = os.environ if environ is None else environ
     if "NCCL_P2P_DISABLE" in environ:
@@ -318,11 +258,8 @@ def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDec
 
 
 def apply_nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
-    """:func:`nccl_p2p_decision`, and ``environ["NCCL_P2P_DISABLE"] = "1"`` where it says so.
-
-    Call it where the ranks' environment is built (before any process group starts);
-    it never overwrites a value that is already there. Returns the decision.
-    """
+    """:func:`nccl_p2p_decision`, setting ``NCCL_P2P_DISABLE=1`` in ``environ`` where it
+    says so, before any process group starts (chapter 5)."""
     environ = os.environ if environ is None else environ
     decision = nccl_p2p_decision(environ)
     if decision.disable and not decision.user_set:
@@ -331,16 +268,9 @@ def apply_nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> 
 
 
 def require_cuda_device(device: torch.device | str | int, what: str) -> torch.device:
-    """``device`` with its GPU index filled in, once it is clear that CUDA can use it here.
-
-    Every function of the package that takes a device calls this before touching CUDA,
-    so that ``'cuda'`` on a machine without a usable GPU fails with what to do, not
-    torch's bare "Found no NVIDIA driver". ``what`` names the caller in the message. A
-    device that is not CUDA is returned unchanged; a bare ``'cuda'`` becomes the current
-    GPU, as torch reads it. Why CUDA is missing is chapter 1's diagnosis
-    (``python -m d2lgpu info``, :func:`d2lgpu.diagnose_this_machine`), which the message
-    points to: this module sits below it.
-    """
+    """``device`` with its GPU index filled in, once it is clear that CUDA can use it here;
+    otherwise an error naming the caller (``what``) and the fix, not torch's bare "Found no
+    NVIDIA driver". A device that is not CUDA comes back unchanged."""
     if not isinstance(what, str) or not what:
         raise TypeError(f"what must name the caller for the message (a non-empty str), "
                         f"got {type(what).__name__} {what!r}")
@@ -374,13 +304,8 @@ def resolve_devices(
     devices: torch.device | str | Sequence[torch.device | str] | None,
     what: str = "train",
 ) -> list[torch.device]:
-    """Turn ``devices`` into a non-empty list of distinct devices that a training loop can use.
-
-    ``None`` means all GPUs, or the CPU without GPUs. Each device is checked with
-    :func:`require_cuda_device` (``what`` names the caller). Several CPU devices, or
-    CPU mixed with GPUs, are an error: ``nn.DataParallel`` splits batches across CUDA
-    devices only.
-    """
+    """``devices`` as a non-empty list of distinct devices a training loop can use: None is
+    all GPUs (or the CPU); several devices must all be GPUs, as DataParallel needs."""
     if devices is None:
         count = num_gpus()
         return [torch.device("cuda", i) for i in range(count)] if count else [torch.device("cpu")]
