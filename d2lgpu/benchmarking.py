@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -484,9 +485,8 @@ _WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_"}
 
 @dataclass(frozen=True)
 class Traffic:
-    """Bytes a piece of PyTorch code reads and writes, counted from its operators' arguments;
-    ``fresh``: result tensors newly allocated; ``ops``: aten operators run. A count, the same
-    on every machine: caches and page faults are what timings add on top."""
+    """Bytes read and written, counted from the operators' arguments (the same on every
+    machine); ``fresh``: new result tensors; ``ops``: aten operators run."""
 
     read: int
     written: int
@@ -502,9 +502,8 @@ class Traffic:
 def count_traffic(fn: Callable[[], object]) -> Traffic:
     """Run ``fn()`` once and count the bytes its aten operators read and write (chapter 2).
 
-    A tensor argument only read counts as read; one written in place (``add_``'s self) as
-    read and written; an ``out=`` argument or ``copy_``'s destination as written; a new
-    result as written and fresh. Views (results sharing an input's memory) cost nothing.
+    An argument written in place counts as read and written, an ``out=`` argument or
+    ``copy_``'s destination as written only; views cost nothing.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -554,13 +553,8 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
 def fusion_study_loops(
     a: torch.Tensor, b: torch.Tensor, steps: int
 ) -> dict[str, Callable[[], torch.Tensor]]:
-    """The five loops of the fusion study, each ``steps`` steps on ``a`` and ``b`` (chapter 2).
-
-    Two yardsticks, ``copy`` (``dst.copy_(a)``) and ``in-place add`` (``dst.add_(a)``), and
-    three ways to write ``result += a * b``: ``fused`` (``addcmul_``), ``in-place unfused``
-    (``mul`` into a scratch buffer, then ``add_``) and ``unfused`` (two new tensors per
-    step). The buffers are allocated here, once; the last three share ``result``.
-    """
+    """The fusion study's loops of ``steps`` steps: two yardsticks and three ways to write
+    ``result += a * b``; the buffers are allocated here, once (chapter 2)."""
     dst = torch.empty_like(a)
     result = torch.zeros_like(a)
     scratch = torch.empty_like(a)
@@ -613,29 +607,13 @@ class InterleavedTimes:
     seconds: dict[str, tuple[float, ...]]
     faults: dict[str, float | None]
 
-    def median(self, name: str) -> float:
-        return Timing(self.seconds[name]).median
-
-    def best(self, name: str) -> float:
-        """The fastest round: other programs can only add time, so this is the least disturbed."""
-        return min(self.seconds[name])
-
-    def ratio(self, slower: str, faster: str) -> float:
-        """Median over rounds of ``seconds[slower] / seconds[faster]`` within each round: both
-        ran seconds apart, under the same load."""
-        pairs = zip(self.seconds[slower], self.seconds[faster], strict=True)
-        return Timing(tuple(s / f for s, f in pairs)).median
-
 
 def interleaved_times(
     loops: Mapping[str, Callable[[], object]], device: DeviceLike, *, rounds: int,
     warmup: int = 1, progress: bool = False,
 ) -> InterleavedTimes:
-    """Time every loop once per round, the order rotating each round.
-
-    Interleaving spreads a burst of load from other programs over all loops; rotating
-    keeps any loop from always running first. ``progress`` shows a bar over the rounds.
-    """
+    """Time every loop once per round, the order rotating each round, so that a burst of
+    load from other programs spreads over all loops and none always runs first."""
     import warnings
 
     with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
@@ -659,27 +637,28 @@ def interleaved_times(
                 faults[name].append(after - before)
     return InterleavedTimes(
         {name: tuple(times) for name, times in seconds.items()},
-        {name: (float(Timing(tuple(f)).median) if f else None) for name, f in faults.items()},
+        {name: (float(statistics.median(f)) if f else None) for name, f in faults.items()},
     )
 
 
 @dataclass(frozen=True)
 class FusionStudy:
-    """The fusion study on one device: counted traffic and interleaved times, as a table."""
+    """The fusion study on one device: traffic counted per step, times per loop."""
 
     device: str
     numel: int
     steps: int
-    traffic: dict[str, Traffic]  # per step
-    times: InterleavedTimes  # per loop of ``steps`` steps
+    traffic: dict[str, Traffic]
+    times: InterleavedTimes
 
     def passes(self, name: str) -> float:
         """Counted tensor-sizes moved per step."""
         return self.traffic[name].moved / (self.numel * 4)
 
     def seconds_per_step(self, name: str) -> float:
-        """The best (least disturbed) round's time of loop ``name``, per step."""
-        return self.times.best(name) / self.steps
+        """The fastest round's time of loop ``name``, per step: other programs can only add
+        time, so that round is the least disturbed."""
+        return min(self.times.seconds[name]) / self.steps
 
     def gbps(self, name: str) -> float:
         """Counted bytes per second, from :meth:`seconds_per_step`."""
@@ -687,7 +666,7 @@ class FusionStudy:
 
     @property
     def peak_gbps(self) -> float:
-        """The highest counted rate measured in the study (a yardstick's, as a rule)."""
+        """The highest counted rate in the study (a yardstick's, as a rule)."""
         return max(self.gbps(name) for name in self.times.seconds)
 
     def table(self) -> list[list[Any]]:
@@ -708,11 +687,10 @@ FUSION_STUDY_HEADERS = ("variant", "tensor-sizes per step (counted)", "new tenso
 
 
 def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str, Traffic]:
-    """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats
-    (chapter 2).
+    """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats,
+    counted on 1,024 and scaled (chapter 2).
 
-    Counted on 1,024 elements and scaled: two steps minus one step, so that what a loop
-    does once (``unfused`` starts from ``zeros_like``) stays out of the per-step count.
+    Two steps minus one step, so that what a loop does once stays out of the count.
     """
     check_positive_int("numel", numel)
     dev = timing_device(device) or torch.device("cpu")
@@ -731,11 +709,8 @@ def fusion_study(
     device: DeviceLike, numel: int, *, steps: int, rounds: int, threads: int | None = None,
     progress: bool = False,
 ) -> FusionStudy:
-    """Count and time :func:`fusion_study_loops` on ``device`` over ``rounds`` interleaved
-    rounds, on float32 tensors of ``numel`` elements (chapter 2).
-
-    ``threads`` sets ``torch.set_num_threads`` while timing a CPU (restored after).
-    """
+    """Count and time :func:`fusion_study_loops` on float32 tensors of ``numel`` elements,
+    in ``rounds`` interleaved rounds; ``threads``: the CPU's while timing (chapter 2)."""
     dev = timing_device(device)
     if dev is None:
         raise ValueError("fusion_study needs a device, e.g. 'cpu' or 'cuda:0'")

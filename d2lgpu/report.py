@@ -203,7 +203,8 @@ def _visible_devices_problems(
     if visible == [] or past_end:
         if visible_devices_env.strip() == "":
             detail = "is set to an empty string, which hides every GPU from CUDA"
-        elif visible == [] and _has_repeat(visible_devices_env):
+        elif visible == [] and parse_cuda_visible_devices(visible_devices_env.split(",")[0]):
+            # the first entry alone is valid, so a repeat hid every GPU
             detail = "names a GPU twice, and CUDA then hides every GPU"
         elif visible == []:
             detail = (
@@ -230,19 +231,6 @@ def _visible_devices_problems(
             )
         ]
     return []
-
-
-def _has_repeat(value: str) -> bool:
-    """Whether a CUDA_VISIBLE_DEVICES value repeats an entry before it stops being valid."""
-    seen: list[object] = []
-    for entry in value.split(","):
-        key: object = entry if entry.startswith(("GPU-", "MIG-")) else _leading_int(entry.strip())
-        if key is None or (isinstance(key, int) and key < 0):
-            return False
-        if key in seen:
-            return True
-        seen.append(key)
-    return False
 
 
 def _version_tuple(version: str) -> tuple[int, ...] | None:
@@ -300,15 +288,10 @@ def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[s
 
 
 def diagnose_cuda(
-    *,
-    cuda_build: str | None,
-    visible_devices_env: str | None,
-    driver_found: bool,
-    device_count: int,
-    physical_gpu_count: int | None = None,
+    *, cuda_build: str | None, visible_devices_env: str | None, driver_found: bool,
+    device_count: int, physical_gpu_count: int | None = None,
     driver_cuda_version: str | None = None,
-    gpu_capabilities: Sequence[tuple[int, int] | None] = (),
-    arch_list: Sequence[str] | None = None,
+    gpu_capabilities: Sequence[tuple[int, int] | None] = (), arch_list: Sequence[str] | None = None,
 ) -> CudaDiagnosis:
     """Say whether CUDA is usable and, if not, why and how to fix it (chapter 1).
 
@@ -498,9 +481,7 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
         "temperature", pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
     )
     return NvmlGpuReading(
-        index=index,
-        name="?" if name is None else _as_str(name),
-        uuid="" if uuid is None else _as_str(uuid),
+        index, "?" if name is None else _as_str(name), "" if uuid is None else _as_str(uuid),
         utilization_percent=None if rates is None else int(rates.gpu),
         memory_used_bytes=None if memory is None else int(memory.used),
         memory_total_bytes=None if memory is None else int(memory.total),
@@ -651,19 +632,9 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
                 torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
         except Exception as exc:
             error = f"is_bf16_supported: {_first_line(exc)}"
-    return GpuInfo(
-        index=index,
-        name=name,
-        capability=capability,
-        total_memory_bytes=total,
-        free_memory_bytes=free,
-        multiprocessor_count=sms,
-        native_formats=tuple(native_tensor_core_formats(capability)),
-        torch_says_bf16=torch_says_bf16,
-        uuid=uuid,
-        pycuda_attributes=pycuda_attributes,
-        error=error,
-    )
+    return GpuInfo(index, name, capability, total, free, sms,
+                   tuple(native_tensor_core_formats(capability)), torch_says_bf16, uuid,
+                   pycuda_attributes, error)
 
 
 def environment_report() -> EnvironmentReport:
@@ -677,17 +648,10 @@ def environment_report() -> EnvironmentReport:
     nvml = read_nvml()
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
     return EnvironmentReport(
-        python_version=sys.version.split()[0],
-        platform=platform.platform(),
-        torch_version=torch.__version__,
-        cuda_build=torch.version.cuda,
-        cudnn_version=_cudnn_version(),
-        nccl_version=nccl_version(),
-        visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
-        gpus=tuple(_read_gpu(i, pycuda_attrs[i], nvml) for i in range(count)),
-        nvml=nvml,
-        pycuda_status=pycuda_status,
-        diagnosis=diagnose_this_machine(nvml),
+        sys.version.split()[0], platform.platform(), torch.__version__, torch.version.cuda,
+        _cudnn_version(), nccl_version(), os.environ.get(VISIBLE_DEVICES_ENV),
+        tuple(_read_gpu(i, pycuda_attrs[i], nvml) for i in range(count)), nvml, pycuda_status,
+        diagnose_this_machine(nvml),
     )
 
 
@@ -797,13 +761,8 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
         )
     device = require_cuda_device(device, "gpu_memory")
     free, total = torch.cuda.mem_get_info(device)
-    return GpuMemory(
-        allocated=torch.cuda.memory_allocated(device),
-        reserved=torch.cuda.memory_reserved(device),
-        peak_allocated=torch.cuda.max_memory_allocated(device),
-        free=int(free),
-        total=int(total),
-    )
+    return GpuMemory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
+                     torch.cuda.max_memory_allocated(device), int(free), int(total))
 
 
 def format_nvml_view(

@@ -66,14 +66,6 @@ def test_interleaved_times_rotate_the_order_and_count_every_run() -> None:
     assert set(times.faults) == set("xyz")
 
 
-def test_ratios_are_taken_within_rounds() -> None:
-    # a burst of load doubles both runs of round 2: the within-round ratio stays 2
-    times = bm.InterleavedTimes({"slow": (2.0, 4.0, 2.0), "fast": (1.0, 2.0, 1.0)},
-                                {"slow": None, "fast": None})
-    assert times.ratio("slow", "fast") == 2.0
-    assert times.median("slow") == 2.0
-
-
 def _study(seconds: dict[str, float], faults: float | None = None) -> bm.FusionStudy:
     numel = 2**20
     traffic = bm.fusion_study_traffic(numel)
