@@ -17,7 +17,6 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from d2lgpu import data, fast, models, parallel, plotting, training  # noqa: E402
-from d2lgpu.precision import SweepRow  # noqa: E402
 from d2lgpu.runtime import progress  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -39,11 +38,6 @@ VALID = {
     data.fashion_mnist_on_device: lambda: dict(batch_size=50, device="cpu", quick=True),
     data.fashion_mnist_tensors: lambda: dict(train=False, quick=True),
     data.load_data_fashion_mnist: lambda: dict(batch_size=50, quick=True),
-    plotting.plot_history: lambda: dict(history=training.History([1.0], [0.5], [0.5], [1.0],
-                                                                 [9.0], "cpu")),
-    plotting.plot_lines: lambda: dict(x=[1, 2], ys=[1, 2]),
-    plotting.plot_precision_sweep: lambda: dict(rows=[SweepRow("fp32", 8, 0.1, None, 1.0, 3,
-                                                               "ok")]),
     fast.technique_skip_reason: lambda: dict(technique="channels_last", device=CPU),
     fast.make_sgd: lambda: dict(params=list(_linear().parameters()), lr=0.1, device=CPU),
     fast.compile_model: lambda: dict(net=_linear(), techniques=fast.Techniques(), device=CPU),
@@ -82,7 +76,7 @@ def test_every_public_name_of_the_core_modules_is_probed():
                   "train_epoch", "fast_epoch", "check_epoch_loss", "start_run", "progress_bar",
                   "init_weights", "set_seed", "train", "default_num_workers",
                   "synthetic_regression", "verify_fashion_mnist_file", *parallel.__all__,
-                  *models.__all__}
+                  *models.__all__, *plotting.__all__}
         assert callables - probed - exempt == set(), module.__name__
 
 
