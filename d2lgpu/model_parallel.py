@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from d2lgpu.models import MLPBlock
-from d2lgpu.precision import check_precision, precision_policy
 from d2lgpu.profiling import idle_gaps
 from d2lgpu.runtime.checks import check_positive_int, check_training_loss
 from d2lgpu.runtime.distributed import DistContext, mark_progress
@@ -760,8 +759,9 @@ class TwoDRun:
     """FSDP2 over mesh dimension ``dp`` and tensor parallel over ``tp``: ``mesh_shape = (dp, tp)``
     (chapter 9).
 
-    The batch is split over ``dp``. bf16 or fp16 ``precision`` computes in it and reduces
-    gradients in fp32. ``extra["bytes_per_rank"]``: each rank's parameter and optimizer bytes.
+    The batch is split over ``dp``. With ``param_dtype`` (bf16 or fp16) the blocks compute in
+    it and reduce gradients in fp32. ``extra["bytes_per_rank"]``: each rank's parameter and
+    optimizer bytes.
     """
 
     spec: ModelSpec = ModelSpec()
@@ -771,10 +771,7 @@ class TwoDRun:
     steps: int = 2
     lr: float = 0.05
     seed: int = 0
-    precision: str = "fp32"
-
-    def __post_init__(self) -> None:
-        check_precision(self.precision)
+    param_dtype: torch.dtype | None = None
 
     def run(self, ctx: DistContext) -> TrainResult:
         return train_2d(self, ctx)
@@ -825,36 +822,35 @@ def train_2d(run: TwoDRun, ctx: DistContext, checkpoints: Any = None) -> TrainRe
 
     dp, tp = check_2d(run.spec, run.mesh_shape, ctx.world_size, run.batch_size)
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    policy = precision_policy(ctx.device, run.precision)
-    model = parallelize_2d(run.spec.build(run.seed).to(ctx.device), run.spec, mesh, policy.dtype)
+    model = parallelize_2d(run.spec.build(run.seed).to(ctx.device), run.spec, mesh,
+                           run.param_dtype)
     opt = _optimizer(model.parameters(), run.lr)
     # fp16: the scaler agrees over all ranks whether any gradient overflowed.
-    scaler = ShardedGradScaler(ctx.device.type, enabled=policy.use_scaler)
+    scaler = ShardedGradScaler(ctx.device.type, enabled=run.param_dtype == torch.float16)
     start, losses = 0, []
     if checkpoints is not None:
         start, losses = checkpoints.resume(model, opt, scaler, ctx)
     dp_rank, local = mesh["dp"].get_local_rank(), run.batch_size // dp
     rows = slice(dp_rank * local, (dp_rank + 1) * local)  # this dp group's share of a batch
-    with policy.matmul_precision():
-        for step in range(start, run.steps):
-            mark_progress(f"step {step + 1}")
-            X, Y = run.spec.data(run.batch_size, run.seq_len, step, run.seed)
-            loss = F.mse_loss(model(X[rows].to(ctx.device)).float(), Y[rows].to(ctx.device))
-            if checkpoints is not None:
-                checkpoints.after_forward(step, ctx)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / ctx.world_size)
-            # The course's one divergence rule: not finite, or ten times the first loss.
-            check_training_loss(losses[-1], when=f"step {step + 1}", lr=run.lr,
-                                first_loss=losses[0] if len(losses) > 1 else None,
-                                advice=f"try {run.lr / 10:g}")
-            if checkpoints is not None:
-                checkpoints.after_step(step + 1, model, opt, scaler, losses, ctx)
+    for step in range(start, run.steps):
+        mark_progress(f"step {step + 1}")
+        X, Y = run.spec.data(run.batch_size, run.seq_len, step, run.seed)
+        loss = F.mse_loss(model(X[rows].to(ctx.device)).float(), Y[rows].to(ctx.device))
+        if checkpoints is not None:
+            checkpoints.after_forward(step, ctx)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / ctx.world_size)
+        # The course's one divergence rule: not finite, or ten times the first loss.
+        check_training_loss(losses[-1], when=f"step {step + 1}", lr=run.lr,
+                            first_loss=losses[0] if len(losses) > 1 else None,
+                            advice=f"try {run.lr / 10:g}")
+        if checkpoints is not None:
+            checkpoints.after_step(step + 1, model, opt, scaler, losses, ctx)
     sizes: list[Any] = [None] * ctx.world_size
     optim = (v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     dist.all_gather_object(sizes, (_local_bytes(model.parameters()), _local_bytes(optim)))

@@ -65,6 +65,8 @@ class ResumableTwoDRun:
     two_d: TwoDRun
     checkpoint_root: str
     save_every: int
+    #: The --precision the run trains in, as the policy names it; recorded and checked.
+    precision: str = "fp32"
     #: For showing a crash: the last rank is killed (SIGKILL, as the out-of-memory killer
     #: does) after the forward of step ``kill_at_step`` (from 0), while the others wait for it.
     kill_at_step: int | None = None
@@ -73,7 +75,7 @@ class ResumableTwoDRun:
         prepare_checkpoint_root(self.checkpoint_root)  # before any training
         return train_2d(self.two_d, ctx, self)
 
-    def _config(self, ctx: DistContext) -> dict[str, Any]:
+    def _config(self) -> dict[str, Any]:
         run, spec = self.two_d, self.two_d.spec
         return {
             "model": [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
@@ -82,7 +84,7 @@ class ResumableTwoDRun:
             "lr": run.lr,
             "optimizer": "sgd, momentum 0.9",
             "seed": run.seed,
-            "precision": precision_policy(ctx.device, run.precision).name,
+            "precision": self.precision,
         }
 
     def resume(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
@@ -92,7 +94,7 @@ class ResumableTwoDRun:
         if path is None:
             return 0, []
         extra = read_checkpoint_extra(path)  # damage named first, before the settings
-        check_resumable(extra, self._config(ctx), path, _MUST_MATCH)
+        check_resumable(extra, self._config(), path, _MUST_MATCH)
         if extra["step"] >= self.two_d.steps:
             raise CheckpointError(
                 f"checkpoint {path} is at step {extra['step']} and this run ends at step "
@@ -123,7 +125,7 @@ class ResumableTwoDRun:
         if done % self.save_every and done != self.two_d.steps:
             return
         extra = {"losses": losses, "mesh": list(self.two_d.mesh_shape),
-                 "config": self._config(ctx)}
+                 "config": self._config()}
         if scaler.is_enabled():
             extra["scaler"] = scaler.state_dict()
         path = save_checkpoint(self.checkpoint_root, done, model, opt, extra)
@@ -182,8 +184,8 @@ def _mesh(args: argparse.Namespace, world_size: int) -> tuple[int, int]:
 
 def _parse_args(
     argv: Sequence[str] | None, world_size: int | None = None
-) -> tuple[argparse.Namespace, ResumableTwoDRun | TwoDRun | None]:
-    """The flags, and (given the job's ``world_size``) the checked job they describe."""
+) -> tuple[argparse.Namespace, TwoDRun | None]:
+    """The flags, and (given the job's ``world_size``) the checked run they describe."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.fail_after_epoch is not None and args.checkpoint_dir is None:
@@ -208,11 +210,8 @@ def _parse_args(
             f"--hidden {args.hidden} / --heads {args.heads}, --batch-size {args.batch_size}: "
             f"{exc}"
         )
-    two_d = TwoDRun(spec, mesh, args.batch_size, args.seq_len, args.steps, args.lr, args.seed,
-                    args.precision)
-    if args.checkpoint_dir is None:
-        return args, two_d
-    return args, ResumableTwoDRun(two_d, args.checkpoint_dir, args.save_every)
+    return args, TwoDRun(spec, mesh, args.batch_size, args.seq_len, args.steps, args.lr,
+                         args.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> TrainResult:
@@ -223,26 +222,29 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
             "d2lgpu.model_parallel_train splits a model over processes: start it with "
             f"torchrun, e.g. `{_COMMAND.replace('=N', '=4')} --dp 2 --tp 2`"
         )
-    args, job = _parse_args(argv, int(os.environ["WORLD_SIZE"]))
+    args, two_d = _parse_args(argv, int(os.environ["WORLD_SIZE"]))
     with process_group(timeout_s=args.timeout) as ctx:
         reason = fsdp2_unavailable_reason(ctx.device.type)
         if reason is not None:
             raise RuntimeError(reason)
-        two_d = job.two_d if isinstance(job, ResumableTwoDRun) else job
-        # A crash on the first attempt only: a restarted job (torchrun counts them) runs through.
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if args.fail_after_epoch is not None and restarts == 0:
-            job = replace(job, kill_at_step=args.fail_after_epoch * job.save_every)
+        policy = precision_policy(ctx.device, args.precision)
+        two_d = job = replace(two_d, param_dtype=policy.dtype)
+        if args.checkpoint_dir is not None:
+            # A crash on the first attempt only: a restarted job (torchrun counts them) runs on.
+            crash = args.fail_after_epoch is not None and os.environ.get(
+                "TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            job = ResumableTwoDRun(two_d, args.checkpoint_dir, args.save_every, policy.name,
+                                   args.fail_after_epoch * args.save_every if crash else None)
         if ctx.is_main:
             dp, tp = two_d.mesh_shape
             params = sum(p.numel() for p in two_d.spec.build().parameters())
-            policy = precision_policy(ctx.device, two_d.precision)
             print(f"{ctx.world_size} ranks, backend {ctx.backend}; mesh (dp, tp) = ({dp}, {tp}); "
                   f"{two_d.spec.depth} {two_d.spec.kind} blocks, {params:,} parameters; "
                   f"precision {policy.name}", flush=True)
             print(f"global batch {two_d.batch_size} ({two_d.batch_size // dp} per dp group) x "
                   f"{two_d.seq_len} positions, {two_d.steps} steps", flush=True)
-        result = job.run(ctx)
+        with policy.matmul_precision():  # TF32 on or off
+            result = job.run(ctx)
         if ctx.is_main:
             print(f"done: {two_d.steps} steps, final loss {result.losses[-1]:.4f}", flush=True)
         return result

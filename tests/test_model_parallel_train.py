@@ -117,10 +117,9 @@ def test_bad_flags_are_usage_errors_naming_the_fix(argv, world_size, words, caps
 def test_the_mesh_defaults_fill_in_what_is_not_given(argv, world_size, mesh, tmp_path):
     from d2lgpu.model_parallel_train import _parse_args
 
-    _, job = _parse_args(argv, world_size)
-    assert isinstance(job, TwoDRun) and job.mesh_shape == mesh
-    _, job = _parse_args([*argv, f"--checkpoint-dir={tmp_path}"], world_size)
-    assert isinstance(job, ResumableTwoDRun) and job.two_d.mesh_shape == mesh
+    for more in ([], [f"--checkpoint-dir={tmp_path}"]):
+        _, job = _parse_args([*argv, *more], world_size)
+        assert isinstance(job, TwoDRun) and job.mesh_shape == mesh
 
 
 def test_outside_torchrun_main_says_how_to_start_it(monkeypatch):
@@ -150,10 +149,12 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
         (dict(batch_size=8), "global batch size 4 in the checkpoint, 8 now"),
         (dict(spec=replace(SPEC, depth=4)), r"model \(kind, width, hidden, depth, heads, norm\)"),
         (dict(seed=1), "seed 0 in the checkpoint, 1 now"),
-        (dict(precision="bf16"), "precision fp32 in the checkpoint, bf16 now"),
+        (dict(param_dtype=torch.bfloat16), "precision fp32 in the checkpoint, bf16 now"),
     ]
     for change, words in changed:
-        run = ResumableTwoDRun(replace(base, steps=4, **change), str(tmp_path), save_every=2)
+        name = "bf16" if "param_dtype" in change else "fp32"
+        run = ResumableTwoDRun(replace(base, steps=4, **change), str(tmp_path), save_every=2,
+                               precision=name)
         with pytest.raises(CheckpointError, match=words) as info:
             run.run(one_rank)
         assert "Rerun with the checkpoint's settings" in str(info.value)
@@ -167,19 +168,20 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
 
 
 @needs_fsdp2_on_cpu
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, one_rank, tmp_path):
-    run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR,
-                  precision=precision)
-    result = ResumableTwoDRun(run, str(tmp_path), save_every=2).run(one_rank)
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16),
+                                              ("fp16 + GradScaler", torch.float16)])
+def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, dtype, one_rank,
+                                                             tmp_path):
+    run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR, param_dtype=dtype)
+    result = ResumableTwoDRun(run, str(tmp_path), save_every=2, precision=precision).run(one_rank)
     ref = train_reference(SPEC, batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR)
     assert all(v.dtype == torch.float32 for v in result.state_dict.values())
     # Close to fp32, but not equal: the matmuls ran in 16 bits.
     assert result.losses == pytest.approx(ref.losses, abs=0.05)
     assert result.losses != ref.losses
     extra = json.loads((tmp_path / "step-000002" / "extra.json").read_text())
-    assert extra["config"]["precision"] == ("fp16 + GradScaler" if precision == "fp16" else "bf16")
-    assert ("scaler" in extra) == (precision == "fp16")
+    assert extra["config"]["precision"] == precision
+    assert ("scaler" in extra) == (dtype == torch.float16)
 
 
 @needs_fsdp2_on_cpu
@@ -203,7 +205,7 @@ def test_a_loss_that_explodes_but_stays_finite_stops_at_the_step_it_grew_tenfold
     # lr=100 on a tiny model: the losses go 2.5, 1.2e4, 8e17, inf. The rule stops step 2,
     # not step 4 where the float ran out.
     run = TwoDRun(ModelSpec(width=8, hidden=8, depth=1), (1, 1), batch_size=2, seq_len=2,
-                  steps=3, lr=100.0, precision="fp32")
+                  steps=3, lr=100.0)
     with pytest.raises(FloatingPointError,
                        match=r"more than 10 times the .* in step 2: training diverged at lr 100"):
         ResumableTwoDRun(run, str(tmp_path), save_every=1).run(one_rank)
