@@ -106,26 +106,17 @@ def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | Non
             f"a {VISIBLE_DEVICES_ENV} value is a string such as '0,1' (or None when unset), "
             f"got {type(value).__name__} {value!r}; write str({value!r}) if you mean that"
         )
-    entries = value.split(",")
-    for prefix in ("GPU-", "MIG-"):
-        if value.startswith(prefix):
-            uuids: list[str] = []
-            for entry in entries:
-                if entry in uuids:
-                    return []
-                if not entry.startswith(prefix):
-                    break
-                uuids.append(entry)
-            return uuids
-    indices: list[int] = []
-    for entry in entries:
-        index = _leading_int(entry.strip())
-        if index in indices:
+    prefix = value[:4] if value.startswith(("GPU-", "MIG-")) else None
+    visible: list = []
+    for entry in value.split(","):
+        item = entry if prefix else _leading_int(entry.strip())
+        if item in visible:
             return []
-        if index is None or index < 0:
+        valid = entry.startswith(prefix) if prefix else item is not None and item >= 0
+        if not valid:
             break
-        indices.append(index)
-    return indices
+        visible.append(item)
+    return visible
 
 
 @dataclass(frozen=True)
