@@ -17,11 +17,7 @@ from d2lgpu.runtime.checks import (
 )
 from d2lgpu.runtime.distributed import launch, process_group
 
-__all__ = [
-    "busiest_gpu_bytes",
-    "faulty_worker",
-    "hogwild_train",
-]
+__all__ = ["busiest_gpu_bytes", "faulty_worker", "hogwild_train"]
 
 
 def faulty_worker(

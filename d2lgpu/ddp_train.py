@@ -61,17 +61,8 @@ from d2lgpu.runtime.distributed import (
 from d2lgpu.training import History
 
 __all__ = [
-    "MODELS",
-    "DDPConfig",
-    "DDPResult",
-    "SnapshotError",
-    "build_model",
-    "command_line",
-    "ddp_worker",
-    "main",
-    "read_snapshot",
-    "strip_batchnorm",
-    "train_ddp",
+    "MODELS", "DDPConfig", "DDPResult", "SnapshotError", "build_model", "command_line",
+    "ddp_worker", "main", "read_snapshot", "strip_batchnorm", "train_ddp",
 ]
 
 #: ``small_cnn_nobn`` has no batch norm, which normalises with the *local* batch's

@@ -24,7 +24,7 @@ from d2lgpu.report import nccl_version
 from d2lgpu.runtime.checks import positive_number_flag
 from d2lgpu.runtime.distributed import DistContext, end_process, mark_progress, process_group
 
-__all__ = ["health_check", "healthcheck_worker", "main"]
+__all__ = ["health_check", "main"]
 
 
 def _device_name(device: torch.device) -> str:
@@ -71,14 +71,6 @@ def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
             f"pid {info['pid']}, {info['device']}: all_reduce {verdict}, barrier OK"
         )
     return healthy, lines
-
-
-def healthcheck_worker(
-    rank: int, world_size: int, master_port: int, timeout_s: float = 60.0
-) -> tuple[bool, list[str]]:
-    """What :func:`d2lgpu.runtime.distributed.launch` runs on one machine."""
-    with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
-        return health_check(ctx)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,32 +10,12 @@ from numbers import Real
 from pathlib import Path
 
 __all__ = [
-    "DIVERGENCE_FACTOR",
-    "DIVERGENCE_FLOOR",
-    "check_batch",
-    "check_bool",
-    "check_callable",
-    "check_capability",
-    "check_finite_float",
-    "check_finite_tensors",
-    "check_loader",
-    "check_module",
-    "check_positive_float",
-    "check_positive_int",
-    "check_seed",
-    "check_sequence",
-    "check_str_list",
-    "check_tensor",
-    "check_training_loss",
-    "check_warmup_repeats",
-    "check_writable_path",
-    "count_non_finite",
-    "find_non_finite_batch",
-    "flag_type",
-    "loss_diverged",
-    "positive_int_flag",
-    "positive_number_flag",
-    "seed_flag",
+    "DIVERGENCE_FACTOR", "DIVERGENCE_FLOOR", "check_batch", "check_bool", "check_callable",
+    "check_capability", "check_finite_float", "check_finite_tensors", "check_loader",
+    "check_module", "check_positive_float", "check_positive_int", "check_seed",
+    "check_sequence", "check_str_list", "check_tensor", "check_training_loss",
+    "check_warmup_repeats", "check_writable_path", "count_non_finite", "find_non_finite_batch",
+    "flag_type", "loss_diverged", "positive_int_flag", "positive_number_flag", "seed_flag",
 ]
 
 

@@ -15,21 +15,9 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 __all__ = [
-    "CPU_BF16_ENV",
-    "DATA_ENV",
-    "FULL_ENV",
-    "QUICK_ENV",
-    "SMOKE_ENV",
-    "Workload",
-    "cpu_bf16_override",
-    "data_root",
-    "default_cache_dir",
-    "describe_mode",
-    "pick",
-    "quick_mode",
-    "small_data",
-    "smoke_mode",
-    "workload",
+    "CPU_BF16_ENV", "DATA_ENV", "FULL_ENV", "QUICK_ENV", "SMOKE_ENV", "Workload",
+    "cpu_bf16_override", "data_root", "default_cache_dir", "describe_mode", "pick",
+    "quick_mode", "small_data", "smoke_mode", "workload",
 ]
 
 QUICK_ENV = "D2LGPU_QUICK"

@@ -45,21 +45,9 @@ from d2lgpu.runtime.checks import (
 from d2lgpu.runtime.gpus import apply_nccl_p2p_decision, num_gpus
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "CollectiveTimeout",
-    "DistContext",
-    "RemoteTraceback",
-    "RankError",
-    "add_job_flags",
-    "all_reduce_sum",
-    "choose_backend",
-    "end_process",
-    "find_free_port",
-    "launch",
-    "mark_progress",
-    "process_group",
-    "exit_status_of",
-    "run_together",
+    "DEFAULT_TIMEOUT_S", "CollectiveTimeout", "DistContext", "RemoteTraceback", "RankError",
+    "add_job_flags", "all_reduce_sum", "choose_backend", "end_process", "find_free_port",
+    "launch", "mark_progress", "process_group", "exit_status_of", "run_together",
     "CommandResult",
 ]
 
@@ -192,15 +180,12 @@ def _explain_timeout(
             "slow step, or a collective the others do not make)"
         )
     elif laggards:
-        missing = (
-            f"{_plural(laggards)} never arrived ({_progress_lines(progress)}): stuck before it "
-            "(a loop, a deadlock, a slow step), or it skipped a collective the others made"
-        )
+        missing = (f"{_plural(laggards)} never arrived ({_progress_lines(progress)}): stuck "
+                   "before it (a loop, a deadlock, a slow step), or it skipped a collective the "
+                   "others made")
     elif progress:
-        missing = (
-            f"every rank had reached the same step ({_progress_lines(progress)}), so one of "
-            "them is stuck inside a collective or went a different way after it"
-        )
+        missing = (f"every rank had reached the same step ({_progress_lines(progress)}), so one "
+                   "of them is stuck inside a collective or went a different way after it")
     else:
         missing = "which rank did not arrive is unknown (the job's store is gone)"
     return CollectiveTimeout(
@@ -216,7 +201,11 @@ _TIMEOUT_GATHER_S = 5.0
 
 
 def _ranks_not_in_the_collective(store: dist.Store | None, rank: int, world_size: int) -> list[int]:
-    """The ranks that did not note, within the gather time, that they timed out too."""
+    """The ranks that did not note, within the gather time, that they timed out too.
+
+    Not ``dist.monitored_barrier(wait_all_ranks=True)``: it runs on gloo only, in a group
+    that a timed-out collective may have left broken, and only rank 0 learns the list.
+    """
     if store is None or world_size < 2:
         return []
     try:

@@ -16,18 +16,9 @@ import torch
 from d2lgpu.runtime.checks import check_capability
 
 __all__ = [
-    "P2PDecision",
-    "apply_nccl_p2p_decision",
-    "as_device",
-    "build_runs_on",
-    "capability_or_none",
-    "cuda_arch_list",
-    "cuda_usable",
-    "gpus_without_kernels",
-    "nccl_p2p_decision",
-    "num_gpus",
-    "require_cuda_device",
-    "resolve_devices",
+    "P2PDecision", "apply_nccl_p2p_decision", "as_device", "build_runs_on",
+    "capability_or_none", "cuda_arch_list", "cuda_usable", "gpus_without_kernels",
+    "nccl_p2p_decision", "num_gpus", "require_cuda_device", "resolve_devices",
 ]
 
 
