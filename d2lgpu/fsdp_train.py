@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from d2lgpu.precision import PRECISIONS
+from d2lgpu.precision import PRECISIONS, precision_policy
 from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag
 from d2lgpu.runtime.config import small_data
 from d2lgpu.runtime.distributed import add_job_flags, process_group
@@ -28,7 +28,6 @@ from d2lgpu.sharding import (
     FSDPRun,
     MLPShape,
     TrainPlan,
-    fsdp_param_dtype,
     prepare_checkpoint_root,
     train_fsdp,
 )
@@ -119,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
                   f"each rank\nglobal batch {plan.batch_size} ({plan.batch_size // ctx.world_size}"
                   f" per rank), {epoch} steps per epoch, {plan.steps} in all", flush=True)
             if args.precision != "fp32":
-                dtype = fsdp_param_dtype(ctx.device, args.precision) or torch.float32
+                dtype = precision_policy(ctx.device, args.precision).dtype or torch.float32
                 print(f"precision {args.precision}: layers compute in {dtype}", flush=True)
         result = train_fsdp(run, ctx)
         if ctx.is_main:

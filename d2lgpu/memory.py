@@ -23,27 +23,6 @@ from d2lgpu.precision import SavedActivations, tf32_switches
 from d2lgpu.runtime.checks import check_module, check_positive_int, check_tensor
 from d2lgpu.timing import format_table
 
-__all__ = [
-    "OPTIMIZERS",
-    "CheckpointRow",
-    "Checkpointed",
-    "LiveTensorBytes",
-    "MemoryAnatomy",
-    "accumulated_gradients",
-    "checkpoint_stages",
-    "checkpointing_tradeoff",
-    "format_mib",
-    "gradient_bytes",
-    "make_optimizer",
-    "measure_activations",
-    "measure_training_memory",
-    "mlp_activation_bytes",
-    "optimizer_state_bytes",
-    "parameter_bytes",
-    "resnet18_activation_bytes",
-    "storage_bytes",
-]
-
 #: Optimizers of this chapter, and how many fp32 buffers of the parameters' size each keeps.
 OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2}
 

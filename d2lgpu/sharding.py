@@ -48,38 +48,6 @@ from d2lgpu.runtime.checks import (
 )
 from d2lgpu.runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
 
-__all__ = [
-    "ACCUMULATION_VARIANTS",
-    "AccumulationResult",
-    "AccumulationRun",
-    "CheckpointError",
-    "CollectiveCounter",
-    "CommStats",
-    "FSDPResult",
-    "FSDPRun",
-    "MLPShape",
-    "ShardInfo",
-    "SingleResult",
-    "StepWatch",
-    "TrainPlan",
-    "check_resumable",
-    "collective_formula",
-    "counting_allreduce_hook",
-    "fsdp2_unavailable_reason",
-    "fsdp_param_dtype",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "newest_intact_checkpoint",
-    "padded_parameter_bytes",
-    "prepare_checkpoint_root",
-    "read_checkpoint_extra",
-    "save_checkpoint",
-    "shard_model",
-    "sharding_worker",
-    "train_fsdp",
-    "train_single",
-]
-
 
 def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
     """Why FSDP2 cannot run here on ``device_type`` ("cpu" or "cuda"); None when it can
@@ -237,25 +205,20 @@ def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleR
     return SingleResult(losses, _cpu_state(model))
 
 
-def fsdp_param_dtype(
-    device: torch.device | str, precision: str, capability: tuple[int, int] | None = None
-) -> torch.dtype | None:
-    """The dtype FSDP2's layers compute in for ``precision`` (the course's rule,
-    :func:`d2lgpu.precision.precision_policy`); None for fp32."""
-    return precision_policy(device, precision, capability=capability).dtype
-
-
 def shard_model(
-    model: nn.Module, mesh: Any, *, reshard_after_forward: bool = True, precision: str = "fp32"
+    model: nn.Module,
+    mesh: Any,
+    *,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """``fully_shard`` every :class:`~d2lgpu.models.MLPBlock`, then the whole model, in place.
 
     Bottom-up, as FSDP2 requires: each block is one all-gather and one reduce-scatter, and
-    the root takes the layers left over. A 16-bit ``precision`` computes with 16-bit copies
-    of the parameters and reduces gradients in fp32.
+    the root takes the layers left over. A 16-bit ``param_dtype`` computes with copies of
+    the parameters in it and reduces gradients in fp32.
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    param_dtype = fsdp_param_dtype(mesh.device_type, precision)
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32)
     for module in model.modules():
@@ -697,7 +660,7 @@ class StepWatch:
 
     held_after_forward: int = 0  # bytes of full parameters kept from forward to backward
     gradient_bytes: int = 0  # of this rank's gradient shards
-    compute_dtype: str = "-"  # of a block's weight while it computes
+    compute_dtype: str = "-"  # that the layers compute in
     grad_dtype: str = "-"
     cuda_peak: int | None = None  # the CUDA allocator's peak (None on CPUs)
     comm: dict[str, CommStats] = field(default_factory=dict)
@@ -735,26 +698,18 @@ def _watched_step(
 ) -> tuple[torch.Tensor, StepWatch]:
     """Forward and backward of one step, with the collectives counted and memory measured."""
     watch = StepWatch()
-    block = next(m for m in model.modules() if isinstance(m, MLPBlock))
-
-    def note_dtype(module: nn.Module, args: Any) -> None:
-        watch.compute_dtype = _dtype_name(module.weight.dtype)
-
-    hook = block.fc1.register_forward_pre_hook(note_dtype)
     if X.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(X.device)
-    try:
-        with CollectiveCounter() as counter:
-            out = model(X)
-            full = [p for p in model.parameters() if not isinstance(p, DTensor)]
-            watch.held_after_forward = storage_bytes(full)
-            if fail:
-                raise RuntimeError(fail)
-            loss = nn.functional.cross_entropy(out.float(), y)
-            (loss if scaler is None else scaler.scale(loss)).backward()
-    finally:
-        hook.remove()
+    with CollectiveCounter() as counter:
+        out = model(X)  # in the dtype the layers computed in
+        full = [p for p in model.parameters() if not isinstance(p, DTensor)]
+        watch.held_after_forward = storage_bytes(full)
+        if fail:
+            raise RuntimeError(fail)
+        loss = nn.functional.cross_entropy(out.float(), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
     watch.comm = counter.stats
+    watch.compute_dtype = _dtype_name(out.dtype)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     watch.gradient_bytes = _local_bytes(grads)
     watch.grad_dtype = _dtype_name(grads[0].dtype)
@@ -803,32 +758,21 @@ def _test_accuracy(model: nn.Module, plan: TrainPlan, ctx: DistContext) -> float
     return total.item() / n
 
 
-#: The settings a checkpoint records and a resumed run must repeat, with the words naming each.
-_MUST_MATCH = {
-    "shape": "model shape (width, hidden, depth, in, classes)",
-    "batch_size": "global batch size",
-    "lr": "learning rate",
-    "optimizer": "optimizer",
-    "seed": "seed",
-    "shuffle": "shuffle",
-    "examples": "training examples",
-    "precision": "precision",
-    "param_dtype": "compute dtype",
-}
-
-
 def _recorded_config(run: FSDPRun, param_dtype: torch.dtype | None) -> dict[str, Any]:
+    """The settings a checkpoint records and a resumed run must repeat, by the words naming
+    each."""
     plan, shape = run.plan, run.plan.shape
     return {
-        "shape": [shape.width, shape.hidden, shape.depth, shape.in_features, shape.num_classes],
-        "batch_size": plan.batch_size,
-        "lr": plan.lr,
+        "model shape (width, hidden, depth, in, classes)":
+            [shape.width, shape.hidden, shape.depth, shape.in_features, shape.num_classes],
+        "global batch size": plan.batch_size,
+        "learning rate": plan.lr,
         "optimizer": plan.optimizer,
         "seed": plan.seed,
         "shuffle": plan.shuffle,
-        "examples": len(plan.labels),
+        "training examples": len(plan.labels),
         "precision": run.precision,
-        "param_dtype": _dtype_name(param_dtype),
+        "compute dtype": _dtype_name(param_dtype),
     }
 
 
@@ -840,8 +784,8 @@ def check_resumable(
 ) -> None:
     """Refuse a checkpoint written under other settings, naming every difference.
 
-    ``must_match`` maps each setting of ``config`` to the words that name it (default:
-    those of :func:`train_fsdp`).
+    ``must_match`` maps each setting of ``config`` to the words that name it (default: every
+    setting, named by its key).
     """
     old = extra.get("config")
     if not isinstance(old, dict):
@@ -851,7 +795,7 @@ def check_resumable(
         )
     differences = [
         f"{words} {old.get(key)} in the checkpoint, {config[key]} now"
-        for key, words in (must_match or _MUST_MATCH).items()
+        for key, words in (must_match or {key: key for key in config}).items()
         if old.get(key) != config[key]
     ]
     if differences:
@@ -925,7 +869,7 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     policy = precision_policy(ctx.device, run.precision)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     model = shard_model(plan.shape.build(plan.seed), mesh,
-                        reshard_after_forward=run.reshard_after_forward, precision=run.precision)
+                        reshard_after_forward=run.reshard_after_forward, param_dtype=policy.dtype)
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
     # fp16's narrow range needs loss scaling (chapter 6); the sharded scaler agrees on
     # overflows over all ranks.
@@ -1016,13 +960,12 @@ def sharding_worker(
 
 @dataclass
 class AccumulationResult:
-    """Per variant: the all-reduces counted, the final weights and the losses."""
+    """Per variant: the all-reduces counted and the final weights."""
 
     micro_batches: int
     steps: int
     comm: dict[str, CommStats]
     state_dicts: dict[str, dict[str, torch.Tensor]]
-    losses: dict[str, list[float]]
 
 
 ACCUMULATION_VARIANTS = ("sync every micro-batch", "no_sync until the last")
@@ -1045,16 +988,15 @@ class AccumulationRun:
         check_positive_int("micro_batches", self.micro_batches)
 
     def run(self, ctx: DistContext) -> AccumulationResult:
-        result = AccumulationResult(self.micro_batches, self.plan.steps, {}, {}, {})
+        result = AccumulationResult(self.micro_batches, self.plan.steps, {}, {})
         for variant in ACCUMULATION_VARIANTS:
-            stats, state, losses = self._train(variant == "no_sync until the last", ctx)
+            stats, state = self._train(variant == "no_sync until the last", ctx)
             result.comm[variant], result.state_dicts[variant] = stats, state
-            result.losses[variant] = losses
         return result
 
     def _train(
         self, use_no_sync: bool, ctx: DistContext
-    ) -> tuple[CommStats, dict[str, torch.Tensor], list[float]]:
+    ) -> tuple[CommStats, dict[str, torch.Tensor]]:
         plan = self.plan
         model = plan.shape.build(plan.seed).to(ctx.device)
         ddp = DistributedDataParallel(
@@ -1063,10 +1005,8 @@ class AccumulationRun:
         stats = CommStats()
         ddp.register_comm_hook(stats, counting_allreduce_hook)
         optimizer = make_optimizer(plan.optimizer, ddp.parameters(), lr=plan.lr)
-        losses = []
         for step in range(plan.steps):
             X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
-            total = torch.zeros((), device=ctx.device)
             parts = list(zip(X.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True))
             for i, (X_part, y_part) in enumerate(parts):
                 # no_sync: backward only adds into .grad; the last backward all-reduces the sum.
@@ -1074,8 +1014,6 @@ class AccumulationRun:
                 with contextlib.nullcontext() if last or not use_no_sync else ddp.no_sync():
                     loss = nn.functional.cross_entropy(ddp(X_part), y_part) * len(X_part) / len(X)
                     loss.backward()
-                total += loss.detach()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(total)
-        return stats, _cpu_state(model), _mean_over_ranks(losses, ctx)
+        return stats, _cpu_state(model)
