@@ -254,12 +254,12 @@ class ElementwiseRow:
 
 def multiply_add_benchmark(
     device: DeviceLike, numel: int, *, steps: int, step: StepFn, tensor_passes: int,
-    copy_gbps: float, variant: str, warmup: int = 1, repeats: int = 5, seed: int = 0,
+    copy_gbps: float, variant: str, warmup: int = 1, repeats: int = 5,
 ) -> ElementwiseRow:
     """Time ``steps`` multiply-add steps on float32 tensors of ``numel`` elements, and the
     bandwidth they reach as a share of ``copy_gbps``."""
     dev = timing_device(device)
-    generator = torch.Generator(device=dev).manual_seed(seed)
+    generator = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(numel, device=dev, generator=generator)
     b = torch.randn(numel, device=dev, generator=generator)
     try:
@@ -706,11 +706,10 @@ def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str,
 
 
 def fusion_study(
-    device: DeviceLike, numel: int, *, steps: int, rounds: int, threads: int | None = None,
-    progress: bool = False,
+    device: DeviceLike, numel: int, *, steps: int, rounds: int, progress: bool = False
 ) -> FusionStudy:
     """Count and time :func:`fusion_study_loops` on float32 tensors of ``numel`` elements,
-    in ``rounds`` interleaved rounds; ``threads``: the CPU's while timing (chapter 2)."""
+    in ``rounds`` interleaved rounds (chapter 2)."""
     dev = timing_device(device)
     if dev is None:
         raise ValueError("fusion_study needs a device, e.g. 'cpu' or 'cuda:0'")
@@ -721,14 +720,8 @@ def fusion_study(
     generator = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(numel, device=dev, generator=generator)
     b = torch.randn(numel, device=dev, generator=generator)
-    before = torch.get_num_threads()
-    if threads is not None and dev.type == "cpu":
-        torch.set_num_threads(threads)
-    try:
-        times = interleaved_times(fusion_study_loops(a, b, steps), dev, rounds=rounds,
-                                  progress=progress)
-    finally:
-        torch.set_num_threads(before)
+    times = interleaved_times(fusion_study_loops(a, b, steps), dev, rounds=rounds,
+                              progress=progress)
     return FusionStudy(str(dev), numel, steps, traffic, times)
 
 

@@ -102,10 +102,8 @@ def test_study_table_shows_the_best_round_and_its_rate() -> None:
     assert rows["copy"][6] == "-"  # no page faults counted, none shown
 
 
-def test_fusion_study_runs_on_the_cpu_and_restores_the_threads() -> None:
-    before = torch.get_num_threads()
-    study = bm.fusion_study("cpu", 4096, steps=1, rounds=2, threads=1)
-    assert torch.get_num_threads() == before
+def test_fusion_study_runs_on_the_cpu() -> None:
+    study = bm.fusion_study("cpu", 4096, steps=1, rounds=2)
     assert list(study.times.seconds) == ["copy", "in-place add", "fused", "in-place unfused",
                                          "unfused"]
     assert study.peak_gbps > 0 and all(len(t) == 2 for t in study.times.seconds.values())
