@@ -43,19 +43,6 @@ __all__ = ["main"]
 
 _COMMAND = "torchrun --standalone --nproc_per_node=N -m d2lgpu.model_parallel_train"
 
-#: What a checkpoint records of its run and a resumed run must repeat, with the words that
-#: name each (for check_resumable). The mesh shape is recorded too, but may change.
-_MUST_MATCH = {
-    "model": "model (kind, width, hidden, depth, heads, norm)",
-    "batch_size": "global batch size",
-    "seq_len": "sequence length",
-    "lr": "learning rate",
-    "optimizer": "optimizer",
-    "seed": "seed",
-    "precision": "precision",
-}
-
-
 @dataclass(frozen=True)
 class ResumableTwoDRun:
     """A :class:`TwoDRun` that writes a distributed checkpoint to ``checkpoint_root`` every
@@ -76,12 +63,15 @@ class ResumableTwoDRun:
         return train_2d(self.two_d, ctx, self)
 
     def _config(self) -> dict[str, Any]:
+        """The settings a checkpoint records, by the words that name them: a resumed run must
+        repeat them all (its mesh shape is recorded too, but may change)."""
         run, spec = self.two_d, self.two_d.spec
         return {
-            "model": [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
-            "batch_size": run.batch_size,
-            "seq_len": run.seq_len,
-            "lr": run.lr,
+            "model (kind, width, hidden, depth, heads, norm)":
+                [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
+            "global batch size": run.batch_size,
+            "sequence length": run.seq_len,
+            "learning rate": run.lr,
             "optimizer": "sgd, momentum 0.9",
             "seed": run.seed,
             "precision": self.precision,
@@ -94,7 +84,8 @@ class ResumableTwoDRun:
         if path is None:
             return 0, []
         extra = read_checkpoint_extra(path)  # damage named first, before the settings
-        check_resumable(extra, self._config(), path, _MUST_MATCH)
+        config = self._config()
+        check_resumable(extra, config, path, {words: words for words in config})
         if extra["step"] >= self.two_d.steps:
             raise CheckpointError(
                 f"checkpoint {path} is at step {extra['step']} and this run ends at step "

@@ -73,8 +73,7 @@ def split_into_stages(fn: Callable[[nn.Sequential, int], list[nn.Sequential]]) -
 
 
 class _MatmulShapes(TorchDispatchMode):
-    """Records the operand shapes of every matrix multiply that runs under it (whichever
-    Python call issued it: ``@``, ``F.linear``, ``einsum``, a module's forward)."""
+    """The operand shapes of every matrix multiply under it (``@``, ``F.linear``, ``einsum``)."""
 
     _MATMULS = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "_addmm_activation")
 
@@ -89,12 +88,8 @@ class _MatmulShapes(TorchDispatchMode):
 
 
 def tensor_parallel_mlp(fn: Callable[[MLPBlock, torch.Tensor, int], torch.Tensor]) -> None:
-    """Exercise 9.3: ``fn(block, x, n)`` computes ``block(x)`` as ``n`` tensor-parallel ranks.
-
-    Besides the result, the check watches the matrix multiplies: with ``n > 1`` ranks no
-    multiply may use all the hidden units at once (``block(x)``, ``block.fc1(x)``, or the
-    whole weight in an einsum), since no rank holds them all.
-    """
+    """Exercise 9.3: ``fn(block, x, n)`` computes ``block(x)`` as ``n`` tensor-parallel ranks,
+    no matrix multiply using all the hidden units at once (no rank holds them all)."""
     ex = "9.3"
     torch.manual_seed(0)
     width, hidden = 16, 64
