@@ -294,14 +294,11 @@ def train_fast(
     batch_size: int = 256, seed: int | None = 0, precision: str | None = None,
     progress: bool = True, init: bool = True,
 ) -> History:
-    """Chapter 4's :func:`d2lgpu.train` on one device (None: :func:`d2lgpu.try_gpu`), with the
-    switches of ``techniques`` (None: :meth:`Techniques.fast`) (chapter 7).
-
-    With ``device_data`` the data are :class:`d2lgpu.DeviceLoader` s or pairs (uint8 images,
-    labels) batched by ``batch_size``; without it, DataLoaders. ``precision`` overrides the
-    techniques' word. Compiling counts in the first epoch; evaluation runs the eager module.
-    ``seed`` seeds the weights and the shuffling; ``init=False`` keeps the weights.
-    """
+    """Chapter 4's :func:`d2lgpu.train` on one device (None: :func:`d2lgpu.try_gpu`) with the
+    switches of ``techniques`` (None: :meth:`Techniques.fast`) (chapter 7). With ``device_data``
+    the data are :class:`d2lgpu.DeviceLoader` s or pairs (uint8 images, labels) batched by
+    ``batch_size``, else DataLoaders; ``precision`` overrides the techniques' word; compiling
+    counts in the first epoch, and evaluation runs the eager module."""
     check_module("net", net)
     check_positive_int("num_epochs", num_epochs)
     check_positive_float("lr", lr)

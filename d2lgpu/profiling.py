@@ -343,11 +343,8 @@ def memory_timeline_from_snapshot(
 ) -> list[tuple[float, int]]:
     """``(time, bytes allocated)`` after every allocation and free in a CUDA memory snapshot
     (``torch.cuda.memory._snapshot()``, or the pickle ``_dump_snapshot`` wrote) (chapter 7).
-
-    The history starts at ``_record_memory_history``, so what was allocated before it (the
-    weights) is worked out from the snapshot's segments: allocated at the end, less what
-    the history added. Time is the entry's ``time_us``, else its position in the history.
-    """
+    What was allocated before the history began (the weights) is what the segments hold at
+    the end less what the history added."""
     if not isinstance(snapshot, Mapping):
         path = Path(snapshot)
         try:
@@ -892,14 +889,11 @@ def run_ablation(
     on_row: Callable[[AblationRow], None] | None = None,
     on_run: Callable[[AblationStep], None] | None = None, repeats: int = 1,
 ) -> list[AblationRow]:
-    """Train a fresh ``make_model()`` from ``seed`` with :func:`d2lgpu.train_fast` for every
-    row of ``plan`` not skipped, ``repeats`` times interleaved (chapter 7).
-
-    Every row runs once, then every row again in reverse order, and so on, so that a busy
-    spell of the machine, or a load that drifts, favours no row. Rows read ``dataloaders``,
-    or ``device_loaders`` with ``device_data``. ``flops_per_example`` and ``peak`` give the
-    MFU. ``on_row`` gets each row when all runs are done, ``on_run`` each step after every run.
-    """
+    """Train a fresh ``make_model()`` with :func:`d2lgpu.train_fast` for every row of ``plan``
+    not skipped, on ``device_loaders`` with ``device_data``, else ``dataloaders`` (chapter 7).
+    ``repeats`` rounds run the rows forwards, then backwards, and so on, so that a busy spell
+    or a drifting load favours no row. ``flops_per_example`` and ``peak`` give the MFU;
+    ``on_row`` gets each finished row, ``on_run`` the step of every run."""
     device = as_device(device)
     plan = list(plan)
     histories: list[list[History]] = [[] for _ in plan]
@@ -1062,12 +1056,9 @@ class CompileModeRow:
 
 def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Callable:
     """``torch.compile(model, fullgraph=fullgraph, **options)`` after ``torch._dynamo.reset()``
-    (chapter 7).
-
-    Dynamo keeps up to ``recompile_limit`` (8) compiled entries per Python function, shared
-    by every instance of a module class, and past it runs eager code with only a log
-    warning: a comparison would time eager code under a compiled label. The reset empties
-    the caches; ``fullgraph=True`` makes a graph break, or the limit, an error."""
+    (chapter 7): past ``recompile_limit`` (8) entries per function, shared by every instance
+    of a module class, dynamo runs eager code under the compiled label. The reset empties
+    its caches; ``fullgraph=True`` makes a graph break, or the limit, an error."""
     torch._dynamo.reset()
     return torch.compile(model, fullgraph=fullgraph, **options)
 
@@ -1123,14 +1114,10 @@ def capture_training_step(
     optimizer: torch.optim.Optimizer, example: tuple[torch.Tensor, torch.Tensor], *,
     warmup_steps: int = 3,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Record one training step (forward, backward, optimizer step) as a CUDA graph and
-    return ``step(X, y)``: it copies the batch into the graph's inputs, replays it and
-    returns the loss tensor, overwritten by the next replay (chapter 7).
-
-    Batches must have ``example``'s shapes; the learning rate is the one at recording.
-    ``warmup_steps`` real steps run first on a side stream, so that lazy state (momentum
-    buffers, cuBLAS workspaces) exists before recording, as torch's recipe does.
-    """
+    """Record one training step as a CUDA graph, after ``warmup_steps`` real steps on a side
+    stream (lazy state must exist first), and return ``step(X, y)``: it copies a batch of
+    ``example``'s shapes into the graph's inputs, replays it and returns the loss tensor,
+    which the next replay overwrites (chapter 7)."""
     X0, y0 = example
     if X0.device.type != "cuda":
         raise ValueError(
