@@ -1,32 +1,9 @@
 """d2lgpu: the helpers of a course on finding, using and filling GPUs with PyTorch.
 
-A chapter's helpers live in its own modules:
-
-1. ``report`` (what this machine has, and why CUDA is missing) and ``chips``
-   (what a chip can do: Tensor Core formats, data sheets, peaks, FLOP counts);
-2. ``devices`` (naming and resolving devices), ``timing`` (the course's clock:
-   ``time_fn``, ``Timing``, rates, ``format_table``) and ``benchmarking`` (the
-   wrong timer, bandwidths, the multiply-add study);
-3. ``parallel`` (data parallelism by hand);
-4. ``data`` (Fashion-MNIST: loaders, tensors, ``DeviceLoader`` on the device),
-   ``models``, ``training`` (the train loop), ``replicas`` (DataParallel's arithmetic
-   on one device, the lr for k devices) and ``fast`` (the fast path's switches, chapter 7);
-5. ``ddp_demos``, ``ddp_train`` and ``healthcheck`` (torch.distributed, torchrun);
-6. ``precision`` (the precision vocabulary and policy, the sweep);
-7. ``profiling`` (traces, the roofline, the ablation, torch.compile, CUDA graphs);
-8. ``memory``, ``sharding`` and ``fsdp_train`` (where memory goes; FSDP2,
-   collectives counted, distributed checkpoints);
-9. ``model_parallel`` and ``model_parallel_train`` (pipelines, tensor parallel).
-
-Every chapter uses ``plotting``. Below the lesson modules sits ``d2lgpu.runtime``, the
-machinery a learner need not read: ``checks`` (argument checks that name the fix),
-``config`` (the workload), ``gpus`` (what CUDA can use here), ``distributed`` (process
-groups, the launcher, fault reports) and ``progress`` (the elapsed-time bar). A helper that a
-second chapter needs moves down to a shared module (``devices``, ``chips``,
-``timing``, ``data``, ``models``), never sideways. The names the notebooks use
-are re-exported here; the distributed entry points and ``sharding``,
-``fsdp_train``, ``model_parallel`` and ``model_parallel_train`` are imported by name, to keep
-``import d2lgpu`` light.
+Each chapter's helpers live in its own modules (README.md, "Where a chapter's helpers
+live"); below them ``d2lgpu.runtime`` holds what a learner need not read. The names the
+notebooks use are re-exported here; the distributed entry points and the modules of
+chapters 8 and 9 are imported by name, to keep ``import d2lgpu`` light.
 """
 
 from d2lgpu.benchmarking import (
@@ -85,7 +62,7 @@ from d2lgpu.runtime.config import data_root, pick, quick_mode, smoke_mode, workl
 from d2lgpu.runtime.gpus import num_gpus
 from d2lgpu.runtime.progress import elapsed_bar
 from d2lgpu.timing import tflops, time_fn
-from d2lgpu.training import History, set_seed, train
+from d2lgpu.training import History, train
 
 __version__ = "0.1.0"
 
@@ -134,7 +111,6 @@ __all__ = [
     "replicate_params",
     "resnet18",
     "scaled_learning_rate",
-    "set_seed",
     "small_cnn",
     "split_batch",
     "sweep_mlp",

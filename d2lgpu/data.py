@@ -1,14 +1,10 @@
 """Data for the course: Fashion-MNIST (loaders, whole-set tensors, batches cut on the device),
-synthetic regression and Tiny Shakespeare.
+synthetic regression and Tiny Shakespeare, under :func:`d2lgpu.data_root`.
 
-Fashion-MNIST lives under :func:`d2lgpu.data_root` (``D2LGPU_DATA`` or the user cache). Its
-four raw files are checked before they are read: their size, and once per file their MD5; a
-stamp in the user cache (never next to the data, which may be read-only) records a file that
-passed, keyed by path, size, inode and modification and status-change times (``ctime``, which
-no program can set back), so a file rewritten in place is hashed again.
-
-Quick mode replaces both splits by a small subset with the same number of images of every
-class (the first of each class in file order): fast, balanced and identical everywhere.
+Fashion-MNIST's raw files are checked before they are read: their size, and once their MD5,
+recorded by a stamp in the user cache keyed by path, size, inode, modification and
+status-change times (which no program sets back). Quick mode takes the first images of each
+class: a small subset, balanced and identical everywhere.
 """
 
 from __future__ import annotations
@@ -98,7 +94,7 @@ def _balanced_indices(targets: torch.Tensor, train: bool) -> torch.Tensor:
     return torch.sort(torch.cat(chosen)).values
 
 
-def _stamp_dir() -> Path:
+def _stamp_dir() -> Path:  # never next to the data, which may be read-only
     return default_cache_dir() / "verified"
 
 
@@ -297,14 +293,9 @@ def synthetic_regression(num_examples: int, num_features: int, noise: float = 0.
 
 
 class DeviceLoader:
-    """Batches ``(X, y)`` cut from a data set that lives on ``device``, without a DataLoader
-    (chapter 7).
-
-    The uint8 images are copied to the device once; each batch is gathered by index and
-    normalised to ``(x / 255 - mean) / std`` there. ``shuffle=True`` draws a permutation on
-    the device each epoch from a generator seeded with ``seed``; ``drop_last=True`` skips a
-    smaller last batch (same shapes suit CUDA graphs).
-    """
+    """Batches ``(X, y)`` cut from uint8 images that live on ``device``, normalised there to
+    ``(x / 255 - mean) / std`` (chapter 7); ``shuffle=True`` permutes on the device with a
+    seeded generator, ``drop_last=True`` skips a smaller last batch (for CUDA graphs)."""
 
     def __init__(
         self,

@@ -50,10 +50,8 @@ __all__ = [
     "tf32_matmuls",
 ]
 
-#: The course's one precision vocabulary: every entry point that trains takes ``precision=``
-#: with one of these. "auto" lets the device decide (:func:`precision_policy`), "fp32" is
-#: strict fp32, "tf32" fp32 with TF32 matmuls, "fp16" autocast with a GradScaler, "bf16"
-#: autocast.
+#: The course's one precision vocabulary, which every entry point that trains takes:
+#: "auto" lets the device decide (:func:`precision_policy`).
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16")
 
 # What people write instead, and the word of the vocabulary that means it.
@@ -160,13 +158,9 @@ def precision_policy(
     capability: tuple[int, int] | None = None,
     cpu_native_bf16: bool | None = None,
 ) -> PrecisionPolicy:
-    """Turn a word of :data:`PRECISIONS` into how ``device`` trains (chapter 4).
-
-    "auto" is the course's one rule: bf16 from compute capability 8.0, fp16 with a
-    GradScaler on 7.x, fp32 below (no Tensor Cores); on a CPU bf16 where it has bf16
-    instructions, else fp32. ``capability`` and ``cpu_native_bf16`` override what this
-    machine says (for tables of machines you do not have).
-    """
+    """Turn a word of :data:`PRECISIONS` into how ``device`` trains (chapter 4). "auto": bf16
+    from compute capability 8.0, fp16 with a GradScaler on 7.x, else fp32; on a CPU bf16 where
+    it has bf16 instructions. ``capability`` and ``cpu_native_bf16`` override this machine."""
     device = as_device(device)
     precision = check_precision(precision)
     if precision in ("fp32", "tf32"):
@@ -247,21 +241,16 @@ def tf32_switches(matmul: str, conv: str) -> Iterator[None]:
 
 
 def tf32_matmuls(enabled: bool) -> AbstractContextManager:
-    """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit (chapter 6).
-
-    PyTorch's defaults differ (matmuls off, convolutions on), so strict fp32 switches off both.
-    """
+    """Allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions; restore on exit
+    (chapter 6). The defaults differ (matmuls off, convolutions on): strict fp32 needs both."""
     word = "tf32" if enabled else "ieee"
     return tf32_switches(word, word)
 
 
 class SavedActivations:
-    """Counts the bytes autograd saves for the backward pass inside a ``with`` block
-    (chapter 6), each storage once; ``exclude`` (the parameters) counts not at all.
-
-    This is the memory that grows with the batch, counted on any device, where a CPU has no
-    peak-memory statistic. Chapter 8 uses it again.
-    """
+    """Counts the bytes autograd saves for backward inside a ``with`` block, each storage once
+    and ``exclude`` (the parameters) not at all (chapter 6): the memory that grows with the
+    batch, counted where a CPU has no peak-memory statistic."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         if isinstance(exclude, (str, bytes, torch.Tensor)) or not hasattr(exclude, "__iter__"):
@@ -292,11 +281,6 @@ class SavedActivations:
     def nbytes(self) -> int:
         """Bytes of the distinct storages saved so far."""
         return sum(self._seen.values())
-
-    @property
-    def tensors(self) -> int:
-        """How many distinct storages were saved."""
-        return len(self._seen)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -334,12 +318,8 @@ PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16")
 
 @dataclass(frozen=True)
 class SweepRow:
-    """One cell of the sweep: a mode at a batch size.
-
-    ``status`` is "ok", "OOM" or why the mode cannot run here (the numbers then None).
-    ``peak_memory_bytes`` is None on a CPU; ``repeat_seconds`` holds each repeat's median
-    step time; ``saved_activation_bytes`` what one step saved for backward.
-    """
+    """One cell of the sweep, a mode at a batch size: ``status`` is "ok", "OOM" or why the mode
+    cannot run here; ``repeat_seconds`` holds each repeat's median step time."""
 
     mode: str
     batch_size: int
@@ -454,9 +434,7 @@ def _measure_one(
                     (timing.median,), counter.nbytes)
 
 
-#: How running out of GPU memory shows when a library, not torch's allocator, failed first:
-#: cuBLAS or cuDNN cannot allocate a workspace, cuDNN finds no algorithm whose workspace
-#: fits, or CUDA cannot create a handle.
+#: Running out of GPU memory where a library, not torch's allocator, failed first.
 _LIBRARY_OUT_OF_MEMORY = (
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
@@ -490,14 +468,10 @@ def precision_sweep(
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     progress: bool = False,
 ) -> list[SweepRow]:
-    """Train ``model_fn()`` briefly in each mode at each batch size and measure it (chapter 6).
-
-    Every row trains a fresh model (same seed) on one fixed batch, ``warmup`` untimed and
-    ``steps`` timed steps, with ``make_optimizer(parameters)`` (None: SGD with ``lr``). With
-    ``repeats`` > 1 the modes of a batch size take turns, so a burst of other work hits them
-    alike, and :func:`compare_sweep_modes` can tell a difference from noise. A batch that
-    does not fit becomes an "OOM" row; a diverging loss stops the sweep, as in ``train``.
-    """
+    """Train a fresh ``model_fn()`` (same seed) on one fixed batch for ``warmup`` untimed and
+    ``steps`` timed steps in each mode at each batch size (chapter 6). With ``repeats`` > 1
+    the modes take turns, so a burst of other work hits them alike. A batch that does not fit
+    is an "OOM" row; a diverging loss stops the sweep, as in ``train``."""
     unknown = [m for m in modes if m not in PRECISION_MODES]
     if isinstance(modes, str) or not modes or unknown:
         raise ValueError(f"modes must be a non-empty list; unknown: {unknown}; choose from "
@@ -555,12 +529,8 @@ def precision_sweep(
 
 @dataclass(frozen=True)
 class SweepComparison:
-    """A reduced-precision mode against a baseline at the largest batch where both ran.
-
-    ``speedup`` is the ratio of the rows' median step times; ``repeat_speedups`` pairs the
-    repeats, so their spread shows the machine's noise. ``memory_ratio`` and ``saved_ratio``
-    are candidate over baseline peak memory and saved-activation bytes.
-    """
+    """A mode against a baseline at the largest batch both ran: ratios of step times (paired
+    repeat by repeat, whose spread shows the noise), peak memory and saved bytes."""
 
     baseline: str
     candidate: str

@@ -1,26 +1,16 @@
-"""Checks for the exercises at the end of every chapter.
+"""Checks for the exercises at the end of every chapter: ``check.bubble_fraction(fn)`` calls
+the learner's function on small inputs and compares it with the chapter's reference.
 
-A checkable exercise gives the learner a stub, a function whose body is
-``raise NotImplementedError``, and right after it a check cell::
-
-    from d2lgpu.exercises import ch09 as check
-    check.bubble_fraction(bubble_fraction)
-
-The check calls the learner's function on small inputs and compares what comes
-back with the chapter's own reference. While the stub is unchanged it raises
-:class:`ExerciseNotDone`, which says what to write; a wrong answer raises
-:class:`ExerciseWrong`, which says what differed and for which input; a right
-one prints a line that starts with "Exercise N.K passed".
-
-``chNN`` holds chapter NN's checks. It imports only what that chapter and the
-chapters before it teach, so a check never depends on a later lesson.
+An unchanged stub raises :class:`ExerciseNotDone`, a wrong answer :class:`ExerciseWrong`
+(what differed, for which input); a right one prints "Exercise N.K passed". ``chNN`` imports
+only what chapter NN and those before it teach.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,8 +33,7 @@ class ExerciseCheckFailed(AssertionError):
     """A check cell found the exercise unfinished or wrong; the message says what to do."""
 
     def _render_traceback_(self) -> list[str]:
-        # IPython calls this instead of printing the traceback: the frames of the check
-        # itself would only hide the one line that says what to do.
+        # IPython shows this instead of the traceback, whose frames would hide the message.
         return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
 
 
@@ -61,12 +50,8 @@ def _name(fn: object) -> str:
 
 
 def attempt(exercise: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call the learner's ``fn(*args, **kwargs)`` for exercise ``exercise`` ("9.2").
-
-    A stub's ``NotImplementedError`` becomes :class:`ExerciseNotDone` without the
-    stub's traceback, and a function that returns nothing is caught here too,
-    since a forgotten ``return`` is the commonest slip.
-    """
+    """Call the learner's ``fn(*args, **kwargs)`` for exercise ``exercise`` ("9.2"): a stub
+    becomes :class:`ExerciseNotDone`, and a forgotten ``return`` is named."""
     if not callable(fn):
         raise ExerciseWrong(
             f"Exercise {exercise}: the check takes your function itself, got a "
@@ -107,8 +92,8 @@ def expect_close(exercise: str, got: float, want: float, what: str,
 
 def expect_tensor_close(exercise: str, got: Any, want: torch.Tensor, what: str, atol: float,
                         hint: str) -> None:
-    """``got`` must be a tensor of ``want``'s shape within ``atol`` of it everywhere; ``what``
-    names the case ("with n=4 ranks"), ``hint`` where to look when it is not."""
+    """``got`` must be a tensor of ``want``'s shape within ``atol`` of it; ``what`` names the
+    case ("with n=4 ranks"), ``hint`` where to look."""
     shape = getattr(got, "shape", type(got).__name__)
     expect(exercise, isinstance(got, torch.Tensor) and got.shape == want.shape,
            f"{what}: expected a tensor of shape {tuple(want.shape)}, got {shape}")
@@ -124,8 +109,7 @@ def passed(exercise: str, what: str) -> None:
 def expect_value_error(exercise: str, fn: Callable[..., Any], args: tuple, why: str,
                        kwargs: Mapping[str, Any] | None = None) -> None:
     """The learner's ``fn(*args, **kwargs)`` must refuse its arguments with a ValueError;
-    ``why`` says what is wrong with them. Another exception (an IndexError from
-    ``list[i]``, say) is named, since a learner's function should say what is wrong."""
+    ``why`` says what is wrong with them, and another exception is named."""
     try:
         attempt(exercise, fn, *args, **dict(kwargs or {}))
     except ExerciseCheckFailed:
@@ -146,28 +130,16 @@ class _StandInTouched(Exception):
 class _StandIn:
     """An argument that stops any function that uses it (see :func:`refuse_stub_early`)."""
 
-    def __getattr__(self, name: str) -> object:
-        raise _StandInTouched(name)
+    def _touched(self, *args: object, **kwargs: object) -> object:
+        raise _StandInTouched()
 
-    def __call__(self, *args: object, **kwargs: object) -> object:
-        raise _StandInTouched("call")
-
-    def __iter__(self) -> Iterator[object]:
-        raise _StandInTouched("iter")
-
-    def __len__(self) -> int:
-        raise _StandInTouched("len")
-
-    def __getitem__(self, key: object) -> object:
-        raise _StandInTouched("getitem")
+    __getattr__ = __call__ = __iter__ = __len__ = __getitem__ = _touched
 
 
 def refuse_stub_early(exercise: str, fn: Callable[..., Any], nargs: int) -> None:
-    """Raise :class:`ExerciseNotDone` for an unchanged stub before a check builds anything
-    costly (a first optimizer or DDP model imports torch's compiler stack, seconds on a
-    small machine). ``fn`` is called on ``nargs`` stand-ins: the stub raises
-    ``NotImplementedError`` at once; a real solution stops at the first stand-in it uses,
-    and the check goes on."""
+    """Refuse an unchanged stub before a check builds anything costly (a first optimizer
+    imports torch's compiler stack): ``fn`` runs on ``nargs`` stand-ins, where a stub raises
+    ``NotImplementedError`` and a real solution stops at the first stand-in it uses."""
     try:
         attempt(exercise, fn, *[_StandIn() for _ in range(nargs)])
     except ExerciseNotDone:

@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 
 
 def _in_place(fn: Callable[..., object]) -> Callable[..., bool]:
-    """``fn`` for :func:`attempt` when it works in place and returns None, as allreduce does."""
+    """``fn`` for :func:`attempt` when it returns None, working in place as allreduce does."""
 
     @functools.wraps(fn)  # keeps fn's name for the "not done yet" message
     def call(*args: object) -> bool:
@@ -82,8 +82,8 @@ def shard_bounds(fn: Callable[[int, int], list[tuple[int, int]]]) -> None:
 def _one_step_summed_means(
     lr: float, sizes: Sequence[int], X: torch.Tensor, y: torch.Tensor
 ) -> list[torch.Tensor]:
-    """One SGD step in which every replica backpropagates its shard's *mean* loss and the
-    all-reduce sums: the parameters afterwards (one replica's)."""
+    """One replica's parameters after a step where each backpropagates its shard's *mean* loss
+    and the all-reduce sums."""
     replicas = [replicate_params(_mlp_params(), CPU) for _ in sizes]
     X_shards, y_shards = X.split(list(sizes)), y.split(list(sizes))
     for params, X_shard, y_shard in zip(replicas, X_shards, y_shards, strict=True):
@@ -99,7 +99,7 @@ def _one_step_summed_means(
 
 def lr_for_summed_means(fn: Callable[[float, list[int]], float]) -> None:
     """Exercise 3.2: ``fn(lr, shard_sizes)``, the rate at which summed shard means take the
-    chapter's step, or a ValueError where no rate does."""
+    chapter's step, or a ValueError where none does."""
     ex = "3.2"
     for lr, sizes in ((0.1, [8, 8]), (0.3, [5, 5, 5]), (0.2, [4, 4, 4, 4]), (0.1, [10])):
         got = attempt(ex, fn, lr, list(sizes))
@@ -171,8 +171,8 @@ def weighted_allreduce(fn: Callable[[list[torch.Tensor], list[float]], None]) ->
 def accumulated_step(
     fn: Callable[[Callable, list[torch.Tensor], torch.Tensor, torch.Tensor, float, int], float],
 ) -> None:
-    """Exercise 3.4: ``fn(forward, params, X, y, lr, k)``, k shards' gradients accumulated on
-    one set of parameters, takes data_parallel_step's step."""
+    """Exercise 3.4: ``fn(forward, params, X, y, lr, k)``: k shards' gradients accumulated on
+    one set of parameters take data_parallel_step's step."""
     ex = "3.4"
     batches = [_batch(10, seed=10), _batch(10, seed=11)]
     for k in (1, 2, 3, 4):

@@ -44,8 +44,6 @@ def replica_rows(fn: Callable[[int, int], list[list[int]]]) -> None:
         rows = torch.stack([torch.arange(float(n)), torch.zeros(n)], dim=1)
         ReplicasOnOneDevice(recorder, k).train()(rows)
         want = recorder.seen
-        expect(ex, want == [c.tolist() for c in torch.arange(n).chunk(k)],
-               "internal: ReplicasOnOneDevice no longer splits as torch.chunk does")
         idle = k - len(want)
         note = (f"; only {k - idle} of the {k} replicas get rows: list only those"
                 if idle else "")
@@ -82,8 +80,8 @@ def _pair(value: object, ex: str, call: str) -> tuple[torch.Tensor, torch.Tensor
 def replica0_running_stats(
     fn: Callable[[nn.BatchNorm1d, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    """Exercise 4.2: ``fn(bn, batch, k)``, the running statistics ``bn`` keeps after one
-    training forward through k replicas, computed without changing ``bn``."""
+    """Exercise 4.2: ``fn(bn, batch, k)``, the running statistics ``bn`` keeps after a training
+    forward through k replicas, without changing ``bn``."""
     ex = "4.2"
     for n, k, momentum in ((12, 4, 0.1), (12, 3, 0.1), (11, 4, 0.5), (12, 1, 0.1),
                            (9, 2, 0.25)):
@@ -126,8 +124,8 @@ def combine_shard_stats(
     fn: Callable[[list[int], list[torch.Tensor], list[torch.Tensor]],
                  tuple[torch.Tensor, torch.Tensor]],
 ) -> None:
-    """Exercise 4.3: ``fn(counts, means, variances)``, the mean and biased variance of all
-    the shards' rows, from each shard's count, mean and biased variance."""
+    """Exercise 4.3: ``fn(counts, means, variances)``, the mean and biased variance of all the
+    shards' rows from each shard's."""
     ex = "4.3"
     generator = torch.Generator().manual_seed(0)
     for sizes in ((4, 4), (3, 5, 1, 7), (12,), (2, 9, 4), (5, 0, 6)):
@@ -163,8 +161,8 @@ def combine_shard_stats(
 
 
 def warmup_lambda(fn: Callable[[float, int, int], Callable[[int], float]]) -> None:
-    """Exercise 4.4: ``fn(base_lr, k, warmup_steps)``, a LambdaLR factor that ramps the rate
-    from base_lr to scaled_learning_rate(base_lr, k) in warmup_steps steps."""
+    """Exercise 4.4: ``fn(base_lr, k, warmup_steps)``, a LambdaLR factor ramping the rate from
+    base_lr to scaled_learning_rate(base_lr, k) in warmup_steps steps."""
     ex = "4.4"
     for base_lr, k, warmup in ((0.1, 8, 5), (0.1, 2, 4), (0.05, 4, 1), (0.1, 1, 3),
                                (0.3, 4, 10), (0.02, 8, 6)):

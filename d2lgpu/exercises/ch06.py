@@ -1,9 +1,5 @@
-"""Checks for chapter 6's exercises (mixed precision).
-
-Every check runs on the CPU, where autocast and ``GradScaler`` compute the same numbers on
-every machine: the formats are checked against torch's own rounding, the training step
-against the chapter's recipe, and the byte counts against the chapter's counter.
-"""
+"""Checks for chapter 6's exercises (mixed precision), on the CPU, where autocast and
+``GradScaler`` compute the same numbers on every machine."""
 
 from __future__ import annotations
 
@@ -19,10 +15,11 @@ from d2lgpu.exercises import (
     attempt,
     expect,
     expect_close,
+    expect_value_error,
     passed,
     refuse_stub_early,
 )
-from d2lgpu.precision import precision_policy, saved_activation_bytes, sweep_cnn
+from d2lgpu.precision import sweep_cnn
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2)
@@ -35,12 +32,7 @@ def _is_exact(value: int, dtype: torch.dtype) -> bool:
 
 
 def _first_power_with_a_gap(dtype: torch.dtype) -> int:
-    """The power of two m such that m + 1 is the first integer ``dtype`` cannot hold.
-
-    Below the first power of two whose spacing is 2 every integer is exact, so the
-    first m with m + 1 inexact is the answer; for the 8- and 16-bit formats the check
-    also walks every integer up to it.
-    """
+    """The power of two m such that m + 1 is the first integer ``dtype`` cannot hold."""
     for exponent in range(1, 64):
         m = 2**exponent
         if not _is_exact(m + 1, dtype):
@@ -53,11 +45,6 @@ def largest_exact_integer(fn: Callable[[torch.dtype], int]) -> None:
     ex = "6.1"
     for dtype in _FLOAT_TYPES:
         want = _first_power_with_a_gap(dtype)
-        if want <= 2**16:  # every integer up to the answer, through torch's own cast
-            ints = torch.arange(want + 2, dtype=torch.float64)
-            back = ints.to(dtype).to(torch.float64)
-            first_bad = int((back != ints).nonzero()[0])
-            expect(ex, first_bad == want + 1, f"internal: brute force disagrees for {dtype}")
         got = attempt(ex, fn, dtype)
         expect(ex, isinstance(got, (int, float)) and not isinstance(got, bool),
                f"largest_exact_integer({dtype}) returned a {type(got).__name__}; return an int")
@@ -71,16 +58,8 @@ def largest_exact_integer(fn: Callable[[torch.dtype], int]) -> None:
                 "leading 1) every integer up to 2**p is exact, and 2**p + 1 is the first that "
                 "is not")
     for dtype in (torch.int32, torch.bool):
-        try:
-            attempt(ex, fn, dtype)
-        except ExerciseWrong:
-            raise
-        except ValueError:
-            pass
-        else:
-            raise ExerciseWrong(f"Exercise {ex}: {dtype} is not a floating-point type (every "
-                                "integer in its range is exact, the question does not apply); "
-                                "raise a ValueError that says so")
+        expect_value_error(ex, fn, (dtype,), f"{dtype} is not a floating-point type (every "
+                           "integer in its range is exact, the question does not apply)")
     passed(ex, "fp16 counts exactly to 2048, bf16 only to 256, fp32 to 16,777,216")
 
 
@@ -100,12 +79,8 @@ def _safe_exponents(gradients: torch.Tensor) -> tuple[int, int] | None:
 
 
 def safe_scale_exponents(fn: Callable[[torch.Tensor], tuple[int, int]]) -> None:
-    """Exercise 6.2: ``fn(gradients)``, the range of k for which a scale 2**k suits fp16.
-
-    Scaled by 2**k and rounded to fp16 (round to nearest, ties to even), no nonzero gradient
-    may become 0 and none inf. Compared with a brute-force search over k, through torch's
-    own conversion; the ties at half the smallest subnormal and at 65520 are among the inputs.
-    """
+    """Exercise 6.2: ``fn(gradients)``, the range of k for which a scale 2**k turns no nonzero
+    gradient into 0 or inf in fp16; compared with a search through torch's own rounding."""
     ex = "6.2"
     logs = torch.empty(1000).uniform_(-9, -1, generator=torch.Generator().manual_seed(0))
     signs = torch.randint(0, 2, (1000,), generator=torch.Generator().manual_seed(1)) * 2 - 1
@@ -141,15 +116,7 @@ def safe_scale_exponents(fn: Callable[[torch.Tensor], tuple[int, int]]) -> None:
                f"{lo} to {hi}{note}")
     for name, gradients in (("[1e-12, 1e3], too far apart for fp16", torch.tensor([1e-12, 1e3])),
                             ("all zeros, nothing to protect", torch.zeros(4))):
-        try:
-            attempt(ex, fn, gradients)
-        except ExerciseWrong:
-            raise
-        except ValueError:
-            pass
-        else:
-            raise ExerciseWrong(f"Exercise {ex}: for {name}, no range of scales exists; raise "
-                                "a ValueError that says why")
+        expect_value_error(ex, fn, (gradients,), f"for {name}, no range of scales exists")
     lo, hi = _safe_exponents(cases["[1e-8, 3e-5, 0.02, 0.0, -0.5]"]) or (0, 0)
     passed(ex, f"gradients from 1e-8 to 0.5 fit fp16 under scales 2**{lo} to 2**{hi}; "
                "GradScaler starts at 2**16")
@@ -168,10 +135,8 @@ def _tiny_problem(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]
 def _reference_step(net: nn.Module, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, features: torch.Tensor, classes: torch.Tensor,
                     dtype: torch.dtype, max_norm: float, variant: str = "recipe") -> float:
-    """The chapter's step (autocast, scaled backward, unscale, clip, step, update).
-
-    ``variant`` makes the two slips the check names: "no clip" and "clip scaled".
-    """
+    """The chapter's step (autocast, scaled backward, unscale, clip, step, update), or with
+    ``variant`` one of the two slips the check names: "no clip" and "clip scaled"."""
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(device_type="cpu", dtype=dtype):
         loss = F.cross_entropy(net(features), classes)
@@ -220,12 +185,8 @@ def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def amp_step(fn: Callable[..., float]) -> None:
-    """Exercise 6.3: ``fn(net, optimizer, scaler, features, classes, dtype, max_norm)``.
-
-    One training step of the chapter's recipe with clipping, on its tiny problem: fp16 with
-    a GradScaler, bf16 with a disabled one, and fp16 on inputs that overflow. Compared
-    after every step with the recipe itself: parameters, loss and scale.
-    """
+    """Exercise 6.3: ``fn(net, optimizer, scaler, features, classes, dtype, max_norm)``, one
+    step of the chapter's recipe with clipping: parameters, loss and scale after every step."""
     ex = "6.3"
     refuse_stub_early(ex, fn, 7)
     runs = (("fp16 + GradScaler, max_norm=0.25", torch.float16, True, 1.0, 0.25, 3),
@@ -271,10 +232,8 @@ def amp_step(fn: Callable[..., float]) -> None:
 def _reference_by_dtype(model: nn.Module, features: torch.Tensor, labels: torch.Tensor,
                         dtype: torch.dtype | None,
                         with_parameters: bool = False) -> dict[torch.dtype, int]:
-    """The chapter's count_saved_bytes, with the bytes kept apart by dtype.
-
-    ``with_parameters`` counts the parameters' storages too: the slip the check names.
-    """
+    """The chapter's count_saved_bytes by dtype; ``with_parameters`` is the slip the check
+    names."""
     parameters = set() if with_parameters else {
         p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, tuple[torch.dtype, int]] = {}
@@ -306,13 +265,8 @@ def _eval_free(model: nn.Module) -> Iterator[None]:
 
 
 def saved_bytes_by_dtype(fn: Callable[..., dict[torch.dtype, int]]) -> None:
-    """Exercise 6.4: ``fn(model, features, labels, dtype)``, saved bytes per dtype.
-
-    Compared with the chapter's counter kept apart by dtype (each storage once, the
-    parameters left out), on the chapter's tiny MLP and a small ``sweep_cnn``, in fp32
-    (``dtype=None``) and under bf16 autocast; the totals also equal the package's
-    ``saved_activation_bytes``.
-    """
+    """Exercise 6.4: ``fn(model, features, labels, dtype)``, saved bytes per dtype, against the
+    chapter's counter by dtype on its tiny MLP and a small ``sweep_cnn``, fp32 and bf16."""
     ex = "6.4"
     torch.manual_seed(0)
     models = {"the tiny MLP": (_tiny_problem()[0], (16,)),
@@ -326,10 +280,6 @@ def saved_bytes_by_dtype(fn: Callable[..., dict[torch.dtype, int]]) -> None:
             for dtype, name in names.items():
                 with _eval_free(model):
                     want = _reference_by_dtype(model, features, labels, dtype)
-                    package = saved_activation_bytes(model, features, labels,
-                                                     precision_policy("cpu", name))
-                    expect(ex, sum(want.values()) == package,
-                           "internal: the reference disagrees with saved_activation_bytes")
                     slip = _reference_by_dtype(model, features, labels, dtype, True)
                     got = attempt(ex, fn, model, features, labels, dtype)
                 case = f"{model_name}, batch {batch}, {name}"
