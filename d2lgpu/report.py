@@ -47,10 +47,8 @@ _GIB = 2**30
 
 
 def setup_summary() -> str:
-    """Versions, what runs where and, without a GPU, why in a few words; then the workload.
-
-    Introduced in chapter 1; every chapter's first cell prints it.
-    """
+    """Versions, what runs where and, without a GPU, why; then the workload (chapter 1; every
+    chapter's first cell prints it)."""
     import d2lgpu
     from d2lgpu.runtime.config import workload
 
@@ -95,9 +93,8 @@ def _leading_int(entry: str) -> int | None:
 def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
     """The GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible, as CUDA reads it (chapter 1).
 
-    None when unset (every GPU). CUDA reads entries from the left and stops at the first
-    that is not a number (or ``GPU-``/``MIG-`` UUID); ``"1gpu"`` counts as 1, and a
-    repeated entry hides every GPU. This mirrors the parser in ``torch.cuda``.
+    None when unset (every GPU). As in ``torch.cuda``'s copy of CUDA's parser, reading
+    stops at the first entry that is no number or UUID, and a repeated entry hides all.
     """
     if value is None:
         return None
@@ -130,12 +127,8 @@ class CudaProblem:
 
 @dataclass(frozen=True)
 class CudaDiagnosis:
-    """Whether CUDA is usable, and every problem found, most fundamental first.
-
-    A usable CUDA can still carry a problem (a malformed ``CUDA_VISIBLE_DEVICES`` that
-    hides some GPUs); ``device_count`` is what torch lists, more than 0 when the build
-    lacks kernels for a GPU (``arch_missing``).
-    """
+    """Whether CUDA is usable, and every problem found, most fundamental first;
+    ``device_count`` is what torch lists."""
 
     usable: bool
     device_count: int
@@ -286,9 +279,8 @@ def diagnose_cuda(
 ) -> CudaDiagnosis:
     """Say whether CUDA is usable and, if not, why and how to fix it (chapter 1).
 
-    A pure function of the facts: ``torch.version.cuda``, ``CUDA_VISIBLE_DEVICES``, whether
-    a driver is present, how many GPUs torch and (optionally) NVML see, the newest CUDA the
-    driver supports, and each GPU's compute capability with ``torch.cuda.get_arch_list()``.
+    A pure function of the facts (torch's CUDA build, ``CUDA_VISIBLE_DEVICES``, the driver,
+    the GPUs torch and NVML see, their compute capabilities and torch's arch list).
     """
     env_problems = _visible_devices_problems(visible_devices_env, physical_gpu_count)
     if device_count > 0:
@@ -342,10 +334,8 @@ def diagnose_cuda(
 
 
 def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
-    """:func:`diagnose_cuda` with the facts read from this process and machine (chapter 1).
-
-    ``nvml`` reuses a view already read by :func:`read_nvml`.
-    """
+    """:func:`diagnose_cuda` with the facts of this process and machine (chapter 1); ``nvml``
+    reuses a view already read."""
     nvml = read_nvml() if nvml is None else nvml
     # The GPUs torch lists, not num_gpus(): that is 0 where the build lacks their kernels,
     # and the diagnosis is where that is found and explained.
@@ -386,11 +376,8 @@ class NvmlGpuReading:
 
 @dataclass(frozen=True)
 class NvmlView:
-    """The driver's version and every physical GPU, or why NVML is unavailable (``error``).
-
-    NVML ignores ``CUDA_VISIBLE_DEVICES`` and numbers GPUs its own way: match torch's
-    ``cuda:i`` by UUID.
-    """
+    """The driver's version and every physical GPU (in NVML's order, regardless of
+    ``CUDA_VISIBLE_DEVICES``), or why NVML is unavailable (``error``)."""
 
     driver_version: str | None
     gpus: tuple[NvmlGpuReading, ...]
@@ -405,11 +392,8 @@ def _as_str(value: str | bytes) -> str:
 
 
 def read_nvml() -> NvmlView:
-    """The driver's version and live per-GPU readings through NVML (chapter 1).
-
-    Never raises: without NVML the view says why in ``error``, and a GPU that fails says
-    so in its own reading while the others are still read.
-    """
+    """The driver's version and live per-GPU readings through NVML (chapter 1); never raises,
+    and one GPU that fails does not hide the others."""
     try:
         import pynvml
     except ImportError:
@@ -594,9 +578,8 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
               nvml: NvmlView) -> GpuInfo:
     """:class:`GpuInfo` of ``cuda:index``; what fails is reported in ``error``, not raised.
 
-    Free memory comes from NVML, matched by UUID (NVML's has a ``GPU-`` prefix; a MIG
-    slice matches nothing): ``torch.cuda.mem_get_info`` would create a CUDA context, a
-    few hundred MiB, on every GPU.
+    Free memory comes from NVML: ``torch.cuda.mem_get_info`` would create a CUDA context,
+    a few hundred MiB, on every GPU.
     """
     try:
         props = torch.cuda.get_device_properties(index)
@@ -629,12 +612,8 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
 
 
 def environment_report() -> EnvironmentReport:
-    """Collect the :class:`EnvironmentReport` of this process (chapter 1).
-
-    Every GPU torch lists is read, also one this build has no kernels for; a GPU that
-    cannot be queried is listed with what failed. No CUDA context is created on GPUs of
-    compute capability 8.0 and up.
-    """
+    """Collect the :class:`EnvironmentReport` of this process (chapter 1); a GPU that cannot
+    be queried is listed with what failed."""
     count = _gpus_torch_lists()
     nvml = read_nvml()
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
@@ -721,12 +700,8 @@ def print_report(report: EnvironmentReport | None = None) -> None:
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """A snapshot of one GPU's memory, in bytes.
-
-    ``allocated``: held by live tensors; ``reserved``: held by PyTorch's caching allocator;
-    ``peak_allocated``: since the last ``reset_peak_memory_stats``; ``free``/``total``: the
-    driver's numbers for the whole GPU (the CUDA context and other processes included).
-    """
+    """One GPU's memory in bytes: held by tensors, by the caching allocator, the peak since
+    ``reset_peak_memory_stats``, and the driver's free and total for the whole GPU."""
 
     allocated: int
     reserved: int
@@ -759,11 +734,8 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
 def format_nvml_view(
     view: NvmlView, mark_uuid: str | None = None, mark: str = "<- this GPU"
 ) -> str:
-    """NVML's readings as text, one line per physical GPU (chapter 1).
-
-    ``mark`` goes behind the GPU whose NVML UUID ends with ``mark_uuid`` (torch's
-    ``get_device_properties(i).uuid``, which lacks NVML's ``GPU-`` prefix).
-    """
+    """NVML's readings as text, one line per physical GPU (chapter 1); ``mark`` follows the
+    GPU whose UUID ends with ``mark_uuid`` (torch's, which lacks NVML's ``GPU-``)."""
     if view.error is not None:
         return view.error
     lines = [f"driver {view.driver_version}, {len(view.gpus)} GPU(s)"]
@@ -788,11 +760,8 @@ def format_nvml_view(
 
 def read_nvml_while_busy(device: torch.device | str | int, busy_seconds: float = 3.0,
                          matrix_size: int = 8192) -> NvmlView:
-    """Keep ``device`` busy with queued matrix products and read NVML meanwhile (chapter 1).
-
-    CUDA launches are asynchronous: enough products for ``busy_seconds`` are queued, and
-    NVML is read a second (a full sample period) into that queue.
-    """
+    """Read NVML while ``device`` works through matrix products queued for about
+    ``busy_seconds`` (chapter 1): launches are asynchronous, so Python reads meanwhile."""
     dev = as_device(device)
     if dev.type != "cuda":
         raise ValueError(
@@ -815,11 +784,8 @@ def read_nvml_while_busy(device: torch.device | str | int, busy_seconds: float =
 
 
 def wrapped(text: str, width: int = 100) -> str:
-    """``text`` with lines longer than ``width`` wrapped at spaces (chapter 1).
-
-    Continuations are indented four spaces more than their line, so the ``why:``/``fix:``
-    items of a diagnosis stay readable in a notebook.
-    """
+    """``text`` with lines longer than ``width`` wrapped at spaces, continuations indented
+    four more (chapter 1)."""
     out = []
     for line in text.splitlines():
         indent = line[: len(line) - len(line.lstrip())]
@@ -838,12 +804,7 @@ GPU_NUMBERS_ROWS = (
 
 def device_numbers(props: object) -> dict[str, object]:
     """The figures of :data:`GPU_NUMBERS_ROWS` that ``torch.cuda.get_device_properties(i)``
-    gives, keyed like :data:`GPU_DATASHEETS`.
-
-    Fields newer than torch 2.9 (``memory_clock_rate``, ``memory_bus_width``: two transfers
-    per clock, ``bus_width / 8`` bytes each) are read with ``getattr`` and skipped where
-    missing; Tensor Cores and the L1 size are not among the properties.
-    """
+    gives, keyed like :data:`GPU_DATASHEETS`; fields newer than torch 2.9 may be missing."""
     out: dict[str, object] = {
         "compute capability": f"{props.major}.{props.minor}",
         "SMs": int(props.multi_processor_count),
@@ -863,7 +824,7 @@ def device_numbers(props: object) -> dict[str, object]:
             out[key] = show(value)
     clock_khz = getattr(props, "memory_clock_rate", None)
     bus_bits = getattr(props, "memory_bus_width", None)
-    if clock_khz and bus_bits:
+    if clock_khz and bus_bits:  # two transfers per clock, bus_width / 8 bytes each
         out["memory bandwidth"] = f"{2 * clock_khz * 1e3 * bus_bits / 8 / 1e9:.0f} GB/s"
     return {key: out[key] for key in GPU_NUMBERS_ROWS if key in out}
 

@@ -21,9 +21,9 @@ MiB = 2**20
 
 
 def _kernel_image(capability: tuple[int, int], arch_list: Sequence[str]) -> str | None:
-    """The entry of ``arch_list`` whose code a GPU of ``capability`` runs, by CUDA's rules:
-    machine code ``sm_XY`` runs on X.Z for Z >= Y (the newest such entry is taken), else the
-    driver compiles PTX ``compute_XY`` of XY <= the GPU's capability (the newest such entry)."""
+    """The entry of ``arch_list`` a GPU of ``capability`` runs: the newest machine code
+    ``sm_XY`` of its major version X with a minor Y no higher than its own, else the newest
+    PTX ``compute_XY`` no newer than the GPU (the driver compiles it)."""
     mine = tuple(capability)
     machine, ptx = [], []
     for entry in arch_list:
@@ -113,9 +113,8 @@ def storage_bytes(fn: Callable[[Sequence[torch.Tensor]], int]) -> None:
 
 
 def _footprint(nbytes: int) -> tuple[int, int]:
-    """(memory_allocated, memory_reserved) after one allocation of ``nbytes`` on an empty
-    caching allocator with the default settings, following c10/cuda/CUDACachingAllocator.cpp
-    (torch 2.9 to 2.15): round_size, get_allocation_size and should_split."""
+    """(memory_allocated, memory_reserved) after allocating ``nbytes`` on an empty caching
+    allocator, as c10/cuda/CUDACachingAllocator.cpp (torch 2.9 to 2.15) does it."""
     if nbytes == 0:
         return 0, 0  # no allocation at all: the tensor's data pointer is null
     rounded = max(512, 512 * math.ceil(nbytes / 512))

@@ -19,12 +19,8 @@ from d2lgpu.timing import Timing
 
 
 class _FakeDevice:
-    """A device that runs behind the host's back, on a clock that only moves when told.
-
-    ``fn()`` costs the host ``LAUNCH`` seconds and queues the next of ``durations`` on the
-    device; ``synchronize()`` waits for everything queued; ``clock()`` reads the host's time.
-    Every clock reading notes what was still queued, which is what the checks look at.
-    """
+    """A device that runs behind the host's back: ``fn()`` costs the host ``LAUNCH`` seconds
+    and queues the next of ``durations``; every ``clock()`` reading notes what was queued."""
 
     LAUNCH = 0.001
 
