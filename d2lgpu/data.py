@@ -37,21 +37,10 @@ from d2lgpu.runtime.config import (
 from d2lgpu.runtime.gpus import num_gpus, require_cuda_device
 
 __all__ = [
-    "FASHION_MNIST_FILES",
-    "FASHION_MNIST_LABELS",
-    "FASHION_MNIST_MEAN",
-    "FASHION_MNIST_STD",
-    "DeviceLoader",
-    "QUICK_TEST_SIZE",
-    "QUICK_TRAIN_SIZE",
-    "TINY_SHAKESPEARE_SHA256",
-    "TINY_SHAKESPEARE_URL",
-    "default_num_workers",
-    "fashion_mnist_on_device",
-    "fashion_mnist_tensors",
-    "load_data_fashion_mnist",
-    "synthetic_regression",
-    "tiny_shakespeare",
+    "FASHION_MNIST_FILES", "FASHION_MNIST_LABELS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD",
+    "DeviceLoader", "QUICK_TEST_SIZE", "QUICK_TRAIN_SIZE", "TINY_SHAKESPEARE_SHA256",
+    "TINY_SHAKESPEARE_URL", "default_num_workers", "fashion_mnist_on_device",
+    "fashion_mnist_tensors", "load_data_fashion_mnist", "synthetic_regression", "tiny_shakespeare",
     "verify_fashion_mnist_file",
 ]
 
@@ -239,14 +228,9 @@ def _pin_memory() -> bool:
     return num_gpus() > 0
 
 
-def load_data_fashion_mnist(
-    batch_size: int,
-    resize: int | tuple[int, int] | None = None,
-    root: str | Path | None = None,
-    *,
-    num_workers: int | None = None,
-    quick: bool | None = None,
-) -> tuple[data.DataLoader, data.DataLoader]:
+def load_data_fashion_mnist(batch_size: int, resize: int | tuple[int, int] | None = None,
+                            root: str | Path | None = None, *, num_workers: int | None = None,
+                            quick: bool | None = None) -> tuple[data.DataLoader, data.DataLoader]:
     """Train and test DataLoaders of Fashion-MNIST, images in [0, 1] (chapter 3)."""
     from torchvision import transforms
 
@@ -297,19 +281,10 @@ class DeviceLoader:
     ``(x / 255 - mean) / std`` (chapter 7); ``shuffle=True`` permutes on the device with a
     seeded generator, ``drop_last=True`` skips a smaller last batch (for CUDA graphs)."""
 
-    def __init__(
-        self,
-        images: torch.Tensor,
-        labels: torch.Tensor,
-        batch_size: int,
-        *,
-        device: torch.device | str | None = None,
-        shuffle: bool = False,
-        seed: int = 0,
-        drop_last: bool = False,
-        mean: float | Sequence[float] = FASHION_MNIST_MEAN,
-        std: float | Sequence[float] = FASHION_MNIST_STD,
-        channels_last: bool = False,
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *,
+                 device: torch.device | str | None = None, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False, mean: float | Sequence[float] = FASHION_MNIST_MEAN,
+                 std: float | Sequence[float] = FASHION_MNIST_STD, channels_last: bool = False,
     ) -> None:
         if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
             got = (f"{images.dtype} of shape {tuple(images.shape)}"
@@ -392,14 +367,9 @@ class DeviceLoader:
         )
 
 
-def fashion_mnist_on_device(
-    batch_size: int,
-    device: torch.device | str | None = None,
-    *,
-    root: str | Path | None = None,
-    quick: bool | None = None,
-    seed: int = 0,
-    test_batch_size: int | None = None,
+def fashion_mnist_on_device(batch_size: int, device: torch.device | str | None = None, *,
+                            root: str | Path | None = None, quick: bool | None = None,
+                            seed: int = 0, test_batch_size: int | None = None,
 ) -> tuple[DeviceLoader, DeviceLoader]:
     """Fashion-MNIST held on ``device``: shuffled train batches, test in order (chapter 7).
     Test batches are at least 1024 unless ``test_batch_size`` says otherwise: evaluation

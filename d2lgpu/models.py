@@ -100,13 +100,8 @@ class MLPBlock(nn.Module):
         return X + self.fc2(F.gelu(self.fc1(X)))
 
 
-def residual_mlp(
-    width: int = 256,
-    hidden: int = 1024,
-    depth: int = 4,
-    in_features: int = 784,
-    num_classes: int = 10,
-) -> nn.Sequential:
+def residual_mlp(width: int = 256, hidden: int = 1024, depth: int = 4, in_features: int = 784,
+                 num_classes: int = 10) -> nn.Sequential:
     """``depth`` :class:`MLPBlock` s between input and output layers, images flattened first
     (chapter 8): width and depth set its size, and without batch norm its gradients do not
     depend on how a batch is split (accumulation, DDP and FSDP compare with one process)."""

@@ -19,13 +19,8 @@ from d2lgpu.runtime.checks import check_training_loss
 from d2lgpu.runtime.gpus import require_cuda_device
 
 __all__ = [
-    "allreduce",
-    "choose_cpu_threads",
-    "data_parallel_step",
-    "max_abs_difference",
-    "nn_parallel_on_devices",
-    "replicate_params",
-    "split_batch",
+    "allreduce", "choose_cpu_threads", "data_parallel_step", "max_abs_difference",
+    "nn_parallel_on_devices", "replicate_params", "split_batch",
 ]
 
 #: A functional network: ``forward(X, params) -> outputs``.
@@ -34,8 +29,7 @@ Forward = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
 PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def split_batch(
-    X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device | str]
+def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device | str],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Split a minibatch into one shard per device, as even as ``torch.tensor_split`` cuts
     (chapter 3): the first ``n % k`` shards hold one example more."""
@@ -66,8 +60,7 @@ def allreduce(tensors: Sequence[torch.Tensor]) -> None:
             t.copy_(total)
 
 
-def replicate_params(
-    params: Sequence[torch.Tensor], device: torch.device | str
+def replicate_params(params: Sequence[torch.Tensor], device: torch.device | str,
 ) -> list[torch.Tensor]:
     """Independent copies of ``params`` on ``device``, leaves that require grad (chapter 3);
     never sharing memory, so replicas on ``[cpu, cpu]`` behave like replicas on two GPUs."""
@@ -81,8 +74,7 @@ def choose_cpu_threads(speeds: dict[int, Sequence[float]]) -> int:
     return max(sorted(speeds), key=lambda threads: (min(speeds[threads]), -threads))
 
 
-def max_abs_difference(
-    tensors_a: Sequence[torch.Tensor], tensors_b: Sequence[torch.Tensor]
+def max_abs_difference(tensors_a: Sequence[torch.Tensor], tensors_b: Sequence[torch.Tensor],
 ) -> float:
     """The largest element-wise gap between two lists of tensors (chapter 3); a NaN anywhere
     makes it ``inf``, so replicas holding one never read as equal."""

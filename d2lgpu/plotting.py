@@ -28,17 +28,10 @@ def _label_axes(ax, xlabel=None, ylabel=None, title=None, xscale="linear",
     ax.grid(True, alpha=0.3)
 
 
-def plot_lines(
-    x: Sequence[float],
-    ys: Sequence[float] | Sequence[Sequence[float]],
-    legend: Sequence[str] | None = None,
-    xlabel: str | None = None,
-    ylabel: str | None = None,
-    xscale: str = "linear",
-    yscale: str = "linear",
-    title: str | None = None,
-    ax=None,
-):
+def plot_lines(x: Sequence[float], ys: Sequence[float] | Sequence[Sequence[float]],
+               legend: Sequence[str] | None = None, xlabel: str | None = None,
+               ylabel: str | None = None, xscale: str = "linear", yscale: str = "linear",
+               title: str | None = None, ax=None):
     """Plot one line (``ys`` a list of numbers) or several (a list of lists) against ``x``
     (chapter 2); returns the axes, or draws into ``ax``."""
     ys = list(ys)

@@ -26,28 +26,11 @@ from d2lgpu.runtime.gpus import as_device
 from d2lgpu.timing import time_fn
 
 __all__ = [
-    "CPU_BF16_FLAGS",
-    "PRECISIONS",
-    "PRECISION_MODES",
-    "PrecisionPolicy",
-    "SavedActivations",
-    "SweepComparison",
-    "SweepRow",
-    "amp_sweep_mode",
-    "check_precision",
-    "compare_sweep_modes",
-    "cpu_flags",
-    "cpu_has_native_bf16",
-    "format_sweep_table",
-    "has_fp32_precision_api",
-    "mode_unavailable_reason",
-    "precision_policy",
-    "precision_sweep",
-    "random_batch_maker",
-    "saved_activation_bytes",
-    "sweep_cnn",
-    "sweep_mlp",
-    "tf32_matmuls",
+    "CPU_BF16_FLAGS", "PRECISIONS", "PRECISION_MODES", "PrecisionPolicy", "SavedActivations",
+    "SweepComparison", "SweepRow", "amp_sweep_mode", "check_precision", "compare_sweep_modes",
+    "cpu_flags", "cpu_has_native_bf16", "format_sweep_table", "has_fp32_precision_api",
+    "mode_unavailable_reason", "precision_policy", "precision_sweep", "random_batch_maker",
+    "saved_activation_bytes", "sweep_cnn", "sweep_mlp", "tf32_matmuls",
 ]
 
 #: The course's one precision vocabulary, which every entry point that trains takes:
@@ -152,11 +135,8 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return flags is not None and bool(flags & CPU_BF16_FLAGS)
 
 
-def precision_policy(
-    device: torch.device | str,
-    precision: str = "auto",
-    capability: tuple[int, int] | None = None,
-    cpu_native_bf16: bool | None = None,
+def precision_policy(device: torch.device | str, precision: str = "auto",
+                     capability: tuple[int, int] | None = None, cpu_native_bf16: bool | None = None,
 ) -> PrecisionPolicy:
     """Turn a word of :data:`PRECISIONS` into how ``device`` trains (chapter 4). "auto": bf16
     from compute capability 8.0, fp16 with a GradScaler on 7.x, else fp32; on a CPU bf16 where
@@ -371,17 +351,11 @@ def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | Non
     return "bf16" if dtype == torch.bfloat16 else "fp16"
 
 
-def _measure_one(
-    model_fn: Callable[[], nn.Module],
-    make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
-    mode: str,
-    batch_size: int,
-    device: torch.device,
-    steps: int,
-    warmup: int,
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    seed: int,
+def _measure_one(model_fn: Callable[[], nn.Module],
+                 make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
+                 mode: str, batch_size: int, device: torch.device, steps: int, warmup: int,
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seed: int,
 ) -> SweepRow:
     """Train a fresh model for ``warmup + steps`` steps in one mode; time the last ``steps``."""
     on_cuda = device.type == "cuda"
@@ -563,8 +537,7 @@ class SweepComparison:
         return text + f", peak memory {abs(100 * (1 - self.memory_ratio)):.0f}% {change}"
 
 
-def compare_sweep_modes(
-    rows: Sequence[SweepRow], baseline: str = "fp32", candidate: str = "bf16"
+def compare_sweep_modes(rows: Sequence[SweepRow], baseline: str = "fp32", candidate: str = "bf16",
 ) -> SweepComparison | None:
     """``candidate`` against ``baseline`` at the largest batch both ran, or None (chapter 6)."""
     for name, mode in (("baseline", baseline), ("candidate", candidate)):
@@ -631,8 +604,7 @@ def sweep_cnn(in_channels: int = 1, widths: Sequence[int] = (32, 64, 128),
     return nn.Sequential(*layers)
 
 
-def random_batch_maker(
-    input_shape: Sequence[int], num_classes: int = 10, seed: int = 0
+def random_batch_maker(input_shape: Sequence[int], num_classes: int = 10, seed: int = 0,
 ) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
     """A ``make_batch(batch_size, device)`` for the sweep: one fixed random batch per size,
     drawn on the CPU so every mode and device sees the same data (chapter 6)."""

@@ -19,10 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 __all__ = [
-    "MAX_LR_FACTOR",
-    "ReplicasOnOneDevice",
-    "SeedComparison",
-    "compare_across_seeds",
+    "MAX_LR_FACTOR", "ReplicasOnOneDevice", "SeedComparison", "compare_across_seeds",
     "scaled_learning_rate",
 ]
 
