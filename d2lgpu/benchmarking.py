@@ -36,11 +36,8 @@ __all__ = [
 def time_naive(
     fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
 ) -> Timing:
-    """The WRONG way to time GPU work, kept to show what goes wrong (chapter 2).
-
-    Like :func:`time_fn`, but the clock stops as soon as ``fn()`` returns: for GPU work
-    that is the time to *queue* the kernels. On the CPU it agrees with :func:`time_fn`.
-    """
+    """The WRONG way to time GPU work (chapter 2): like :func:`time_fn`, but the clock stops
+    when ``fn()`` returns, which for GPU work is when its kernels are queued."""
     check_warmup_repeats(warmup, repeats)
     dev = timing_device(device)
     for _ in range(warmup):
@@ -89,12 +86,9 @@ def _count_cpus(cpu_list: str) -> int:
 
 
 def last_level_cache_bytes() -> tuple[int, str] | None:
-    """The last-level CPU cache this process's threads can fill, and where it was read.
-
-    On Linux: CPU 0's highest-level data cache in sysfs, times the number of such caches
-    the CPUs this process may use spread over (one L3 per core complex). Elsewhere:
-    ``os.sysconf``'s L3 (or L2) size. None when neither says.
-    """
+    """The last-level CPU cache this process's threads can fill, and where it was read: on
+    Linux CPU 0's in sysfs, times the caches the usable CPUs spread over (one L3 per core
+    complex); elsewhere ``os.sysconf``'s; None when neither says."""
     best: tuple[int, int, int] | None = None  # (level, bytes, CPUs sharing it)
     for index in sorted(_CPU0_CACHE_DIR.glob("index*")):
         try:
@@ -124,12 +118,8 @@ def last_level_cache_bytes() -> tuple[int, str] | None:
 
 
 def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
-    """The buffer size :func:`measure_copy_bandwidth` uses on ``device``, and why (chapter 2).
-
-    Each of the two buffers is at least twice the last-level cache, so that the copy
-    streams from memory: on the CPU at least 64 MiB (256 MiB when the cache size is
-    unknown), on a GPU at least 256 MiB.
-    """
+    """The buffer size :func:`measure_copy_bandwidth` uses on ``device``, and why (chapter 2):
+    at least twice the last-level cache, so that the copy streams from memory."""
     dev = timing_device(device)
     if dev is None:
         raise ValueError("copy_buffer_bytes needs a device, e.g. 'cpu' or 'cuda:0'")
@@ -183,12 +173,8 @@ def _cuda_seconds_per_copy(
 def measure_copy_bandwidth(
     device: DeviceLike, nbytes: int | None = None, *, warmup: int = 2, repeats: int = 10
 ) -> float:
-    """Measured peak copy bandwidth of ``device``'s memory, in GB/s (chapter 2).
-
-    ``dst.copy_(src)`` counts ``2 * nbytes`` per copy (read plus written); the best of
-    ``repeats`` timings is the practical ceiling memory-bound kernels are compared with.
-    ``nbytes`` defaults to :func:`copy_buffer_bytes`, well beyond the last-level cache.
-    """
+    """Measured peak copy bandwidth of ``device``'s memory in GB/s, the best of ``repeats``
+    timings of ``dst.copy_(src)``, counting the bytes read plus written (chapter 2)."""
     dev = timing_device(device)
     if dev is None:
         raise ValueError("measure_copy_bandwidth needs a device, e.g. 'cpu' or 'cuda:0'")
@@ -298,11 +284,11 @@ def multiply_add_sweep(
     variants: Mapping[str, tuple[StepFn, int]] = MULTIPLY_ADD_VARIANTS,
     warmup: int = 1, repeats: int = 5,
 ) -> list[ElementwiseRow]:
-    """:func:`multiply_add_benchmark` for every device, size and variant.
+    """:func:`multiply_add_benchmark` for every device, size and variant; ``copy_gbps`` maps
+    ``str(device)`` to its copy bandwidth.
 
-    ``copy_gbps`` maps ``str(device)`` to its measured copy bandwidth. Dynamo guards a
-    compiled step on the device and passes its recompile limit (8) with the CPU and
-    several GPUs, so its caches are reset before each device's rows.
+    Dynamo guards a compiled step on the device and would pass its recompile limit with
+    several GPUs, so its caches are reset before each device.
     """
     compiled = any(is_compiled(step) for step, _ in variants.values())
     rows = []
@@ -357,8 +343,7 @@ def compile_or_reason(
     """``torch.compile(step, fullgraph=True)`` if it works on ``device`` here, else why not
     (chapter 2).
 
-    Compilation is lazy, so the result is run once on a small input and checked against
-    eager mode; any failure (no C++ compiler, no Triton) becomes a one-line reason.
+    Compilation is lazy, so the result is run once and checked against eager mode;
     ``fullgraph=True`` turns a later fallback to eager mode into an error.
     """
     dev = timing_device(device)
@@ -378,12 +363,8 @@ def compile_or_reason(
 def compile_on_devices(
     step: StepFn, devices: Sequence[DeviceLike], *, backend: str = "inductor"
 ) -> tuple[StepFn | None, list[str]]:
-    """:func:`compile_or_reason` on each device in turn, with dynamo reset before each.
-
-    Without the reset, dynamo's recompile limit (8 graphs per code object, one per
-    device) would fail the ninth device. Returns the compiled function (None at the
-    first device where it fails) and one reason per device tried.
-    """
+    """:func:`compile_or_reason` on each device in turn, with dynamo reset before each (its
+    recompile limit, 8, would fail the ninth device); stops at the first failure."""
     compiled: StepFn | None = None
     reasons = []
     for device in devices:
@@ -409,11 +390,8 @@ class TransferRow:
 def measure_host_to_device(
     device: DeviceLike, sizes: Sequence[int], *, warmup: int = 2, repeats: int = 10
 ) -> list[TransferRow]:
-    """Host-to-device bandwidth for each byte count in ``sizes`` (chapter 2).
-
-    Pageable memory is staged through a pinned buffer by the driver; pinned memory is
-    transferred directly, and only from it does ``non_blocking=True`` return at once.
-    """
+    """Host-to-device bandwidth for each byte count in ``sizes``, from pageable and from pinned
+    memory (only from pinned memory does ``non_blocking=True`` return at once) (chapter 2)."""
     dev = timing_device(device)
     if dev is None or dev.type != "cuda":
         raise RuntimeError(
@@ -738,11 +716,8 @@ class TraceSpans:
 
 def trace_spans(events: Sequence[Any], host_names: Sequence[str] = (
         "aten::mul", "aten::add", "aten::addcmul_", "cudaLaunchKernel")) -> TraceSpans:
-    """Read :class:`TraceSpans` from ``prof.events()`` of a ``torch.profiler`` run (chapter 2).
-
-    Host events are those named in ``host_names``; device events are those whose
-    ``device_type`` is not the CPU.
-    """
+    """Read :class:`TraceSpans` from ``prof.events()`` of a ``torch.profiler`` run (chapter 2);
+    host events are those named in ``host_names``, device events the non-CPU ones."""
     def on_host(event: Any) -> bool:
         return str(getattr(event, "device_type", "CPU")).rsplit(".", 1)[-1] == "CPU"
 

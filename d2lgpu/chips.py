@@ -20,8 +20,6 @@ __all__ = ["CUDA_13_DROPPED_BELOW", "GPU_DATASHEETS", "PEAK_TFLOPS", "narrow_ten
            "training_flops_per_example"]
 
 
-
-
 def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     """Reduced-precision formats that GPUs of this compute capability run on Tensor Cores
     (chapter 1)."""
@@ -52,20 +50,15 @@ def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     return formats
 
 
-
 #: CUDA 13.0 removed compute capabilities below 7.5 from its compilers (release notes), so
 #: torch's CUDA 13 wheels carry no kernels for a P100 or V100; of torch 2.15's release
 #: wheels only cu126 does (``PYTORCH_RELEASES_CODE_CC`` in torch/cuda/__init__.py).
 CUDA_13_DROPPED_BELOW = (7, 5)
 
 
-
-# Each figure names its source. H100 (SXM5 board): "NVIDIA H100 Tensor Core GPU
-# Architecture" whitepaper (table comparing A100 and H100, and the H100 SM section).
-# T4: "NVIDIA T4 Tensor Core GPU" datasheet and the "NVIDIA Turing GPU Architecture"
-# whitepaper. Per-SM limits of a compute capability (warp size, resident threads,
-# registers, shared memory): the CUDA C++ Programming Guide's table "Technical
-# Specifications per Compute Capability". A figure left out was not in those documents.
+# Sources: "NVIDIA H100 Tensor Core GPU Architecture" whitepaper; the "NVIDIA T4 Tensor
+# Core GPU" datasheet and "NVIDIA Turing GPU Architecture" whitepaper; per-SM limits from
+# the CUDA C++ Programming Guide's "Technical Specifications per Compute Capability".
 GPU_DATASHEETS: dict[str, dict[str, object]] = {
     "H100 SXM5": {
         "compute capability": "9.0",  # whitepaper: H100 is compute capability 9.0
@@ -97,8 +90,6 @@ GPU_DATASHEETS: dict[str, dict[str, object]] = {
         "Tensor Cores": "320 (8 per SM)",  # datasheet: 320 Turing Tensor Cores
     },
 }
-
-
 
 
 def training_flops_per_example(

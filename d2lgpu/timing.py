@@ -39,11 +39,8 @@ def format_seconds(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class Timing:
-    """Repeated measurements of one piece of work, in seconds.
-
-    Report the median (robust to the odd slow run caused by another process) with the
-    interquartile range as the spread; ``min`` is the best case.
-    """
+    """Repeated measurements of one piece of work, in seconds: report the median (robust to
+    the odd slow run) with the interquartile range as the spread."""
 
     times: tuple[float, ...]
 
@@ -108,11 +105,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def timing_device(device: DeviceLike) -> torch.device | None:
-    """The device a timer waits on, checked: a CPU, a CUDA GPU or Apple's MPS.
-
-    ``None`` stays ``None`` (whatever the timed function uses); an int is a CUDA GPU and
-    a bare ``'cuda'`` the current GPU, as PyTorch reads them.
-    """
+    """The device a timer waits on, checked: a CPU, a CUDA GPU or Apple's MPS (None: whatever
+    the timed function uses)."""
     if device is None:
         return None
     dev = require_cuda_device(device, "timing")
@@ -126,11 +120,8 @@ def timing_device(device: DeviceLike) -> torch.device | None:
 
 
 def synchronize(device: torch.device | None) -> None:
-    """Wait until all work queued on ``device`` has finished.
-
-    ``None`` waits for the current CUDA device, when CUDA is in use: waiting for every
-    visible GPU would create a CUDA context, hundreds of MiB, on each GPU of a shared machine.
-    """
+    """Wait until all work queued on ``device`` has finished; None waits for the current CUDA
+    device (waiting for every GPU would create a CUDA context on each)."""
     if device is None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
@@ -146,9 +137,8 @@ def time_fn(
 ) -> Timing:
     """Time ``fn()`` correctly: ``warmup`` untimed calls, then ``repeats`` timed ones (chapter 2).
 
-    Warm-up calls absorb one-off costs (CUDA context, kernel selection, the allocator
-    growing, ``torch.compile``). Each timed call is bracketed by a synchronisation of
-    ``device`` (None: the current GPU), so the time includes the work it queued.
+    Warm-up absorbs one-off costs (CUDA context, kernel selection, ``torch.compile``); each
+    timed call is bracketed by a synchronisation of ``device`` (None: the current GPU).
     """
     check_warmup_repeats(warmup, repeats)
     dev = timing_device(device)
