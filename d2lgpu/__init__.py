@@ -43,11 +43,7 @@ from d2lgpu.precision import (
     sweep_mlp,
     tf32_matmuls,
 )
-from d2lgpu.replicas import (
-    ReplicasOnOneDevice,
-    compare_across_seeds,
-    scaled_learning_rate,
-)
+from d2lgpu.replicas import ReplicasOnOneDevice, compare_across_seeds, scaled_learning_rate
 from d2lgpu.report import (
     diagnose_cuda,
     diagnose_this_machine,

@@ -20,12 +20,7 @@ import torch
 from torch.utils import data
 
 from d2lgpu.devices import try_gpu
-from d2lgpu.runtime.checks import (
-    check_bool,
-    check_positive_int,
-    check_seed,
-    check_writable_path,
-)
+from d2lgpu.runtime.checks import check_bool, check_positive_int, check_seed, check_writable_path
 from d2lgpu.runtime.config import (
     DATA_ENV,
     data_root,

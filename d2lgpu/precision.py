@@ -419,11 +419,8 @@ _LIBRARY_OUT_OF_MEMORY = (
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    # torch.OutOfMemoryError is recent (about 2.5); torch.cuda.OutOfMemoryError is older.
-    out_of_memory = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    if isinstance(exc, out_of_memory):
-        return True
-    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _LIBRARY_OUT_OF_MEMORY)
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and any(s in str(exc) for s in _LIBRARY_OUT_OF_MEMORY))
 
 
 def precision_sweep(

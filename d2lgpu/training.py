@@ -19,11 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from d2lgpu.runtime.checks import (
-    check_finite_tensors,
-    check_training_loss,
-    find_non_finite_batch,
-)
+from d2lgpu.runtime.checks import check_finite_tensors, check_training_loss, find_non_finite_batch
 from d2lgpu.runtime.gpus import num_gpus
 
 __all__ = [

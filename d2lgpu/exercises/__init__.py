@@ -16,16 +16,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "ExerciseCheckFailed",
-    "ExerciseNotDone",
-    "ExerciseWrong",
-    "attempt",
-    "expect",
-    "expect_close",
-    "expect_tensor_close",
-    "expect_value_error",
-    "passed",
-    "refuse_stub_early",
+    "ExerciseCheckFailed", "ExerciseNotDone", "ExerciseWrong", "attempt", "expect", "expect_close",
+    "expect_tensor_close", "expect_value_error", "passed", "refuse_stub_early",
 ]
 
 

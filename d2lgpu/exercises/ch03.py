@@ -8,13 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from d2lgpu.exercises import (
-    attempt,
-    expect,
-    expect_close,
-    expect_value_error,
-    passed,
-)
+from d2lgpu.exercises import attempt, expect, expect_close, expect_value_error, passed
 from d2lgpu.parallel import (
     allreduce,
     data_parallel_step,

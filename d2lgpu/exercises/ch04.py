@@ -8,13 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from d2lgpu.exercises import (
-    attempt,
-    expect,
-    expect_close,
-    expect_value_error,
-    passed,
-)
+from d2lgpu.exercises import attempt, expect, expect_close, expect_value_error, passed
 from d2lgpu.replicas import ReplicasOnOneDevice, scaled_learning_rate
 
 
