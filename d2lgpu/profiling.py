@@ -849,17 +849,17 @@ def count_technique_effect(
     one ``optimizer.step()`` (on a GPU, about one kernel launch each)."""
     batches = list(itertools.islice(iter(batches), 4))
     if technique == "no_sync":
-
-        def reads_per_step(no_sync: bool) -> float:
-            # Epochs of 4 steps and of 2: what the ends of an epoch read cancels.
+        per_step = []
+        for no_sync in (False, True):
             switches = before.replace(no_sync=no_sync, device_data=False)
-            reads = [sum(e.name == "aten::_local_scalar_dense" for e in _profiled_events(
-                lambda n=n: train_fast(make_model().to(device), batches[:n], batches[:1], 1, lr,
-                                       device, seed=0, techniques=switches, progress=False)))
-                for n in (2, 4)]
-            return (reads[1] - reads[0]) / 2
-
-        return reads_per_step(False), reads_per_step(True)
+            reads = []
+            for n in (2, 4):  # epochs of 2 and 4 steps: what an epoch's ends read cancels
+                events = _profiled_events(lambda n=n, switches=switches: train_fast(
+                    make_model().to(device), batches[:n], batches[:1], 1, lr, device, seed=0,
+                    techniques=switches, progress=False))
+                reads.append(sum(e.name == "aten::_local_scalar_dense" for e in events))
+            per_step.append((reads[1] - reads[0]) / 2)
+        return per_step[0], per_step[1]
     X, y = batches[0]
     if technique == "precision":
         saved = []
@@ -1007,16 +1007,14 @@ class GraphBreakReport:
     break_count: int
     breaks: tuple[GraphBreak, ...]
 
-    def describe(self, width: int = 100) -> str:
-        """The report as lines of at most ``width`` characters."""
+    def describe(self) -> str:
+        """The report as lines of at most 100 characters."""
         lines = [f"{self.graph_count} graph(s), {self.break_count} graph break(s)"]
         for i, b in enumerate(self.breaks, 1):
             lines += [f"break {i} at: {b.code}", f"    reason: {b.reason}"]
             if b.explanation:
                 lines.append(f"    {b.explanation}")
-        return "\n".join(
-            line if len(line) <= width else line[: width - 3] + "..." for line in lines
-        )
+        return "\n".join(line if len(line) <= 100 else line[:97] + "..." for line in lines)
 
 
 def explain_graph_breaks(fn: Callable, *args, **kwargs) -> GraphBreakReport:

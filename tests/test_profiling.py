@@ -472,7 +472,7 @@ def test_graph_breaks_are_found_and_explained():
     assert first.code.startswith("print(") and "print" in first.explanation
     assert second.code == "return torch.cos(y) + y.sum().item()"
     assert "item()" in second.reason
-    text = report.describe(width=100)
+    text = report.describe()
     assert text.splitlines()[0] == "3 graph(s), 2 graph break(s)"
     assert all(len(line) <= 100 for line in text.splitlines())
     clean = P.explain_graph_breaks(without_breaks, torch.randn(4))
