@@ -665,17 +665,14 @@ def tp_plan(spec: ModelSpec, sequence_parallel: bool = False) -> dict[str, Any]:
     offset = 1 if spec.norm else 0
     first = ("fc1",) if spec.kind == "mlp" else ("q", "k", "v")
     last = "fc2" if spec.kind == "mlp" else "out"
+    column = ColwiseParallel(input_layouts=Shard(1)) if sequence_parallel else ColwiseParallel()
+    row = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     plan: dict[str, Any] = {}
     if spec.norm and sequence_parallel:
         plan["0"] = SequenceParallel(use_local_output=True)
     for i in range(offset, offset + spec.depth):
-        for name in first:
-            plan[f"{i}.{name}"] = (
-                ColwiseParallel(input_layouts=Shard(1)) if sequence_parallel else ColwiseParallel()
-            )
-        plan[f"{i}.{last}"] = (
-            RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-        )
+        plan.update({f"{i}.{name}": column for name in first})
+        plan[f"{i}.{last}"] = row
     return plan
 
 
@@ -683,10 +680,8 @@ def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
-    for k, v in model.state_dict().items():
-        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-    return out
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            for k, v in model.state_dict().items()}
 
 
 def _local_bytes(tensors) -> int:
