@@ -63,7 +63,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.checkpoint_dir is not None:
         try:  # before any work: not after the first epoch
             prepare_checkpoint_root(args.checkpoint_dir)
-        except (CheckpointError, TypeError) as exc:  # TypeError: an empty path
+        except CheckpointError as exc:
             parser.error(f"argument --checkpoint-dir: {exc}")
     return args
 

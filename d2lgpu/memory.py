@@ -44,11 +44,6 @@ def format_mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-# ---------------------------------------------------------------------------
-# Counting bytes of tensors
-# ---------------------------------------------------------------------------
-
-
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
@@ -125,11 +120,6 @@ class LiveTensorBytes(TorchDispatchMode):
             self.live -= nbytes
 
 
-# ---------------------------------------------------------------------------
-# Formulas for the activations of the course's models
-# ---------------------------------------------------------------------------
-
-
 def mlp_activation_bytes(
     batch: int, in_features: int, width: int, hidden: int, depth: int, element_size: int = 4
 ) -> int:
@@ -178,11 +168,6 @@ def measure_activations(model: nn.Module, X: torch.Tensor) -> int:
         out = model(X)
     del out
     return saved.nbytes
-
-
-# ---------------------------------------------------------------------------
-# The anatomy of one training step
-# ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -278,11 +263,6 @@ def measure_training_memory(
         peak=params + state + live.peak,
         cuda_peak=torch.cuda.max_memory_allocated(X.device) if on_cuda else None,
     )
-
-
-# ---------------------------------------------------------------------------
-# Gradient accumulation and activation checkpointing
-# ---------------------------------------------------------------------------
 
 
 def accumulated_gradients(

@@ -45,6 +45,7 @@ from d2lgpu.runtime.checks import (
     check_seed,
     check_tensor,
     check_training_loss,
+    check_writable_path,
 )
 from d2lgpu.runtime.distributed import DEFAULT_TIMEOUT_S, DistContext, process_group
 
@@ -370,28 +371,12 @@ def _start_fresh(root: Path) -> str:
 
 
 def prepare_checkpoint_root(root: str | Path) -> Path:
-    """Create ``root`` and make sure files can be written there, before any training."""
-    if not isinstance(root, (str, os.PathLike)) or str(root) == "":
-        raise TypeError(f"the checkpoint directory must be a path, got {root!r}")
-    root = Path(root)
-    for ancestor in (root, *root.parents):
-        if ancestor.exists():
-            if not ancestor.is_dir():
-                raise CheckpointError(
-                    f"cannot write checkpoints to {root}: {ancestor} is a file, not a "
-                    "directory; pass a checkpoint directory elsewhere"
-                )
-            break
-    probe = root / f".write-test-{os.uname().nodename}-{os.getpid()}"
+    """Create ``root`` where checkpoints can be written: called before any training."""
     try:
+        root = check_writable_path("the checkpoint directory", root, kind="directory")
         root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"d2lgpu")
-        probe.unlink()
-    except OSError as exc:
-        raise CheckpointError(
-            f"cannot write checkpoints to {root} ({exc.strerror or exc}); pass a checkpoint "
-            "directory on a file system you can write to"
-        ) from None
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"cannot write checkpoints: {exc}") from None
     return root
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -178,37 +177,34 @@ def save_and_restore(fn: Callable[..., nn.Module]) -> None:
     _train(model, optimizer, steps=2, seed=1)
     new_model = shape.build(seed=5)  # other weights, and no momentum yet
     new_optimizer = torch.optim.SGD(new_model.parameters(), lr=0.1, momentum=0.9)
-    directory = Path(tempfile.mkdtemp(prefix="d2lgpu-ex8-"))
-    try:
-        with warnings.catch_warnings():  # DCP warns that it assumes a single process: it is one
-            warnings.simplefilter("ignore")
-            got = attempt(ex, fn, model, optimizer, new_model, new_optimizer, str(directory))
-            expect(ex, got is new_model, "return new_model, the model you loaded into")
-            expect(ex, (directory / ".metadata").is_file(),
-                   f"the directory holds {sorted(p.name for p in directory.iterdir())}, no "
-                   "'.metadata': save with dcp.save(state, checkpoint_id=directory)")
-            expect(ex, _same_weights(new_model, model),
-                   "new_model's weights differ from model's: load the checkpoint into the "
-                   "state dicts of new_model and new_optimizer, then put them back "
-                   "(set_state_dict)")
-            buffers = [(new_optimizer.state.get(q, {}).get("momentum_buffer"),
-                        optimizer.state[p]["momentum_buffer"])
-                       for p, q in zip(model.parameters(), new_model.parameters(), strict=True)]
-            expect(ex, all(a is not None and torch.equal(a, b) for a, b in buffers),
-                   "new_optimizer's momentum buffers differ from optimizer's: save and load "
-                   "the optimizer's state too (get_state_dict(model, optimizer))")
-            third = shape.build(seed=7)
-            state = {"model": third.state_dict()}
-            dcp.load(state, checkpoint_id=str(directory))
-            third.load_state_dict(state["model"])
-            expect(ex, _same_weights(third, model),
-                   "the checkpoint has no 'model' entry the chapter's way of loading can read: "
-                   "save {'model': model_state, 'optim': optim_state}")
-        _train(model, optimizer, steps=1, seed=2)
-        _train(new_model, new_optimizer, steps=1, seed=2)
+    with tempfile.TemporaryDirectory(prefix="d2lgpu-ex8-") as name, warnings.catch_warnings():
+        directory = Path(name)
+        warnings.simplefilter("ignore")  # DCP warns that it assumes a single process: it is one
+        got = attempt(ex, fn, model, optimizer, new_model, new_optimizer, str(directory))
+        expect(ex, got is new_model, "return new_model, the model you loaded into")
+        expect(ex, (directory / ".metadata").is_file(),
+               f"the directory holds {sorted(p.name for p in directory.iterdir())}, no "
+               "'.metadata': save with dcp.save(state, checkpoint_id=directory)")
         expect(ex, _same_weights(new_model, model),
-               "one more step of the restored model and optimizer does not match the original's")
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+               "new_model's weights differ from model's: load the checkpoint into the "
+               "state dicts of new_model and new_optimizer, then put them back "
+               "(set_state_dict)")
+        buffers = [(new_optimizer.state.get(q, {}).get("momentum_buffer"),
+                    optimizer.state[p]["momentum_buffer"])
+                   for p, q in zip(model.parameters(), new_model.parameters(), strict=True)]
+        expect(ex, all(a is not None and torch.equal(a, b) for a, b in buffers),
+               "new_optimizer's momentum buffers differ from optimizer's: save and load "
+               "the optimizer's state too (get_state_dict(model, optimizer))")
+        third = shape.build(seed=7)
+        state = {"model": third.state_dict()}
+        dcp.load(state, checkpoint_id=str(directory))
+        third.load_state_dict(state["model"])
+        expect(ex, _same_weights(third, model),
+               "the checkpoint has no 'model' entry the chapter's way of loading can read: "
+               "save {'model': model_state, 'optim': optim_state}")
+    _train(model, optimizer, steps=1, seed=2)
+    _train(new_model, new_optimizer, steps=1, seed=2)
+    expect(ex, _same_weights(new_model, model),
+           "one more step of the restored model and optimizer does not match the original's")
     passed(ex, "weights and momentum back from DCP's files in one process; training goes on "
                "exactly as if never stopped")
