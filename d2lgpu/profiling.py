@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from d2lgpu import precision
-from d2lgpu.benchmarking import copy_buffer_bytes, measure_copy_bandwidth
+from d2lgpu.benchmarking import measure_copy_bandwidth
 from d2lgpu.chips import peak_format
 from d2lgpu.data import DeviceLoader
 from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason, train_fast
@@ -502,16 +502,12 @@ def _operands(device: torch.device, numel: int) -> tuple[torch.Tensor, ...]:
     return a, torch.randn(numel, device=device), torch.empty_like(a)
 
 
-def measure_stream_bandwidth(
-    device: torch.device | str, numel: int | None = None, *, repeats: int = 5
-) -> float:
-    """GB/s of an out-of-place add of two ``numel``-float tensors (None: the buffer of
-    :func:`d2lgpu.measure_copy_bandwidth`), counted as the 12 bytes per element the program
-    asks for (chapter 7). On a CPU a store through the caches reads its line first, which
-    a copy's non-temporal stores may skip: the add writes as other elementwise ops do."""
+def measure_stream_bandwidth(device: torch.device | str, numel: int, *, repeats: int = 5) -> float:
+    """GB/s of an out-of-place add of two ``numel``-float tensors, counted as the 12 bytes per
+    element the program asks for (chapter 7). On a CPU a store through the caches reads its
+    line first, which a copy's non-temporal stores may skip: the add writes as other
+    elementwise ops do."""
     device = as_device(device)
-    if numel is None:
-        numel = max(copy_buffer_bytes(device)[0] // 4, 1)
     a, b, out = _operands(device, numel)
     seconds = _best_seconds(lambda: torch.add(a, b, out=out), device, repeats=repeats)
     return gbps(12 * numel, seconds)
@@ -533,8 +529,7 @@ def paired_multiply_add_ratio(
 
 
 def measure_roofline(
-    device: torch.device | str, matmul_n: int, *, repeats: int = 5,
-    stream_numel: int | None = None,
+    device: torch.device | str, matmul_n: int, *, stream_numel: int, repeats: int = 5,
 ) -> tuple[Roofline, RooflinePoint]:
     """The device's roofline, measured, and its matmul as a point (chapter 7). The compute
     roof: the best of ``repeats`` ``matmul_n``-square matmuls in the device's fast format
