@@ -43,6 +43,7 @@ from d2lgpu.runtime.checks import (
     check_positive_int,
     check_seed,
     check_training_loss,
+    check_writable_path,
     positive_int_flag,
     positive_number_flag,
     seed_flag,
@@ -195,36 +196,15 @@ def read_snapshot(path: str | os.PathLike) -> dict:
     return _read_snapshot(path)
 
 
-def _directory_error(path: Path) -> SnapshotError:
-    return SnapshotError(
-        f"snapshot path {path} is a directory; --snapshot takes a file name (the file is "
-        f"created after the first epoch): pass a file path, e.g. --snapshot {path / 'snapshot.pt'}"
-    )
-
-
 def _check_snapshot_path(path: Path) -> None:
     """Fail before any training when the snapshot cannot be written at ``path``."""
-    if path.is_dir():
-        raise _directory_error(path)
-    parent = next(p for p in path.parents if p.exists())
-    if not parent.is_dir():
-        raise SnapshotError(f"cannot write snapshot {path}: {parent} is a file, not a directory; "
-                            "pass a --snapshot path in a directory")
-    probe = path.with_name(path.name + ".probe")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise SnapshotError(
-            f"cannot write snapshot {path} ({type(exc).__name__}: {exc.strerror or exc}): pass "
-            "a --snapshot path in a directory you can write to"
-        ) from None
+        check_writable_path("--snapshot", path)
+    except (ValueError, PermissionError) as exc:
+        raise SnapshotError(f"cannot write snapshot {path}: {exc}") from None
 
 
 def _read_snapshot(path: Path) -> dict:
-    if path.is_dir():
-        raise _directory_error(path)
     if path.stat().st_size == 0:
         raise SnapshotError(f"snapshot {path} is empty (0 bytes); {_start_fresh(path)}")
     try:
@@ -258,9 +238,9 @@ def _load_snapshot(path: Path | None, ctx: DistContext | None) -> dict | None:
     snapshot, problem = None, None
     if (ctx is None or ctx.is_main) and path is not None:
         try:
-            if path.exists() or path.is_symlink():
-                snapshot = _read_snapshot(path)
             _check_snapshot_path(path)
+            if path.exists():
+                snapshot = _read_snapshot(path)
         except SnapshotError as exc:
             problem = str(exc)
     if ctx is not None and ctx.world_size > 1:
@@ -322,9 +302,15 @@ def _check_data(data: object) -> None:
 
 
 def _make_loaders(
-    cfg: DDPConfig, data: Tensors4, rank: int, world_size: int
+    cfg: DDPConfig, data: Tensors4 | None, rank: int, world_size: int
 ) -> tuple[DistributedSampler, DataLoader, DataLoader]:
-    """This rank's sampler and loaders: its slice of every epoch's shuffle, and of the test set."""
+    """This rank's sampler and loaders (Fashion-MNIST unless ``data`` is given): its slice of
+    every epoch's shuffle, and of the test set."""
+    if data is None:
+        from d2lgpu.data import fashion_mnist_tensors
+
+        data = (*fashion_mnist_tensors(train=True, root=cfg.data_root, quick=cfg.quick),
+                *fashion_mnist_tensors(train=False, root=cfg.data_root, quick=cfg.quick))
     images = [x.float() / 255 if x.dtype == torch.uint8 else x.float() for x in data[::2]]
     train_set = TensorDataset(images[0], data[1])
     # Every world_size-th test example, no padding: the summed counts are the test set.
@@ -384,6 +370,57 @@ def _count_correct(
     return correct, seen
 
 
+def _resume(
+    snapshot: dict | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler, cfg: DDPConfig, path: Path | None, say: bool,
+) -> tuple[int, dict[str, list[float]], float | None]:
+    """Load the snapshot's state, if any; return its epochs done, history and start loss."""
+    if snapshot is None:
+        return 0, {k: [] for k in _HISTORY_KEYS}, None
+    model.load_state_dict(snapshot["model"])
+    optimizer.load_state_dict(snapshot["optimizer"])
+    if snapshot.get("scaler"):
+        scaler.load_state_dict(snapshot["scaler"])
+    done = snapshot["epochs_done"]
+    if say and done == cfg.epochs:
+        print(f"snapshot {path} already holds all {done} epochs: nothing left to train "
+              "(--epochs is the total; pass a larger one to train on)", flush=True)
+    elif say:
+        print(f"resuming from {path} after epoch {done}", flush=True)
+    return done, snapshot["history"], snapshot.get("start_loss")
+
+
+def _record_epoch(
+    history: dict[str, list[float]], stats: list, seconds: float, epoch: int, steps: int,
+    cfg: DDPConfig, start_loss: float,
+) -> None:
+    """Append one epoch's whole-job totals to ``history``, unless the loss diverged.
+
+    Judged on totals every rank shares, so that all ranks stop together, and before the
+    snapshot is written, which keeps the last good epoch.
+    """
+    loss_sum, correct, seen, _, test_correct, test_seen = stats
+    check_training_loss(
+        loss_sum / seen, when=f"epoch {epoch + 1} (steps {epoch * steps + 1}-"
+        f"{(epoch + 1) * steps})", lr=cfg.lr, first_loss=start_loss,
+        advice="stopped before writing this epoch to the snapshot",
+    )
+    values = (loss_sum / seen, correct / seen, test_correct / test_seen, seconds, seen / seconds)
+    for key, value in zip(_HISTORY_KEYS, values, strict=True):
+        history[key].append(value)
+
+
+def _epoch_line(history: dict[str, list[float]], epoch: int, cfg: DDPConfig,
+                ctx: DistContext | None) -> str:
+    return (
+        f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
+        f"train acc {history['train_acc'][-1]:.3f}, test acc {history['test_acc'][-1]:.3f}, "
+        f"{history['epoch_seconds'][-1]:.1f} s, "
+        f"{history['examples_per_second'][-1]:.0f} examples/s "
+        f"({ctx.world_size if ctx else 1} rank(s), {ctx.backend if ctx else 'no process group'})"
+    )
+
+
 def train_ddp(
     cfg: DDPConfig,
     ctx: DistContext | None = None,
@@ -403,42 +440,23 @@ def train_ddp(
             f"batch_size={cfg.batch_size} is the global batch and must be divisible by the "
             f"{world_size} ranks: use a multiple of {world_size}"
         )
-    is_main = rank == 0
     device = device or (ctx.device if ctx is not None else torch.device("cpu"))
     # The snapshot first: a run that cannot continue from it fails before loading any data.
     path = Path(cfg.snapshot) if cfg.snapshot else None
     snapshot = _load_snapshot(path, ctx)
     if snapshot is not None:
         _check_resumable(snapshot, cfg, path)
-    if data is None:
-        from d2lgpu.data import fashion_mnist_tensors
-
-        data = (*fashion_mnist_tensors(train=True, root=cfg.data_root, quick=cfg.quick),
-                *fashion_mnist_tensors(train=False, root=cfg.data_root, quick=cfg.quick))
     sampler, train_loader, test_loader = _make_loaders(cfg, data, rank, world_size)
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere
     model = build_model(cfg.model).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     policy = precision_policy(device, cfg.precision)
     scaler = policy.make_scaler()
-    history: dict[str, list[float]] = {k: [] for k in _HISTORY_KEYS}
-    start_epoch, start_loss = 0, None  # the job's first loss: the divergence rule's start
-    if snapshot is not None:
-        model.load_state_dict(snapshot["model"])
-        optimizer.load_state_dict(snapshot["optimizer"])
-        if snapshot.get("scaler"):
-            scaler.load_state_dict(snapshot["scaler"])
-        start_epoch, history, start_loss = (snapshot["epochs_done"], snapshot["history"],
-                                            snapshot.get("start_loss"))
-        if is_main and cfg.log and start_epoch == cfg.epochs:
-            print(f"snapshot {path} already holds all {start_epoch} epochs: nothing left to "
-                  "train (--epochs is the total; pass a larger one to train on)", flush=True)
-        elif is_main and cfg.log:
-            print(f"resuming from {path} after epoch {start_epoch}", flush=True)
+    start_epoch, history, start_loss = _resume(
+        snapshot, model, optimizer, scaler, cfg, path, rank == 0 and cfg.log)
     # DDP's hooks all-reduce gradient buckets while backward is still running.
     net = model if ctx is None else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
-    steps = len(train_loader)
     with policy.matmul_precision():  # TF32 on or off, as the precision says (CUDA only)
         for epoch in range(start_epoch, cfg.epochs):
             sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
@@ -448,31 +466,13 @@ def train_ddp(
                      *_count_correct(net, test_loader, device, policy)]
             if ctx is not None:
                 stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
-            loss_sum, correct, seen, first_loss, test_correct, test_seen = stats
-            seconds = time.perf_counter() - started
             if start_loss is None:
-                start_loss = first_loss / world_size  # the mean of the ranks' first batches
-            # On totals every rank shares, so that all ranks stop together, before the
-            # snapshot is written: it keeps the last good epoch.
-            check_training_loss(
-                loss_sum / seen, when=f"epoch {epoch + 1} (steps {epoch * steps + 1}-"
-                f"{(epoch + 1) * steps})", lr=cfg.lr, first_loss=start_loss,
-                advice="stopped before writing this epoch to the snapshot",
-            )
-            values = (loss_sum / seen, correct / seen, test_correct / test_seen, seconds,
-                      seen / seconds)
-            for key, value in zip(_HISTORY_KEYS, values, strict=True):
-                history[key].append(value)
-            if is_main and cfg.log:
-                print(
-                    f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
-                    f"train acc {history['train_acc'][-1]:.3f}, "
-                    f"test acc {history['test_acc'][-1]:.3f}, {seconds:.1f} s, "
-                    f"{seen / seconds:.0f} examples/s ({world_size} rank(s), "
-                    f"{ctx.backend if ctx else 'no process group'})",
-                    flush=True,
-                )
-            if is_main and path is not None:
+                start_loss = stats[3] / world_size  # the mean of the ranks' first batches
+            _record_epoch(history, stats, time.perf_counter() - started, epoch,
+                          len(train_loader), cfg, start_loss)
+            if rank == 0 and cfg.log:
+                print(_epoch_line(history, epoch, cfg, ctx), flush=True)
+            if rank == 0 and path is not None:
                 _save_snapshot(path, {
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scaler": scaler.state_dict(),  # empty unless fp16 scales the loss

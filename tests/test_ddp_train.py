@@ -319,7 +319,7 @@ def test_an_unwritable_snapshot_path_fails_before_training(where, tmp_path, monk
     monkeypatch.setattr(ddp_train, "build_model", no_training)
     if where == "under_a_file":
         (tmp_path / "file").write_text("x")
-        path, what = tmp_path / "file" / "snap.pt", "is a file, not a directory"
+        path, what = tmp_path / "file" / "snap.pt", "is a regular file, not a directory"
     else:
         path, what = "/proc/d2lgpu/snap.pt", "cannot write snapshot"
     with pytest.raises(SnapshotError, match=what) as info:
