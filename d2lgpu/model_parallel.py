@@ -216,8 +216,7 @@ class _SavedPeak:
         return _Held(self, t, t.numel() * t.element_size())
 
     def hooks(self):
-        unpack = lambda held: held.tensor if isinstance(held, _Held) else held  # noqa: E731
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
 
 
 class _Held:
@@ -228,6 +227,10 @@ class _Held:
 
     def __del__(self) -> None:
         self.counter.live -= self.nbytes
+
+    @staticmethod
+    def unpack(held: _Held | torch.Tensor) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
 
 
 class _FunctionalCollectiveCounter(CollectiveCounter):

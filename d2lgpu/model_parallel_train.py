@@ -59,7 +59,6 @@ class ResumableTwoDRun:
     kill_at_step: int | None = None
 
     def run(self, ctx: DistContext) -> TrainResult:
-        prepare_checkpoint_root(self.checkpoint_root)  # before any training
         return train_2d(self.two_d, ctx, self)
 
     def _config(self) -> dict[str, Any]:
