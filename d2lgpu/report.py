@@ -586,9 +586,7 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
         name, capability = str(props.name), (int(props.major), int(props.minor))
         sms, uuid = int(props.multi_processor_count), str(getattr(props, "uuid", ""))
     except Exception as exc:  # any failure of one GPU is reported, not raised
-        return GpuInfo(index=index, name="?", capability=(0, 0), total_memory_bytes=None,
-                       free_memory_bytes=None, multiprocessor_count=0, native_formats=(),
-                       torch_says_bf16=None, uuid="", pycuda_attributes=pycuda_attributes,
+        return GpuInfo(index, "?", (0, 0), None, None, 0, (), None, "", pycuda_attributes,
                        error=f"properties: {_first_line(exc)}")
     free, total = None, int(getattr(props, "total_memory", 0)) or None
     reading = next((r for r in nvml.gpus if uuid and r.uuid.lower().endswith(uuid.lower())),
