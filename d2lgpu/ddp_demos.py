@@ -33,11 +33,7 @@ def faulty_worker(
         return value.item()
 
 
-# ---------------------------------------------------------------------------
-# Hogwild: several processes, one model in shared memory
-# ---------------------------------------------------------------------------
-
-
+# --- Hogwild: several processes, one model in shared memory ---
 def _hogwild_worker(
     rank: int,
     model: nn.Module,

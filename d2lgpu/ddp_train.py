@@ -149,11 +149,7 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
 
 
-# ---------------------------------------------------------------------------
-# Snapshots
-# ---------------------------------------------------------------------------
-
-
+# --- Snapshots ---
 class SnapshotError(ValueError):
     """A snapshot this run cannot continue from; the message names the file and the way out."""
 
@@ -276,11 +272,7 @@ def _check_resumable(snapshot: dict, cfg: DDPConfig, path: Path) -> None:
         )
 
 
-# ---------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------
-
-
+# --- Training ---
 def _check_data(data: object) -> None:
     """``data`` must be (train images, train labels, test images, test labels), finite."""
     if not (isinstance(data, (tuple, list)) and len(data) == 4

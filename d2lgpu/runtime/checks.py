@@ -106,9 +106,7 @@ seed_flag = flag_type(lambda _name, value: check_seed(value), int)
 positive_number_flag = flag_type(check_positive_float, float)
 
 
-# --------------------------------------------------------------------------- #
-# Numbers, strings and sequences
-# --------------------------------------------------------------------------- #
+# --- Numbers, strings and sequences ---
 
 
 def _given(value: object) -> str:
@@ -168,9 +166,7 @@ def check_sequence(name: str, value: object, *, of: str, allow_empty: bool = Fal
     return items
 
 
-# --------------------------------------------------------------------------- #
-# Tensors
-# --------------------------------------------------------------------------- #
+# --- Tensors ---
 
 
 
@@ -260,9 +256,7 @@ def check_finite_tensors(what: str, tensors, *, fix: str = "") -> None:
         raise ValueError(f"{what} hold {found} value(s). {fix}".rstrip())
 
 
-# --------------------------------------------------------------------------- #
-# Data loaders and batches
-# --------------------------------------------------------------------------- #
+# --- Data loaders and batches ---
 
 
 def check_loader(name: str, value: object) -> object:
@@ -322,9 +316,7 @@ def find_non_finite_batch(name: str, loader: object) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- #
-# Training losses: one check for every loop that trains
-# --------------------------------------------------------------------------- #
+# --- Training losses: one check for every loop that trains ---
 
 #: The course's one rule for "training diverged": a loss that is NaN or inf, or more than
 #: this many times the loss the run started from: far beyond one batch's noise, and well
@@ -370,9 +362,7 @@ def check_training_loss(
     )
 
 
-# --------------------------------------------------------------------------- #
-# Paths
-# --------------------------------------------------------------------------- #
+# --- Paths ---
 
 _PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 

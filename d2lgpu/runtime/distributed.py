@@ -76,10 +76,7 @@ def add_job_flags(
                         "(to try --max-restarts)")
 
 
-# ---------------------------------------------------------------------------
-# Progress marks: which rank never arrived
-# ---------------------------------------------------------------------------
-
+# --- Progress marks: which rank never arrived ---
 # When an exception last left a process_group() block in this process (time.time()).
 _failed_at: float | None = None
 # Where mark_progress() reports: the job's store (inside process_group), and the
@@ -245,11 +242,7 @@ def exit_status_of(main: Callable[[], object]) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------
-# Process groups
-# ---------------------------------------------------------------------------
-
-
+# --- Process groups ---
 @dataclass(frozen=True)
 class DistContext:
     """Who this process is in the job (``rank`` across all machines, ``local_rank`` on this
@@ -644,11 +637,7 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
     return totals.tolist()
 
 
-# ---------------------------------------------------------------------------
-# A launcher for notebooks: one process per rank
-# ---------------------------------------------------------------------------
-
-
+# --- A launcher for notebooks: one process per rank ---
 class RemoteTraceback(Exception):
     """The traceback text of an exception raised in a rank; the ``__cause__`` of the
     exception launch raises, so Python prints where in the rank it happened."""
@@ -1053,11 +1042,7 @@ def launch(
         return torch.load(workdir / "result.pt", weights_only=False)
 
 
-# ---------------------------------------------------------------------------
-# Several command-line jobs at once (pretend machines on one computer)
-# ---------------------------------------------------------------------------
-
-
+# --- Several command-line jobs at once (pretend machines on one computer) ---
 @dataclass(frozen=True)
 class CommandResult:
     """How one command of :func:`run_together` ended: its exit status and its output."""
