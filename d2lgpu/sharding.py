@@ -39,6 +39,7 @@ from d2lgpu.models import MLPBlock, residual_mlp
 from d2lgpu.precision import check_precision, precision_policy
 from d2lgpu.runtime.checks import (
     check_bool,
+    check_finite_tensors,
     check_module,
     check_positive_float,
     check_positive_int,
@@ -125,12 +126,8 @@ class TrainPlan:
                 f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}"
             )
         for name in ("images", "test_images"):
-            value = getattr(self, name)
-            if value is not None and value.is_floating_point() and not value.isfinite().all():
-                raise ValueError(
-                    f"{name} hold nan or inf: training on them can only give nan; "
-                    "find the broken examples with (~images.isfinite()).flatten(1).any(1)"
-                )
+            fix = f"Find the broken examples with (~{name}.isfinite()).flatten(1).any(1)"
+            check_finite_tensors(name, [getattr(self, name)], fix=fix)
         if len(self.images) != len(self.labels):
             raise ValueError(f"{len(self.images)} images but {len(self.labels)} labels")
         if (self.test_images is None) != (self.test_labels is None):
