@@ -49,16 +49,8 @@ class Timing:
         return statistics.median(self.times)
 
     @property
-    def mean(self) -> float:
-        return statistics.fmean(self.times)
-
-    @property
     def min(self) -> float:
         return min(self.times)
-
-    @property
-    def max(self) -> float:
-        return max(self.times)
 
     @property
     def iqr(self) -> float:
