@@ -485,9 +485,6 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
     totals = {"read": 0, "written": 0, "fresh": 0, "ops": 0}
 
     class Counter(TorchDispatchMode):
@@ -519,8 +516,8 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
                     totals["fresh"] += 1
             if not written:
                 return out  # a view of an input: no bytes move
-            totals["read"] += sum(nbytes(t) for t in inputs)
-            totals["written"] += sum(nbytes(t) for t in written)
+            totals["read"] += sum(t.nbytes for t in inputs)
+            totals["written"] += sum(t.nbytes for t in written)
             return out
 
     with Counter():
