@@ -963,6 +963,29 @@ def _watch(
     return failed, False, seen_at
 
 
+def _check_launch(
+    fn: object, nprocs: object, args: object, timeout_s: object, grace_s: object
+) -> None:
+    """Refuse what :func:`launch` cannot run, before any process starts."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
+    check_positive_int("nprocs", nprocs)
+    if timeout_s is not None:
+        check_positive_float("timeout_s", timeout_s)
+    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not (
+            math.isfinite(grace_s) and grace_s >= 0):
+        raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {grace_s!r}")
+    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
+            fn, "__qualname__", ""):
+        raise ValueError(
+            f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
+            "or inside another function, so a spawned process cannot import it: move it into a "
+            ".py module and import it from there"
+        )
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -984,24 +1007,9 @@ def launch(
     """
     # torch.distributed.elastic.multiprocessing.start_processes would watch the ranks and
     # carry their tracebacks (@record), but it stops the other ranks at the first failure,
-    # before they record theirs, and cannot tell a rank it stopped from one that failed.
-    if not callable(fn):
-        raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
-    check_positive_int("nprocs", nprocs)
-    if timeout_s is not None:
-        check_positive_float("timeout_s", timeout_s)
-    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not (
-            math.isfinite(grace_s) and grace_s >= 0):
-        raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {grace_s!r}")
-    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
-            fn, "__qualname__", ""):
-        raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
-            "or inside another function, so a spawned process cannot import it: move it into a "
-            ".py module and import it from there"
-        )
-    if not isinstance(args, tuple):
-        raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
+    # before they record theirs, reports that one failure only, and cannot rebuild a rank's
+    # exception (a notebook prints its type and message).
+    _check_launch(fn, nprocs, args, timeout_s, grace_s)
     # An equal share of the cores each, so that the ranks do not fight over them.
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
