@@ -562,7 +562,8 @@ def load_checkpoint(
             f"{path} is no checkpoint directory: pick one with latest_checkpoint()"
         )
     extra = read_checkpoint_extra(path)
-    state = dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
     _check_checkpoint_fits(path, state["model"])
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
@@ -578,9 +579,9 @@ def _check_checkpoint_fits(path: Path, model_state: dict[str, Any]) -> None:
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     parts, missing = [], []
     for name, value in model_state.items():
-        entry = saved.get(f"model.{name}")
         if not isinstance(value, torch.Tensor):
             continue
+        entry = saved.get(f"model.{name}")
         if entry is None:
             missing.append(name)
         elif tuple(getattr(entry, "size", value.shape)) != tuple(value.shape):
