@@ -102,10 +102,7 @@ class Attention(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.head_dim = width // heads
-        self.q = nn.Linear(width, width)
-        self.k = nn.Linear(width, width)
-        self.v = nn.Linear(width, width)
-        self.out = nn.Linear(width, width)
+        self.q, self.k, self.v, self.out = (nn.Linear(width, width) for _ in range(4))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         B, S, _ = X.shape

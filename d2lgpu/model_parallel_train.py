@@ -1,15 +1,10 @@
 """FSDP2 x tensor parallel on a 2-D mesh, with checkpoints: chapter 9's torchrun entry point.
 
-Four processes on one machine (GPUs with NCCL when there are four, CPUs with gloo
-otherwise), as 2 data-parallel groups of 2 tensor-parallel ranks::
-
-    torchrun --standalone --nproc_per_node=4 -m d2lgpu.model_parallel_train \\
-        --dp 2 --tp 2 --steps 40 --checkpoint-dir checkpoints
-
-Each block's matmuls are split over a ``tp`` group and the pieces sharded over a ``dp``
-group (:func:`d2lgpu.model_parallel.train_2d`). Started again with the same
-``--checkpoint-dir`` (by hand or by ``torchrun --max-restarts``), a job continues from the
-latest checkpoint on any mesh shape: DCP gives each rank the pieces it now holds.
+``torchrun --standalone --nproc_per_node=4 -m d2lgpu.model_parallel_train --dp 2 --tp 2``
+splits each block over a ``tp`` group and shards the pieces over a ``dp`` group
+(:func:`d2lgpu.model_parallel.train_2d`; NCCL on GPUs, gloo on CPUs). Started again with the
+same ``--checkpoint-dir`` (by hand or by ``torchrun --max-restarts``), a job continues from
+the latest checkpoint on any mesh shape: DCP gives each rank the pieces it now holds.
 """
 
 from __future__ import annotations
