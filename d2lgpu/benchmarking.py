@@ -133,8 +133,7 @@ def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
         size, where = cache
         nbytes = max(64 * _MIB, math.ceil(2 * size / _MIB) * _MIB)
         return nbytes, f"{nbytes // _MIB} MiB: at least twice the {size / _MIB:g} MiB {where}"
-    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) if (
-        dev.type == "cuda") else 0
+    l2 = device_cache_bytes(dev) or 0
     nbytes = max(_DEFAULT_COPY_BYTES, math.ceil(2 * l2 / _MIB) * _MIB)
     return nbytes, f"{nbytes // _MIB} MiB: at least twice the {l2 / _MIB:g} MiB L2 cache"
 
