@@ -182,6 +182,9 @@ def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs:
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     history = History(device=", ".join(str(d) for d in devices))
     steps = len(train_iter)
+    if steps == 0:
+        raise ValueError("train_iter yields no batches: check the dataset and batch_size "
+                         "(drop_last=True with fewer examples than one batch gives none)")
     bar = progress_bar(progress, steps * num_epochs, f"training on {history.device}")
     for epoch in range(num_epochs):
         start = time.perf_counter()

@@ -102,6 +102,14 @@ def test_train_rejects_bad_input(kwargs, match):
         train(small_cnn(), train_iter, test_iter, progress=False, **kwargs)
 
 
+def test_train_names_a_loader_with_no_batches():
+    _, test_iter = tiny_loaders()
+    empty = DataLoader(TensorDataset(torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)),
+                       batch_size=4, drop_last=True)
+    with pytest.raises(ValueError, match="train_iter yields no batches"):
+        train(small_cnn(), empty, test_iter, 1, 0.1, "cpu", progress=False)
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_train_and_train_fast_refuse_a_bad_lr_before_any_work(fast):
     train_iter, test_iter = tiny_loaders()
