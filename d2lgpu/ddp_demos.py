@@ -9,10 +9,12 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lgpu.runtime.checks import (
+    check_finite_tensors,
     check_module,
     check_positive_float,
     check_positive_int,
     check_seed,
+    check_tensor,
     check_training_loss,
 )
 from d2lgpu.runtime.distributed import launch, process_group
@@ -35,21 +37,13 @@ def faulty_worker(
 
 # --- Hogwild: several processes, one model in shared memory ---
 def _hogwild_worker(
-    rank: int,
-    model: nn.Module,
-    features: torch.Tensor,
-    targets: torch.Tensor,
-    nprocs: int,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
+    rank: int, model: nn.Module, features: torch.Tensor, targets: torch.Tensor, nprocs: int,
+    epochs: int, batch_size: int, lr: float, seed: int,
 ) -> None:
     """One Hogwild process: SGD on its own shard, writing straight into the shared parameters."""
     torch.manual_seed(seed + rank)
     shard_x, shard_y = features[rank::nprocs], targets[rank::nprocs]
-    # The optimizer holds the shared parameter tensors themselves, so step()
-    # updates the memory every process reads from; no copy, no lock.
+    # The optimizer holds the shared tensors themselves: step() writes where all processes read.
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loss_fn = nn.MSELoss()
     for _ in range(epochs):
@@ -62,54 +56,32 @@ def _hogwild_worker(
 
 
 def hogwild_train(
-    model: nn.Module,
-    features: torch.Tensor,
-    targets: torch.Tensor,
-    nprocs: int = 2,
-    *,
-    epochs: int = 1,
-    batch_size: int = 32,
-    lr: float = 0.05,
-    seed: int = 0,
+    model: nn.Module, features: torch.Tensor, targets: torch.Tensor, nprocs: int = 2, *,
+    epochs: int = 1, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
     timeout_s: float = 300.0,
 ) -> nn.Module:
     """Train a CPU model (MSE loss) with ``nprocs`` processes that all update its shared
     parameters in place, without locks (chapter 5); ``model`` then holds everybody's updates.
-
-    Raises ``FloatingPointError`` when training diverged, by the course's one rule.
-    """
+    A diverged run raises ``FloatingPointError``."""
     check_module("model", model)
     for name, tensor in (("features", features), ("targets", targets)):
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            raise TypeError(
-                f"{name} must be a floating-point torch.Tensor, got "
-                f"{tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__}"
-            )
-        if not torch.isfinite(tensor).all():
-            raise ValueError(f"{name} hold nan or inf: clean the data before training")
-    check_positive_int("nprocs", nprocs)
-    check_positive_int("epochs", epochs)
-    check_positive_int("batch_size", batch_size)
+        check_tensor(name, tensor, dtype="floating")
+        check_finite_tensors(name, [tensor], fix="Clean the data before training.")
+    for name, value in (("nprocs", nprocs), ("epochs", epochs), ("batch_size", batch_size)):
+        check_positive_int(name, value)
     check_positive_float("lr", lr)
     check_seed(seed)
     check_positive_float("timeout_s", timeout_s)
     if any(p.device.type != "cpu" for p in model.parameters()):
-        raise ValueError(
-            "hogwild_train shares CPU memory between processes; move the model to the CPU first"
-        )
-    if any(not torch.isfinite(p).all() for p in model.parameters()):
-        raise ValueError("the model's weights hold nan or inf before training: initialise it anew")
+        raise ValueError("hogwild_train shares CPU memory between processes; move the model to "
+                         "the CPU first")
     if len(features) != len(targets):
         raise ValueError(f"{len(features)} feature rows but {len(targets)} targets")
     with torch.no_grad():
         before = nn.functional.mse_loss(model(features), targets).item()
     model.share_memory()
-    launch(
-        _hogwild_worker,
-        nprocs,
-        (model, features, targets, nprocs, epochs, batch_size, lr, seed),
-        timeout_s=timeout_s,
-    )
+    args = (model, features, targets, nprocs, epochs, batch_size, lr, seed)
+    launch(_hogwild_worker, nprocs, args, timeout_s=timeout_s)
     # The ranks' steps race: the loss over all the data, before and after, is what is judged.
     with torch.no_grad():
         after = nn.functional.mse_loss(model(features), targets).item()
@@ -119,13 +91,8 @@ def hogwild_train(
 
 
 # --- DataParallel against DDP, counted: the bytes over the busiest GPU's link in one step ---
-
-
 def busiest_gpu_bytes(
-    param_bytes: int,
-    world_size: int,
-    input_bytes: int = 0,
-    output_bytes: int = 0,
+    param_bytes: int, world_size: int, input_bytes: int = 0, output_bytes: int = 0,
     buffer_bytes: int = 0,
 ) -> dict[str, float]:
     """The fewest bytes the busiest GPU's link carries in one training step, for

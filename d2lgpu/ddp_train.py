@@ -1,18 +1,9 @@
-"""Train on Fashion-MNIST with DistributedDataParallel: the torchrun entry point of chapter 5.
-
-One machine, two processes (GPUs when there are two, CPU and gloo otherwise)::
+"""Train on Fashion-MNIST with DistributedDataParallel: the torchrun entry point of chapter 5::
 
     torchrun --standalone --nproc_per_node=2 -m d2lgpu.ddp_train --epochs 2
 
-Two machines: the same line on both, with the c10d rendezvous at machine 0::
-
-    torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST0:29400 --rdzv-id=job1 -m d2lgpu.ddp_train
-
-``--batch-size`` is the global batch, split over the ranks. With ``--snapshot``, rank 0
-writes a SHA-256-checked snapshot after every epoch, and a restarted job
-(``torchrun --max-restarts=N``) continues from it; a snapshot of other settings, or a
-damaged file, is refused (:class:`SnapshotError`).
+With ``--snapshot``, rank 0 writes a SHA-256-checked snapshot after every epoch, and a
+restarted job (``torchrun --max-restarts=N``) continues from it.
 """
 
 from __future__ import annotations
@@ -110,15 +101,13 @@ class DDPConfig:
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a path (a str or pathlib.Path) or None, got "
                                 f"{type(value).__name__} {value!r}")
-            if value is not None:
-                setattr(self, name, os.fspath(value))
+            setattr(self, name, value and os.fspath(value))
 
 
 @dataclass
 class DDPResult(History):
-    """The :class:`~d2lgpu.training.History` of a run, every epoch included (those before
-    a restart come from the snapshot), plus what only a DDP job has; ``state_dict`` is the
-    final model on the CPU."""
+    """The :class:`~d2lgpu.training.History` of a run (epochs before a restart included),
+    plus what only a DDP job has; ``state_dict`` is the final model on the CPU."""
 
     world_size: int = 1
     backend: str = "none"  # "none": one process without a process group
@@ -140,13 +129,11 @@ def build_model(name: str) -> nn.Module:
     """A fresh model of :data:`MODELS` for 28x28 grey images and 10 classes (chapter 5)."""
     from d2lgpu.models import resnet18, small_cnn
 
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     if name == "resnet18":
         return resnet18()
-    if name == "small_cnn":
-        return small_cnn()
-    if name == "small_cnn_nobn":
-        return strip_batchnorm(small_cnn())
-    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+    return small_cnn() if name == "small_cnn" else strip_batchnorm(small_cnn())
 
 
 # --- Snapshots ---
@@ -192,14 +179,6 @@ def read_snapshot(path: str | os.PathLike) -> dict:
     return _read_snapshot(path)
 
 
-def _check_snapshot_path(path: Path) -> None:
-    """Fail before any training when the snapshot cannot be written at ``path``."""
-    try:
-        check_writable_path("--snapshot", path)
-    except (ValueError, PermissionError) as exc:
-        raise SnapshotError(f"cannot write snapshot {path}: {exc}") from None
-
-
 def _read_snapshot(path: Path) -> dict:
     if path.stat().st_size == 0:
         raise SnapshotError(f"snapshot {path} is empty (0 bytes); {_start_fresh(path)}")
@@ -234,11 +213,13 @@ def _load_snapshot(path: Path | None, ctx: DistContext | None) -> dict | None:
     snapshot, problem = None, None
     if (ctx is None or ctx.is_main) and path is not None:
         try:
-            _check_snapshot_path(path)
+            check_writable_path("--snapshot", path)
             if path.exists():
                 snapshot = _read_snapshot(path)
         except SnapshotError as exc:
             problem = str(exc)
+        except (ValueError, PermissionError) as exc:
+            problem = f"cannot write snapshot {path}: {exc}"
     if ctx is not None and ctx.world_size > 1:
         box = [(snapshot, problem)]
         dist.broadcast_object_list(box, src=0)
@@ -277,20 +258,17 @@ def _check_data(data: object) -> None:
     """``data`` must be (train images, train labels, test images, test labels), finite."""
     if not (isinstance(data, (tuple, list)) and len(data) == 4
             and all(isinstance(t, torch.Tensor) for t in data)):
-        raise TypeError(
-            "data must be a tuple of 4 tensors (train images, train labels, test images, "
-            f"test labels), or None for Fashion-MNIST; got {type(data).__name__}"
-        )
+        raise TypeError("data must be a tuple of 4 tensors (train images, train labels, test "
+                        f"images, test labels) or None, got {type(data).__name__}")
     for name, images, labels in (("train", data[0], data[1]), ("test", data[2], data[3])):
         if len(images) == 0:
             raise ValueError(f"the {name} set is empty (0 {name} images): pass at least one "
                              "example per rank")
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} {name} images but {len(labels)} {name} labels")
+        if len(images) != len(labels) or labels.is_floating_point():
+            raise ValueError(f"{len(images)} {name} images need as many integer class labels, "
+                             f"got {len(labels)} of {labels.dtype}")
         if images.is_floating_point() and not torch.isfinite(images).all():
             raise ValueError(f"the {name} images hold nan or inf: clean the data before training")
-        if labels.is_floating_point() or labels.is_complex():
-            raise TypeError(f"the {name} labels must be integer class indices, got {labels.dtype}")
 
 
 def _make_loaders(
@@ -315,20 +293,14 @@ def _make_loaders(
 
 
 def _train_epoch(
-    net: nn.Module,
-    loader: DataLoader,
-    optimizer: torch.optim.Optimizer,
-    policy: PrecisionPolicy,
-    scaler: torch.amp.GradScaler,
-    device: torch.device,
+    net: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
+    scaler: torch.amp.GradScaler, device: torch.device,
 ) -> tuple[float, float, int, float]:
     """One pass over this rank's batches: (summed loss, correct, examples, first loss)."""
     loss_fn = nn.CrossEntropyLoss()
     net.train()
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device)
-    first_loss = None
-    seen = 0
+    loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
+    first_loss, seen = None, 0
     for X, y in loader:
         X, y = X.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
@@ -386,11 +358,8 @@ def _record_epoch(
     history: dict[str, list[float]], stats: list, seconds: float, epoch: int, steps: int,
     cfg: DDPConfig, start_loss: float,
 ) -> None:
-    """Append one epoch's whole-job totals to ``history``, unless the loss diverged.
-
-    Judged on totals every rank shares, so that all ranks stop together, and before the
-    snapshot is written, which keeps the last good epoch.
-    """
+    """Append one epoch's whole-job totals to ``history``, unless the loss diverged (judged
+    on totals every rank shares, so all stop together, before the snapshot is written)."""
     loss_sum, correct, seen, _, test_correct, test_seen = stats
     check_training_loss(
         loss_sum / seen, when=f"epoch {epoch + 1} (steps {epoch * steps + 1}-"
@@ -419,11 +388,9 @@ def train_ddp(
     data: Tensors4 | None = None,
     device: torch.device | None = None,
 ) -> DDPResult:
-    """Train ``cfg.model`` with DDP inside the process group ``ctx`` (chapter 5).
-
-    ``ctx=None`` trains in this one process without DDP, with the batches of a one-rank
-    job: the baseline DDP must reproduce. ``data`` replaces Fashion-MNIST.
-    """
+    """Train ``cfg.model`` with DDP inside the process group ``ctx`` (chapter 5); ``ctx=None``
+    trains in this one process, the baseline DDP must reproduce. ``data`` replaces
+    Fashion-MNIST."""
     world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
     if data is not None:
         _check_data(data)
@@ -479,21 +446,14 @@ def train_ddp(
                 raise RuntimeError(f"simulated failure of rank {rank} after epoch {epoch + 1} "
                                    "(--fail-after-epoch)")
     return DDPResult(
-        world_size=world_size,
-        backend=ctx.backend if ctx is not None else "none",
-        resumed_from_epoch=start_epoch,
-        device=str(device),
-        state_dict={k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-        **history,
+        world_size=world_size, backend=ctx.backend if ctx is not None else "none",
+        resumed_from_epoch=start_epoch, device=str(device),
+        state_dict={k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, **history,
     )
 
 
 def ddp_worker(
-    rank: int,
-    world_size: int,
-    master_port: int,
-    cfg: DDPConfig,
-    data: Tensors4 | None = None,
+    rank: int, world_size: int, master_port: int, cfg: DDPConfig, data: Tensors4 | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> DDPResult:
     """What :func:`d2lgpu.runtime.distributed.launch` runs: join the group, train, leave
@@ -508,11 +468,9 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
         description="Train on Fashion-MNIST with DistributedDataParallel.",
     )
     parser.add_argument("--epochs", type=positive_int_flag, default=DDPConfig.epochs,
-                        help="total epochs, including those a snapshot already holds "
-                        "(default %(default)s)")
+                        help="total epochs, including those a snapshot already holds")
     parser.add_argument("--batch-size", type=positive_int_flag, default=DDPConfig.batch_size,
-                        help="global batch size, split evenly over the ranks "
-                        "(default %(default)s)")
+                        help="global batch size, split evenly over the ranks")
     parser.add_argument("--lr", type=positive_number_flag, default=DDPConfig.lr)
     parser.add_argument("--model", choices=MODELS, default=None,
                         help="default: small_cnn in quick mode, resnet18 otherwise")
@@ -555,11 +513,8 @@ def main(argv: Sequence[str] | None = None) -> DDPResult:
 
 
 def command_line(argv: Sequence[str] | None = None) -> int:
-    """:func:`main` as ``python -m d2lgpu.ddp_train`` runs it; returns the exit status.
-
-    1 on failure: the message alone for an unusable snapshot, a diverged loss or a
-    collective timeout (their traceback adds nothing), the traceback otherwise.
-    """
+    """:func:`main` as ``python -m d2lgpu.ddp_train`` runs it; returns the exit status (1 on
+    failure, with the message alone where a traceback adds nothing)."""
     try:
         main(argv)
     except (SnapshotError, FloatingPointError, CollectiveTimeout) as exc:

@@ -246,7 +246,7 @@ def test_an_unreadable_gpu_does_not_hide_the_others(monkeypatch):
 # --- NCCL_P2P_DISABLE: the peer-to-peer decision, with faked GPUs ---------------------
 
 
-def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
+def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True):
     """Pretend this machine has GPUs called ``names``; record whether the copy check ran.
     ``copy_ok`` None: the check could not start (a GPU busy in exclusive mode, say)."""
     ran = []
@@ -254,7 +254,6 @@ def _fake_gpus(monkeypatch, names, peer=True, copy_ok=True, nvlink=None):
     monkeypatch.setattr(gpus, "num_gpus", lambda: len(names))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: peer)
-    monkeypatch.setattr(gpus, "_nvlink_active", lambda i: nvlink)
 
     def copy_check():
         ran.append(True)
@@ -285,19 +284,13 @@ def test_p2p_fewer_than_two_gpus_sets_nothing(monkeypatch, count):
 
 
 def test_p2p_two_t4s_without_nvlink_disable(monkeypatch):
-    ran = _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"], nvlink=None)
+    ran = _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"])
     env = {}
     decision = gpus.apply_nccl_p2p_decision(env)
     assert decision.disable and env == {"NCCL_P2P_DISABLE": "1"}
     assert "T4" in decision.reason and "\n" not in decision.reason
     assert not ran  # decided from the names, without copying
     assert str(decision).startswith("NCCL_P2P_DISABLE=1: ")
-
-
-def test_p2p_t4s_with_nvlink_go_to_the_copy_check(monkeypatch):
-    ran = _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"], nvlink=True)
-    assert not gpus.apply_nccl_p2p_decision({}).disable
-    assert ran
 
 
 def test_p2p_broken_copy_disables(monkeypatch):

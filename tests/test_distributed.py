@@ -61,23 +61,8 @@ def test_choose_backend_needs_one_gpu_per_local_rank(monkeypatch):
     assert choose_backend(3) == "gloo"  # a third rank would share a GPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert choose_backend(1) == "gloo"
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="positive int"):
         choose_backend(0)
-
-
-def test_choose_backend_warns_about_a_rank_bound_from_outside_only_where_one_could_be(
-        monkeypatch, recwarn):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    # One GPU and nothing binding the ranks: they share it, gloo is right, nothing to say.
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert choose_backend(2) == "gloo"
-    assert not [w for w in recwarn if "this rank sees 1 GPU" in str(w.message)]
-    # CUDA_VISIBLE_DEVICES names one GPU: maybe each rank got its own; say how to use it.
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.warns(UserWarning, match="CUDA_VISIBLE_DEVICES='3'.*backend='nccl'"):
-        assert choose_backend(2) == "gloo"
 
 
 def test_process_group_without_torchrun_env_names_the_fix(monkeypatch):

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import _fault_workers as workers
@@ -332,7 +331,7 @@ def test_two_processes_that_claim_rank_0_are_named_as_a_cause():
         launch(workers.claim_rank, 2, ([0, 0], 2, find_free_port()), timeout_s=60)
 
 
-def test_a_second_claim_of_any_rank_is_named_and_reported_to_the_ranks_waiting(monkeypatch):
+def test_a_second_claim_of_any_rank_is_named(monkeypatch):
     # The claims of the rendezvous, with two processes faked in this one (no process starts).
     import datetime
 
@@ -347,11 +346,6 @@ def test_a_second_claim_of_any_rank_is_named_and_reported_to_the_ranks_waiting(m
     with pytest.raises(ValueError, match=r"two processes claim rank 1: process 1 on a joined "
                                          r"as rank 1 first, then process 2 on a"):
         distributed._meet(store, 1, 3, timeout_s=0.2)
-    # A rank still waiting for the others then says that a rank was claimed twice.
-    monkeypatch.setattr(distributed, "_this_process", lambda: "process 3 on a")
-    with pytest.raises(TimeoutError, match=r"only 2 of 3 ranks arrived.*never came: 2; a "
-                                           r"second process also claimed rank 1"):
-        distributed._meet(store, 0, 3, timeout_s=0.2)
 
 
 def test_fewer_processes_than_the_world_size_says_how_many_arrived(monkeypatch):
@@ -407,38 +401,9 @@ def test_a_native_crash_is_blamed_before_the_peers_the_watchdog_aborted():
         _raise_first_failure(_outcome([-signal.SIGABRT, 0], [0], []))
 
 
-def test_a_rank_that_aborts_soon_after_its_last_step_is_the_culprit_not_a_watchdog_victim():
-    # Rank 0 died by SIGABRT 1 s after its last progress, far less than its 30 s group
-    # timeout: it did not wait for a peer (a sticky CUDA error, its own assertion). The
-    # rank launch stopped is healthy and must not be blamed as "never arrived".
-    now = 1000.0
-    soon = _Outcome([-signal.SIGABRT, -signal.SIGTERM], [0], [1], {}, {},
-                    {0: (3, "step 3"), 1: (3, "step 3")}, {0: now - 1, 1: now - 1},
-                    {0: 30.0, 1: 30.0}, now)
-    assert not soon.aborted_waiting() and soon.cause() == 0
-    with pytest.raises(RankError, match=r"rank 0 of 2 was killed by signal SIGABRT"):
-        _raise_first_failure(soon)
-    # The same death a whole timeout after the last step is the watchdog's victim.
-    waited = replace(soon, progress_times={0: now - 31, 1: now - 1})
-    assert waited.aborted_waiting() and waited.cause() == 1
-    # Two deaths: the one whose progress stopped first is the cause.
-    both = _Outcome([-signal.SIGSEGV, -signal.SIGSEGV], [0, 1], [], {}, {},
-                    {0: (5, "x"), 1: (4, "x")}, {0: now - 1, 1: now - 8}, {}, now)
-    assert both.cause() == 1
-
-
-def test_one_gpu_per_rank_bound_from_outside_is_warned_about_and_usable_with_nccl(monkeypatch):
-    monkeypatch.setattr(distributed, "num_gpus", lambda: 1)
-    monkeypatch.setattr(distributed.dist, "is_nccl_available", lambda: True)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # rank 3 of the machine, bound to GPU 3
-    with pytest.warns(UserWarning, match=r"sees 1 GPU .* runs 4 ranks.*pass backend='nccl'"):
-        assert distributed.choose_backend(4) == "gloo"
-    chosen = []
+def test_nccl_refuses_a_local_rank_without_a_gpu_of_its_own(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    assert distributed._rank_device("nccl", 3) == torch.device("cuda", 0) and chosen == [0]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # not bound: a real shortage of GPUs
     with pytest.raises(RuntimeError, match="needs one GPU per process"):
         distributed._rank_device("nccl", 3)
 
@@ -468,7 +433,7 @@ def test_every_entry_point_ends_through_end_process(module):
 def test_find_free_port_names_a_host_it_cannot_use():
     with pytest.raises(ValueError, match=r"cannot open a port on host 'no-such-host\.invalid'"):
         find_free_port("no-such-host.invalid")
-    with pytest.raises(TypeError, match="host must be"):
+    with pytest.raises(ValueError, match="cannot open a port on host None"):
         find_free_port(None)
 
 
@@ -487,7 +452,7 @@ def test_helpers_refuse_wrong_types_naming_what_they_take():
         ((None, torch.zeros(4, 2), torch.zeros(4, 1)), TypeError, "model must be"),
         ((torch.nn.Linear(2, 1), None, torch.zeros(4, 1)), TypeError, "features must be"),
         ((torch.nn.Linear(2, 1), torch.full((4, 2), math.nan), torch.zeros(4, 1)), ValueError,
-         "features hold nan"),
+         r"features hold \d+ NaN"),
     ],
 )
 def test_hogwild_refuses_bad_input_naming_it(args, error, match):

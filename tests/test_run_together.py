@@ -44,9 +44,9 @@ def test_a_command_past_the_timeout_is_killed_and_named(tmp_path):
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(TypeError, match="non-empty"):
         run_together([])
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(TypeError, match="non-empty"):
         run_together([[]])
     with pytest.raises(ValueError, match="timeout_s"):
         run_together([["true"]], timeout_s=0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
-import math
 import os
 import pickle
 import signal
@@ -25,10 +24,9 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -58,9 +56,7 @@ DEFAULT_TIMEOUT_S = 300.0
 LOOPBACK = "127.0.0.1"
 
 
-def add_job_flags(
-    parser: argparse.ArgumentParser, *, crash_point: str, data: bool = True
-) -> None:
+def add_job_flags(parser: argparse.ArgumentParser, *, crash_point: str, data: bool = True) -> None:
     """The flags every torchrun trainer shares: ``--data-root``, ``--quick``/``--full``
     (left out with ``data=False``), ``--timeout`` and ``--fail-after-epoch``."""
     if data:
@@ -79,8 +75,7 @@ def add_job_flags(
 # --- Progress marks: which rank never arrived ---
 # When an exception last left a process_group() block in this process (time.time()).
 _failed_at: float | None = None
-# Where mark_progress() reports: the job's store (inside process_group), and the
-# launch() work directory (in a rank that launch started).
+# Where mark_progress() reports: the job's store, and launch()'s work directory.
 _progress_store: dist.Store | None = None
 _progress_rank: int = 0
 _launch_dir: Path | None = None
@@ -93,10 +88,8 @@ def mark_progress(label: str) -> None:
     global _progress_count
     _progress_count += 1
     if _progress_store is not None:
-        try:
+        with suppress(Exception):  # the store is gone (rank 0 ended): only a message is lost
             _progress_store.set(f"label/{_progress_rank}", f"{_progress_count} {label}")
-        except Exception:  # the store is gone (rank 0 ended): only a message is lost
-            pass
     if _launch_dir is not None:
         tmp = _launch_dir / f"progress-{_progress_rank}.tmp"
         tmp.write_text(f"{_progress_count} {label}")
@@ -165,21 +158,12 @@ def _explain_timeout(
     except Exception:
         progress = {}  # the store went away with rank 0
     laggards = _laggards(progress) if progress else []
-    absent = [] if laggards or not progress else _ranks_not_in_the_collective(
-        store, rank, world_size)
-    if absent:
-        laggards = absent
-        they = "they" if len(absent) > 1 else "it"
-        missing = (
-            f"every rank had reported the same step ({_progress_lines(progress)}), but "
-            f"{_plural(absent)} never entered the collective: the others timed out waiting in "
-            f"it, {they} did not (stuck in its own work since that step: a loop, a deadlock, a "
-            "slow step, or a collective the others do not make)"
-        )
-    elif laggards:
-        missing = (f"{_plural(laggards)} never arrived ({_progress_lines(progress)}): stuck "
-                   "before it (a loop, a deadlock, a slow step), or it skipped a collective the "
-                   "others made")
+    if progress and not laggards:
+        laggards = _ranks_not_in_the_collective(store, rank, world_size)
+    if laggards:
+        verb = "never arrived" if _laggards(progress) else "never entered the collective"
+        missing = (f"{_plural(laggards)} {verb} ({_progress_lines(progress)}): stuck before it "
+                   "(a loop, a deadlock, a slow step), or it skipped a collective the others made")
     elif progress:
         missing = (f"every rank had reached the same step ({_progress_lines(progress)}), so one "
                    "of them is stuck inside a collective or went a different way after it")
@@ -199,12 +183,7 @@ _TIMEOUT_GATHER_S = 5.0
 
 def _ranks_not_in_the_collective(store: dist.Store | None, rank: int, world_size: int) -> list[int]:
     """The ranks that did not note, within the gather time, that they timed out too.
-
-    Not ``dist.monitored_barrier(wait_all_ranks=True)``: it runs on gloo only, in a group
-    that a timed-out collective may have left broken, and only rank 0 learns the list.
-    """
-    if store is None or world_size < 2:
-        return []
+    (``dist.monitored_barrier`` runs on gloo only, and only rank 0 learns the list.)"""
     try:
         store.set(f"timed_out/{rank}", str(_progress_count))
         deadline = time.monotonic() + _TIMEOUT_GATHER_S
@@ -218,12 +197,9 @@ def _ranks_not_in_the_collective(store: dist.Store | None, rank: int, world_size
 
 
 def end_process(status: int = 0) -> NoReturn:
-    """End a command-line entry point with ``os._exit(status)`` after flushing its output.
-
-    Skipping the interpreter's teardown matters: gloo's threads have been seen to abort a
-    finished process at exit (SIGABRT), and an NCCL group torn down after a failure waits
-    for peers stuck waiting for this rank.
-    """
+    """End a command-line entry point with ``os._exit(status)`` after flushing its output:
+    gloo's threads have been seen to abort a process at exit, and an NCCL group torn down
+    after a failure waits for peers stuck waiting for this rank."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -264,36 +240,18 @@ class DistContext:
 def choose_backend(local_world_size: int) -> str:
     """``"nccl"`` when every rank on this machine gets a GPU of its own, else ``"gloo"``,
     which runs on CPUs everywhere (chapter 5)."""
-    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or (
-            local_world_size < 1):
-        raise ValueError(f"local_world_size must be an int of at least 1, got {local_world_size!r}")
-    gpus = num_gpus()
-    if gpus >= local_world_size and dist.is_nccl_available():
-        return "nccl"
-    if gpus == 1 and local_world_size > 1 and dist.is_nccl_available() and _bound_to_one_gpu():
-        # Each rank may have been given its own GPU from outside (SLURM, a CUDA_VISIBLE_DEVICES
-        # per rank), or all share one: inside one rank the two look alike.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        warnings.warn(
-            f"this rank sees 1 GPU (CUDA_VISIBLE_DEVICES={visible!r}) "
-            f"but its machine runs {local_world_size} ranks, so the group uses gloo on the CPU. "
-            "If every rank was given its own GPU (SLURM --gpus-per-task=1, a CUDA_VISIBLE_DEVICES "
-            "per rank), pass backend='nccl': each rank then computes on its cuda:0",
-            stacklevel=2,
-        )
-    return "gloo"
+    check_positive_int("local_world_size", local_world_size)
+    return "nccl" if num_gpus() >= local_world_size and dist.is_nccl_available() else "gloo"
 
 
 def find_free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free on ``host`` a moment ago, for a local job's rendezvous
     (chapter 5)."""
-    if not isinstance(host, str) or not host:
-        raise TypeError(f"host must be a host name or address (a str), got {host!r}")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             return int(sock.getsockname()[1])
-    except OSError as exc:  # socket.gaierror for a name that does not resolve
+    except (OSError, TypeError) as exc:  # socket.gaierror for a name that does not resolve
         raise ValueError(
             f"cannot open a port on host {host!r} ({type(exc).__name__}: {exc}): pass an address "
             f"of this machine, such as the default {LOOPBACK!r}"
@@ -301,17 +259,14 @@ def find_free_port(host: str = LOOPBACK) -> int:
 
 
 def _env_int(name: str) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
+    raw = os.environ.get(name, "")
+    if not raw.isdigit():
         raise RuntimeError(
-            f"environment variable {name} is not set: start this program with torchrun "
-            "(e.g. `torchrun --nproc_per_node=2 -m d2lgpu.ddp_train`), or pass rank=, "
+            f"environment variable {name}={raw!r} is not a rank number: start this program with "
+            "torchrun (e.g. `torchrun --nproc_per_node=2 -m d2lgpu.ddp_train`), or pass rank=, "
             "world_size= and master_port= to process_group() explicitly"
         )
-    try:
-        return int(raw)
-    except ValueError:
-        raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from None
+    return int(raw)
 
 
 def _first_line(text: str, limit: int = 200) -> str:
@@ -325,12 +280,9 @@ def _this_process() -> str:
 
 def _in_thread(target: Callable[[], None], host: str, port: int, wait_s: float) -> bool:
     """Run ``target`` (a TCPStore connection) in a thread for at most ``wait_s``; True when
-    it is still blocked then.
-
-    A TCPStore client that reaches a program speaking another protocol waits in native
-    code, deaf to its own timeout and to signals. An abandoned thread's connection is shut
-    down, so that it fails at once rather than abort the interpreter at exit.
-    """
+    it is still blocked then. A TCPStore client that reaches a program speaking another
+    protocol waits in native code, deaf to its timeout and to signals: its connection is
+    shut down."""
     thread = threading.Thread(target=target, name="d2lgpu-rendezvous", daemon=True)
     thread.start()
     thread.join(wait_s)
@@ -347,15 +299,14 @@ def _open_store(
     host: str, port: int, rank: int, world_size: int, *, serve: bool, timeout_s: float, fix: str
 ) -> dist.Store:
     """The job's rendezvous store at ``host:port`` (rank 0 serves it when ``serve``), within
-    ``timeout_s`` whatever answers on the port; ``fix`` says what to do about a bad port."""
+    ``timeout_s``; ``fix`` says what to do about a bad port."""
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:  # else the client retries until the timeout
         raise ValueError(
-            f"rank {rank}: the rendezvous host {host!r} does not resolve ({exc.strerror or exc}): "
-            "pass the host name or IP address of the machine where rank 0 runs (master_addr=, "
-            "MASTER_ADDR, or torchrun's --master-addr / --rdzv-endpoint), e.g. 127.0.0.1 for "
-            "one machine"
+            f"rank {rank}: the rendezvous host {host!r} does not resolve ({exc.strerror}): pass "
+            "the address of the machine where rank 0 runs (master_addr=, MASTER_ADDR or "
+            "torchrun's --rdzv-endpoint), e.g. 127.0.0.1 for one machine"
         ) from None
     outcome: dict[str, Any] = {}
 
@@ -378,23 +329,18 @@ def _open_store(
     reason = f" ({type(error).__name__}: {_first_line(str(error))})" if error else ""
     if serve:
         raise RuntimeError(
-            f"rank {rank} could not serve the rendezvous at {where}{reason}; if the port is in "
-            "use, another program, an earlier job or a second process started as rank 0 holds "
-            "it (give every process its own rank, 0 to world_size-1, as launch and torchrun "
-            "do); otherwise the other ranks did not all join within "
-            f"timeout_s={timeout_s:g} s. {fix}"
+            f"rank {rank} could not serve the rendezvous at {where}{reason}: another program, an "
+            "earlier job or a second process started as rank 0 holds it (give every process its "
+            f"own rank, 0 to world_size-1, as launch and torchrun do). {fix}"
         ) from error
     try:
         with socket.create_connection((host, port), timeout=1.0):
-            why = ("the port accepts connections, but no torch.distributed store answers there "
-                   "(another program may be listening on it)")
+            why = "the port accepts connections, but no torch.distributed store answers there"
     except OSError:
         why = "nothing listens there: is rank 0 running, with the same address and port?"
-    message = (f"rank {rank} could not join the rendezvous at {where} within "
-               f"timeout_s={timeout_s:g} s{reason}: {why}. {fix}")
-    if error is None:
-        raise TimeoutError(message)
-    raise RuntimeError(message) from error
+    error_type = TimeoutError if error is None else RuntimeError
+    raise error_type(f"rank {rank} could not join the rendezvous at {where} within "
+                     f"timeout_s={timeout_s:g} s{reason}: {why}. {fix}") from error
 
 
 def _shut_down_connections_to(host: str, port: int) -> None:
@@ -451,12 +397,6 @@ def _rendezvous(
     return dist.PrefixStore(f"d2lgpu/attempt_{attempt}", store)
 
 
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    return value
-
-
 def _resolve_ranks(
     rank: int | None, world_size: int | None, master_port: int | None, master_addr: str,
     local_rank: int | None, local_world_size: int | None,
@@ -470,22 +410,21 @@ def _resolve_ranks(
         local_rank = _env_int("LOCAL_RANK") if local_rank is None else local_rank
         if local_world_size is None:
             local_world_size = _env_int("LOCAL_WORLD_SIZE")
+    elif master_port is None:
+        raise ValueError(
+            "master_port is required with an explicit rank: choose one in the parent with "
+            "d2lgpu.runtime.distributed.find_free_port() and pass the same port to every rank"
+        )
     else:
-        _check_int("rank", rank)
-        _check_int("world_size", world_size)
-        if master_port is None:
-            raise ValueError(
-                "master_port is required with an explicit rank: choose one in the parent with "
-                "d2lgpu.runtime.distributed.find_free_port() and pass the same port to every rank"
-            )
-        if _check_int("master_port", master_port) not in range(1, 65536):
-            raise ValueError(f"master_port must be in 1..65535, got {master_port}")
-        if not isinstance(master_addr, str) or not master_addr:
-            raise ValueError(f"master_addr must be a host name or address, got {master_addr!r}")
         local_rank = rank if local_rank is None else local_rank
         local_world_size = world_size if local_world_size is None else local_world_size
-    _check_int("local_rank", local_rank)
-    _check_int("local_world_size", local_world_size)
+    numbers = {"rank": rank, "world_size": world_size, "local_rank": local_rank,
+               "local_world_size": local_world_size, "master_port": master_port or 1}
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
+            raise ValueError(f"{name} must be an int from 0 to 65535, got {value!r}")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise ValueError(f"master_addr must be a host name or address, got {master_addr!r}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     if not 0 <= local_rank < local_world_size:
@@ -495,12 +434,6 @@ def _resolve_ranks(
     return rank, world_size, local_rank, local_world_size
 
 
-def _bound_to_one_gpu() -> bool:
-    """True when CUDA_VISIBLE_DEVICES names exactly one GPU (a rank bound from outside)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    return len([d for d in visible.split(",") if d.strip()]) == 1
-
-
 def _rank_device(backend: str, local_rank: int) -> torch.device:
     """Where this rank computes: its own GPU with NCCL (made the current one), the CPU with gloo."""
     if backend not in ("nccl", "gloo"):
@@ -508,18 +441,14 @@ def _rank_device(backend: str, local_rank: int) -> torch.device:
     if backend == "gloo":
         return torch.device("cpu")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 1 and local_rank >= 1 and _bound_to_one_gpu():
-        index = 0  # bound from outside: this rank's one visible GPU is its own
-    elif local_rank >= gpus:
+    if local_rank >= gpus:
         raise RuntimeError(
             f"backend 'nccl' needs one GPU per process, but local rank {local_rank} has no "
             f"GPU of its own ({gpus} visible): start fewer processes or use backend='gloo'"
         )
-    else:
-        index = local_rank
     # Bound before init, so that NCCL and every later CUDA call use this rank's GPU.
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 @contextmanager
@@ -545,11 +474,7 @@ def process_group(
     rank, world_size, local_rank, local_world_size = _resolve_ranks(
         rank, world_size, master_port, master_addr, local_rank, local_world_size
     )
-    check_positive_float("timeout_s", timeout_s)
-    try:
-        timeout = datetime.timedelta(seconds=timeout_s)
-    except OverflowError:
-        raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}") from None
+    timeout = datetime.timedelta(seconds=check_positive_float("timeout_s", timeout_s))
     if dist.is_initialized():
         raise RuntimeError(
             "this process already belongs to a process group; leave it first "
@@ -566,13 +491,10 @@ def process_group(
     )
     failed = False
     _progress_store, _progress_rank, _progress_count = progress, rank, 0
-    if _launch_dir is not None:  # for launch: how long this rank waits in a collective
-        (_launch_dir / f"group-timeout-{rank}.txt").write_text(repr(float(timeout_s)))
     try:
         yield DistContext(rank, world_size, local_rank, local_world_size, backend, device)
     except BaseException as exc:
-        # When it happened, before the teardown makes the peers fail too: launch tells the
-        # cause from its echoes by it.
+        # When, before the teardown makes the peers fail too: launch tells cause from echoes.
         _failed_at = time.time()
         failed = True
         if _is_collective_timeout(exc):
@@ -593,7 +515,6 @@ def _meet(progress: dist.Store, rank: int, world_size: int, timeout_s: float) ->
     me = _this_process()
     owner = progress.compare_set(f"claim/{rank}", "", me).decode()
     if owner != me:
-        progress.set(f"claim/{rank}/again", me)  # for the error of the ranks waiting
         raise ValueError(
             f"two processes claim rank {rank}: {owner} joined as rank {rank} first, then "
             f"{me}. Give every process its own rank, 0 to world_size-1 (launch and torchrun do)"
@@ -618,12 +539,10 @@ def _meet(progress: dist.Store, rank: int, world_size: int, timeout_s: float) ->
             break
         time.sleep(0.05)
     missing = [r for r in range(world_size) if r not in arrived]
-    doubled = [r for r in range(world_size) if progress.check([f"claim/{r}/again"])]
-    extra = f"; a second process also claimed {_plural(doubled)}" if doubled else ""
     raise TimeoutError(
         f"only {len(arrived)} of {world_size} ranks arrived at the rendezvous within "
         f"timeout_s={timeout_s:g} s (arrived: {', '.join(map(str, arrived))}; never came: "
-        f"{', '.join(map(str, missing))}{extra}). Start as many processes as the world size: "
+        f"{', '.join(map(str, missing))}). Start as many processes as the world size: "
         "with launch, nprocs must equal the world_size the ranks are given; with torchrun, "
         "every node must start (--nnodes) with --nproc_per_node processes"
     )
@@ -694,30 +613,23 @@ def _run_rank(
             try:
                 torch.save(value, work / "result.pt.tmp")
             except Exception as exc:
-                kind = type(value)
-                name = kind.__qualname__ if kind.__module__ == "builtins" else (
-                    f"{kind.__module__}.{kind.__qualname__}")
                 raise TypeError(
-                    f"rank 0 returned a {name}, which cannot be pickled ({type(exc).__name__}: "
-                    f"{exc}); launch pickles rank 0's return value to send it to the caller, so "
-                    "return plain data: tensors, numbers, strings, and lists, tuples, dicts or "
-                    "dataclasses of them (a model's state_dict() rather than an object that "
-                    "holds functions, locks or open files)"
+                    f"rank 0 returned a {type(value).__qualname__}, which cannot be pickled "
+                    f"({type(exc).__name__}: {exc}) to send it to the caller: return plain data "
+                    "(tensors, numbers, strings, and containers of them, a state_dict())"
                 ) from exc
             os.replace(work / "result.pt.tmp", work / "result.pt")  # never read half-written
     except BaseException as exc:
         record = {
-            "rank": rank, "time": _failed_at if _failed_at is not None else time.time(),
-            "type": type(exc).__name__, "message": str(exc),
-            "traceback": traceback.format_exc(), "where": _where(exc),
+            "rank": rank, "time": _failed_at or time.time(), "type": type(exc).__name__,
+            "message": str(exc), "traceback": traceback.format_exc(), "where": _where(exc),
             "sys_exit": repr(exc.code) if isinstance(exc, SystemExit) else None,
             "exception": None,
         }
-        try:
-            record["exception"] = pickle.dumps(exc)
-            pickle.loads(record["exception"])  # some exceptions pickle but cannot be rebuilt
-        except Exception:
-            record["exception"] = None
+        with suppress(Exception):  # some exceptions pickle but cannot be rebuilt
+            pickled = pickle.dumps(exc)
+            pickle.loads(pickled)
+            record["exception"] = pickled
         (work / f"error-{rank}.pkl").write_bytes(pickle.dumps(record))
         end_process(1)  # no teardown can then delay the failure
     end_process(0)
@@ -730,8 +642,7 @@ _LIKELY_CAUSES = {
     "SIGSEGV": "a crash in native code (a C++ or CUDA library or extension)",
     "SIGBUS": "a crash in native code, or shared memory (/dev/shm) running full",
     "SIGABRT": "a native library aborting: NCCL's watchdog ends a rank that timed out in a "
-    "collective this way (a peer never arrived: look at the other ranks first, and run with "
-    "NCCL_DEBUG=INFO), or a failed assertion or uncaught C++ exception",
+    "collective this way (look at the other ranks first), or a failed C++ assertion",
 }
 
 
@@ -758,27 +669,19 @@ class _Outcome:
     records: dict[int, dict[str, Any]]  # exception records, by rank
     early_exits: dict[int, str]  # where each rank that called sys.exit(0) did
     progress: dict[int, tuple[int, str]]  # the last mark_progress of each rank
-    progress_times: dict[int, float] = field(default_factory=dict)  # when it was made
-    group_timeouts: dict[int, float] = field(default_factory=dict)  # each rank's group timeout
-    seen_dead_at: float | None = None  # when launch first saw a rank dead
 
     @classmethod
     def read(
-        cls, workdir: Path, exitcodes: list[int | None], first_seen: list[int],
-        stopped: list[int], seen_dead_at: float | None = None,
+        cls, workdir: Path, exitcodes: list[int | None], first_seen: list[int], stopped: list[int]
     ) -> _Outcome:
         def by_rank(pattern: str) -> dict[int, Path]:
             return {int(p.stem.rsplit("-", 1)[1]): p for p in workdir.glob(pattern)}
 
-        records = {r: pickle.loads(p.read_bytes()) for r, p in by_rank("error-*.pkl").items()}
-        progress_files = by_rank("progress-*.txt")
         return cls(
-            exitcodes, first_seen, stopped, records,
+            exitcodes, first_seen, stopped,
+            {r: pickle.loads(p.read_bytes()) for r, p in by_rank("error-*.pkl").items()},
             {r: p.read_text() for r, p in by_rank("exit-*.txt").items()},
-            {r: _parse_progress(p.read_text()) for r, p in progress_files.items()},
-            {r: p.stat().st_mtime for r, p in progress_files.items()},
-            {r: float(p.read_text()) for r, p in by_rank("group-timeout-*.txt").items()},
-            seen_dead_at,
+            {r: _parse_progress(p.read_text()) for r, p in by_rank("progress-*.txt").items()},
         )
 
     def hang_summary(self) -> str:
@@ -805,23 +708,14 @@ class _Outcome:
         return "; ".join(parts) + (". Give them more time, or look for a rank that never "
                                    "reached a collective the others wait in")
 
-    def aborted_waiting_for_a_peer(self, rank: int) -> bool:
-        """True when ``rank`` looks killed by NCCL's watchdog after waiting for a peer: a
-        SIGABRT at least a group timeout after its last progress mark (sooner, it aborted of
-        its own). Without the times every SIGABRT counts as a victim."""
-        if self.exitcodes[rank] != -getattr(signal, "SIGABRT", 6):
-            return False
-        last, timeout = self.progress_times.get(rank), self.group_timeouts.get(rank)
-        if last is None or timeout is None or self.seen_dead_at is None:
-            return True
-        return self.seen_dead_at - last >= 0.9 * timeout  # 0.9: poll and file times differ
+    def aborted(self, rank: int) -> bool:
+        return self.exitcodes[rank] == -getattr(signal, "SIGABRT", 6)
 
     def aborted_waiting(self) -> bool:
-        """True when every rank seen dead first was a watchdog victim while others ran: the
-        culprit is then a rank that never arrived, one launch found still running."""
+        """True when every rank seen dead first died by SIGABRT (NCCL's watchdog, after a
+        collective timeout) while others ran: the culprit is a rank that never arrived."""
         silent = [r for r in self.first_seen if r not in self.records]
-        return bool(silent) and bool(self.stopped) and all(
-            self.aborted_waiting_for_a_peer(r) for r in silent)
+        return bool(silent) and bool(self.stopped) and all(map(self.aborted, silent))
 
     def cause(self) -> int:
         """The rank that failed first: one that died without an exception among the first
@@ -829,9 +723,7 @@ class _Outcome:
         victims last; else the rank whose exception came first."""
         if self.aborted_waiting():
             return self.stopped[0]
-        silent = sorted((r for r in self.first_seen if r not in self.records),
-                        key=lambda r: (self.aborted_waiting_for_a_peer(r),
-                                       self.progress_times.get(r, math.inf)))
+        silent = sorted((r for r in self.first_seen if r not in self.records), key=self.aborted)
         if silent:
             return silent[0]
         return min(self.records.values(), key=lambda record: record["time"])["rank"]
@@ -899,23 +791,16 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
              *aftermath]
     exc = pickle.loads(record["exception"]) if record["exception"] is not None else None
     if isinstance(exc, Exception):
-        if hasattr(exc, "add_note"):
-            for note in notes:
-                exc.add_note(note)
-        else:  # Python 3.10: kept, not printed
-            exc.__notes__ = [*getattr(exc, "__notes__", []), *notes]
+        exc.__notes__ = [*getattr(exc, "__notes__", []), *notes]  # add_note, on 3.10 too
         raise exc from remote
     raise RankError(f"{record['type']}: {record['message']} ({'; '.join(notes)})",
                     cause) from remote
 
 
 def _rank_start_method(fn: Callable[..., Any]) -> str:
-    """*forkserver* where the platform has it, else *spawn*: both safe with CUDA.
-
-    The forkserver imports once what every rank would import again (torch; torch._dynamo,
-    which a process's first optimizer imports, seconds each; fn's module) and forks the
-    ranks from it, ready in a fraction of a second. The list is fixed at the first launch.
-    """
+    """*forkserver* where the platform has it, else *spawn*: both safe with CUDA. The
+    forkserver imports once what every rank would import again (torch, torch._dynamo, fn's
+    module: seconds each) and forks the ranks from it. The list is fixed at the first launch."""
     if "forkserver" not in mp.get_all_start_methods():  # Windows
         return "spawn"
     preload = ["torch", "torch._dynamo", "d2lgpu.runtime.distributed"]
@@ -942,25 +827,22 @@ def _rank_environment() -> dict[str, str]:
 _POLL_S = 0.05
 
 
-def _watch(
-    processes: list, deadline: float | None, grace_s: float
-) -> tuple[list[int], bool, float]:
+def _watch(processes: list, deadline: float | None, grace_s: float) -> tuple[list[int], bool]:
     """Wait until every rank succeeded, one failed, or the deadline passed; return the ranks
-    seen failed at the first look that saw any, whether the deadline passed, and when."""
+    seen failed at the first look that saw any, and whether the deadline passed."""
     while True:
         codes = [p.exitcode for p in processes]
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
         if failed or all(code == 0 for code in codes):
             break
         if deadline is not None and time.monotonic() > deadline:
-            return [], True, time.time()
+            return [], True
         time.sleep(_POLL_S)
-    seen_at = time.time()
     # Give the other ranks a moment to record their own errors.
     end = time.monotonic() + grace_s
     while failed and any(p.is_alive() for p in processes) and time.monotonic() < end:
         time.sleep(_POLL_S)
-    return failed, False, seen_at
+    return failed, False
 
 
 def _check_launch(
@@ -972,9 +854,8 @@ def _check_launch(
     check_positive_int("nprocs", nprocs)
     if timeout_s is not None:
         check_positive_float("timeout_s", timeout_s)
-    if isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or not (
-            math.isfinite(grace_s) and grace_s >= 0):
-        raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {grace_s!r}")
+    if grace_s != 0:
+        check_positive_float("grace_s", grace_s)
     if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
             fn, "__qualname__", ""):
         raise ValueError(
@@ -995,20 +876,11 @@ def launch(
     grace_s: float = 5.0,
 ) -> Any:
     """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes and return rank 0's result
-    (chapter 5).
-
-    ``torch.multiprocessing.spawn``'s calling convention, with what a notebook needs: rank
-    0's value comes back; a failure raises the error of the rank that failed *first* (its
-    own exception, with its traceback as ``__cause__``, or a :class:`RankError` naming how
-    it died), never of a rank launch stopped; and nothing waits forever: ranks still running
-    ``grace_s`` after a failure, or at ``timeout_s``, are stopped. ``sys.exit(0)`` ends a
-    rank successfully, as under torchrun. ``fn`` must be importable (defined in a ``.py``
-    file); ``args`` and the result must be picklable.
-    """
-    # torch.distributed.elastic.multiprocessing.start_processes would watch the ranks and
-    # carry their tracebacks (@record), but it stops the other ranks at the first failure,
-    # before they record theirs, reports that one failure only, and cannot rebuild a rank's
-    # exception (a notebook prints its type and message).
+    (chapter 5). A failure raises the error of the rank that failed *first* (its exception,
+    its traceback as ``__cause__``, or a :class:`RankError`); ranks still running ``grace_s``
+    after a failure, or at ``timeout_s``, are stopped. ``fn`` must be importable."""
+    # torch.distributed.elastic's start_processes stops the other ranks at the first failure,
+    # before they record theirs, and cannot rebuild a rank's exception for the notebook.
     _check_launch(fn, nprocs, args, timeout_s, grace_s)
     # An equal share of the cores each, so that the ranks do not fight over them.
     threads = max(1, (os.cpu_count() or 1) // nprocs)
@@ -1019,9 +891,9 @@ def launch(
             _run_rank, args=(fn, args, tmp, threads, _rank_environment()), nprocs=nprocs,
             join=False, start_method=_rank_start_method(fn),
         ).processes
-        failed, timed_out, seen_dead_at = [], False, None
+        failed, timed_out = [], False
         try:  # whatever happens (the stop button too), leave no orphans behind
-            failed, timed_out, seen_dead_at = _watch(processes, deadline, grace_s)
+            failed, timed_out = _watch(processes, deadline, grace_s)
         finally:
             running = [rank for rank, p in enumerate(processes) if p.is_alive()]
             for rank in running:
@@ -1035,7 +907,7 @@ def launch(
         stop_codes = {-signal.SIGTERM, -getattr(signal, "SIGKILL", signal.SIGTERM)}
         stopped = [rank for rank in running if exitcodes[rank] in stop_codes]
         if failed:
-            _raise_first_failure(_Outcome.read(workdir, exitcodes, failed, stopped, seen_dead_at))
+            _raise_first_failure(_Outcome.read(workdir, exitcodes, failed, stopped))
         if timed_out:
             outcome = _Outcome.read(workdir, exitcodes, [], stopped)
             raise TimeoutError("\n  ".join([
@@ -1066,23 +938,17 @@ def run_together(
     env: dict[str, str] | None = None,
     timeout_s: float = 300.0,
 ) -> list[CommandResult]:
-    """Start every command at once, wait for all, and return their results (chapter 5).
-
-    For parts of one job, such as one torchrun per pretend machine: one after the other,
-    the first would wait at the rendezvous for a second that never starts. Output goes to
-    files, so a chatty command cannot block on a full pipe. At ``timeout_s`` every command
-    still running is killed, and ``TimeoutError`` says which.
-    """
+    """Start every command at once (one torchrun per pretend machine), wait for all, and
+    return their results (chapter 5). Output goes to files, so a chatty command cannot block
+    on a full pipe; at ``timeout_s`` the commands still running are killed and named."""
     import subprocess
 
-    if isinstance(commands, str) or not isinstance(commands, Sequence) or any(
-        isinstance(c, str) or not isinstance(c, Sequence)
-        or not all(isinstance(part, str) for part in c) for c in commands
+    if isinstance(commands, str) or not commands or any(
+        isinstance(c, str) or not c or not all(isinstance(part, str) for part in c)
+        for c in commands
     ):
-        raise TypeError(f"commands must be a list of commands, each a list of strings, "
+        raise TypeError(f"commands must be a list of non-empty commands (lists of strings), "
                         f"got {commands!r}")
-    if not commands or not all(commands):
-        raise ValueError("commands must be a non-empty list of non-empty commands")
     check_positive_float("timeout_s", timeout_s)
     deadline = time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="d2lgpu-run-") as tmp:

@@ -152,11 +152,6 @@ print("BAD " + " ".join(bad) if bad else "OK")
 """
 
 
-def _as_text(output: str | bytes | None) -> str:
-    # subprocess.TimeoutExpired carries the output so far as bytes, even with text=True.
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
-
-
 def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
     """(True, ''): peer copies arrive intact; (False, why): one came out wrong, hung or
     crashed; (None, why): the check never got to its first copy, which says nothing."""
@@ -164,7 +159,8 @@ def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
         run = subprocess.run([sys.executable, "-c", _PEER_COPY_CHECK], capture_output=True,
                              text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        if "STARTED" in _as_text(exc.stdout).split():
+        out = exc.stdout or b""  # the output so far: bytes even with text=True (str on Windows)
+        if "STARTED" in (out.decode(errors="replace") if isinstance(out, bytes) else out):
             return False, f"a peer copy did not finish within {timeout_s:g} s"
         return None, f"the peer copy check did not get to its first copy within {timeout_s:g} s"
     lines = run.stdout.strip().splitlines()
@@ -188,35 +184,11 @@ def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
 _PEER_COPY_VERDICTS: dict[str | None, tuple[bool, str]] = {}
 
 
-def _nvlink_active(index: int) -> bool | None:
-    """Whether GPU ``index`` has an active NVLink, from NVML; None when NVML cannot say."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
-                try:
-                    if pynvml.nvmlDeviceGetNvLinkState(handle, link):
-                        return True
-                except pynvml.NVMLError:
-                    break  # no such link: the links of this GPU are counted
-            return False
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no pynvml, no driver, or a GPU NVML does not know: cannot say
-        return None
-
-
 def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
     """Whether NCCL's direct GPU-to-GPU copies should be switched off here: some machines
-    (Kaggle's two T4s) report peer access that hangs or sums wrong.
-
-    A value the user set stands; two T4s without NVLink switch it off; otherwise, where
-    peer access is reported, a known tensor is copied between every pair (in a child
-    process, with a time limit) and a wrong, hung or crashed copy switches it off.
-    """
+    (Kaggle's two T4s) report peer access that hangs or sums wrong. A value the user set
+    stands; two T4s (no NVLink on a T4) switch it off; elsewhere a wrong, hung or crashed
+    test copy between a pair of GPUs (in a child process) does."""
     environ = os.environ if environ is None else environ
     if "NCCL_P2P_DISABLE" in environ:
         value = environ["NCCL_P2P_DISABLE"]
@@ -227,7 +199,7 @@ def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDec
         return P2PDecision(False, f"{count} GPU(s) here: no peer for NCCL to copy to")
     names = [torch.cuda.get_device_name(i) for i in range(count)]
     t4s = [i for i, name in enumerate(names) if "T4" in name.split()]
-    if len(t4s) >= 2 and not any(_nvlink_active(i) for i in t4s):
+    if len(t4s) >= 2:
         return P2PDecision(True, f"{len(t4s)} T4s without NVLink: their PCIe peer copies "
                            "are known to hang or sum wrong (as on Kaggle)")
     pairs = [(i, j) for i in range(count) for j in range(count)
@@ -236,13 +208,11 @@ def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDec
         return P2PDecision(False, "no pair of GPUs reports peer access: NCCL copies through "
                            "host memory already")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible not in _PEER_COPY_VERDICTS:
-        ok, problem = _peer_copies_correct()
-        if ok is None:
-            return P2PDecision(False, f"peer access is reported and left on, untested: {problem}. "
-                               "Set NCCL_P2P_DISABLE=1 yourself if NCCL then hangs")
-        _PEER_COPY_VERDICTS[visible] = (ok, problem)
-    ok, problem = _PEER_COPY_VERDICTS[visible]
+    ok, problem = _PEER_COPY_VERDICTS.get(visible) or _peer_copies_correct()
+    if ok is None:
+        return P2PDecision(False, f"peer access is reported and left on, untested: {problem}. "
+                           "Set NCCL_P2P_DISABLE=1 yourself if NCCL then hangs")
+    _PEER_COPY_VERDICTS[visible] = (ok, problem)
     if not ok:
         return P2PDecision(True, f"peer access is reported, but {problem}")
     return P2PDecision(False, f"peer copies between all {count} GPUs arrive intact")
@@ -262,9 +232,6 @@ def require_cuda_device(device: torch.device | str | int, what: str) -> torch.de
     """``device`` with its GPU index filled in, once it is clear that CUDA can use it here;
     otherwise an error naming the caller (``what``) and the fix, not torch's bare "Found no
     NVIDIA driver". A device that is not CUDA comes back unchanged."""
-    if not isinstance(what, str) or not what:
-        raise TypeError(f"what must name the caller for the message (a non-empty str), "
-                        f"got {type(what).__name__} {what!r}")
     device = as_device(device)
     if device.type != "cuda":
         return device
@@ -307,22 +274,18 @@ def resolve_devices(
             f"devices must be None (all GPUs, or the CPU), one device such as 'cuda:0', or a "
             f"list of them, got {type(devices).__name__} {devices!r}"
         )
+    # torch reads an int as a GPU index; here it is more often a count or a typo.
     for d in devices:
-        # torch reads an int as a GPU index; here it is more often a count or a typo.
         if isinstance(d, int):
-            raise TypeError(
-                f"devices={d!r} is an int: name the device instead, e.g. 'cuda:{d}' or "
-                f"d2lgpu.gpu({d}) for a GPU, 'cpu' for the CPU"
-            )
+            raise TypeError(f"devices={d!r} is an int: name the device instead, e.g. 'cuda:{d}' "
+                            f"or d2lgpu.gpu({d}) for a GPU, 'cpu' for the CPU")
     resolved = [as_device(d) for d in devices]
     if not resolved:
         raise ValueError("devices is empty: pass None for all GPUs (or the CPU), or a device list")
     for d in resolved:
         if d.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"{what} cannot use {d.type!r} devices: pass 'cpu', 'cuda', 'cuda:1', a list "
-                "of CUDA devices, or None for all GPUs (the CPU without GPUs)"
-            )
+            raise ValueError(f"{what} cannot use {d.type!r} devices: pass 'cpu', 'cuda', "
+                             "'cuda:1', a list of CUDA devices, or None for all GPUs")
     resolved = [require_cuda_device(d, what) for d in resolved]
     if len(resolved) > 1:
         if any(d.type != "cuda" for d in resolved):
