@@ -1,13 +1,9 @@
 """Train a residual MLP on Fashion-MNIST with FSDP2: the torchrun entry point of chapter 8.
 
-    torchrun --standalone --nproc_per_node=2 -m d2lgpu.fsdp_train --epochs 3 \\
-        --checkpoint-dir checkpoints
+    torchrun --standalone --nproc_per_node=2 -m d2lgpu.fsdp_train --checkpoint-dir ckpt
 
-On two machines, run the same line on both with ``--nnodes=2 --node-rank=R``
-``--rdzv-backend=c10d --rdzv-endpoint=HOST0:29400`` and a checkpoint directory both see.
-All ranks write a distributed checkpoint after every epoch; started again with the same
-``--checkpoint-dir`` (by hand or by ``torchrun --max-restarts``), with any number of
-ranks, the job resumes from the latest one, unless its settings differ or it is damaged.
+It writes a distributed checkpoint every epoch; started again with the same directory (by
+hand or by ``torchrun --max-restarts``), on any number of ranks, it resumes from the latest.
 """
 
 from __future__ import annotations
@@ -45,17 +41,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="global batch size, split evenly over the ranks (default %(default)s)")
     parser.add_argument("--lr", type=positive_number_flag, default=1e-3,
                         help="Adam's learning rate (default %(default)s)")
-    parser.add_argument("--width", type=positive_int_flag, default=MLPShape.width)
-    parser.add_argument("--hidden", type=positive_int_flag, default=MLPShape.hidden)
-    parser.add_argument("--depth", type=positive_int_flag, default=MLPShape.depth,
-                        help="residual blocks")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="resume from the latest checkpoint here, and write one every epoch")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32 (the default), tf32, bf16 or fp16 (the layers compute in it, "
                         "gradients are reduced in fp32), or auto (the device's rule)")
-    parser.add_argument("--keep-gathered", action="store_true",
-                        help="reshard_after_forward=False: more memory, one all-gather less")
     add_job_flags(parser, crash_point="this epoch's checkpoint")
     args = parser.parse_args(argv)
     if args.fail_after_epoch is not None and args.checkpoint_dir is None:
@@ -74,17 +64,9 @@ def _plan(args: argparse.Namespace) -> TrainPlan:
     quick = small_data() if args.quick is None else args.quick
     images, labels = fashion_mnist_tensors(train=True, root=args.data_root, quick=quick)
     test_images, test_labels = fashion_mnist_tensors(train=False, root=args.data_root, quick=quick)
-    return TrainPlan(
-        shape=MLPShape(args.width, args.hidden, args.depth),
-        images=images,
-        labels=labels,
-        batch_size=args.batch_size,
-        steps=args.epochs * max(len(labels) // args.batch_size, 1),
-        lr=args.lr,
-        shuffle=True,
-        test_images=test_images,
-        test_labels=test_labels,
-    )
+    steps = args.epochs * max(len(labels) // args.batch_size, 1)
+    return TrainPlan(MLPShape(), images, labels, args.batch_size, steps, lr=args.lr,
+                     shuffle=True, test_images=test_images, test_labels=test_labels)
 
 
 def main(argv: Sequence[str] | None = None) -> FSDPResult:
@@ -101,17 +83,11 @@ def main(argv: Sequence[str] | None = None) -> FSDPResult:
         # Crash on the first attempt only: a restarted job (torchrun counts) runs through.
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         fail = args.fail_after_epoch is not None and first_attempt
-        run = FSDPRun(
-            plan,
-            reshard_after_forward=not args.keep_gathered,
-            precision=args.precision,
-            checkpoint_root=args.checkpoint_dir,
-            save_every=epoch if args.checkpoint_dir else None,
-            resume_from=args.checkpoint_dir,
-            log_every=epoch,
-            fail_rank=ctx.world_size - 1 if fail else None,
-            fail_at_step=(args.fail_after_epoch or 0) * epoch,
-        )
+        run = FSDPRun(plan, precision=args.precision, checkpoint_root=args.checkpoint_dir,
+                      resume_from=args.checkpoint_dir,
+                      save_every=epoch if args.checkpoint_dir else None, log_every=epoch,
+                      fail_rank=ctx.world_size - 1 if fail else None,
+                      fail_at_step=(args.fail_after_epoch or 0) * epoch)
         if ctx.is_main:
             print(f"{ctx.world_size} ranks, backend {ctx.backend}; residual MLP with "
                   f"{plan.shape.num_parameters():,} parameters, 1/{ctx.world_size} of them on "

@@ -1,9 +1,5 @@
-"""Where the memory of a training step goes, predicted by formula and counted (chapter 8).
-
-A step keeps parameters, gradients, optimizer state and activations alive. A CPU has no
-allocator statistics, so this module counts tensor bytes, which works on every device.
-Gradient accumulation and activation checkpointing spend less on activations.
-"""
+"""Where the memory of a training step goes, predicted by formula and counted in tensor bytes,
+which works on every device (chapter 8)."""
 
 from __future__ import annotations
 
@@ -37,10 +33,6 @@ def _check_batch(X: object, y: object) -> None:
 def format_mib(nbytes: float) -> str:
     """Bytes as MiB with one decimal, the unit ``torch.cuda`` memory reports are read in
     (chapter 8)."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)):
-        raise TypeError(f"nbytes must be a number of bytes, got {type(nbytes).__name__} {nbytes!r}")
-    if nbytes != nbytes or abs(nbytes) == float("inf"):  # negative: a difference of two counts
-        raise ValueError(f"nbytes must be a finite number of bytes, got {nbytes!r}")
     return f"{nbytes / 2**20:.1f} MiB"
 
 
@@ -60,20 +52,8 @@ def parameter_bytes(model: nn.Module) -> int:
     return storage_bytes(model.parameters())
 
 
-def gradient_bytes(model: nn.Module) -> int:
-    """Bytes held by the ``.grad`` tensors of ``model``'s parameters (0 before backward)."""
-    return storage_bytes(p.grad for p in model.parameters())
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (created by the first ``step()``)."""
-    states = optimizer.state.values()
-    return storage_bytes(v for state in states for v in state.values() if torch.is_tensor(v))
-
-
-def make_optimizer(
-    name: str, params: Iterable[nn.Parameter], lr: float = 0.01
-) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Iterable[nn.Parameter],
+                   lr: float = 0.01) -> torch.optim.Optimizer:
     """One of :data:`OPTIMIZERS` by name: ``"sgd"``, ``"sgd_momentum"`` (0.9) or ``"adam"``."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
@@ -84,12 +64,8 @@ def make_optimizer(
 
 class LiveTensorBytes(TorchDispatchMode):
     """Live and peak bytes of the tensors that operations create inside a ``with`` block
-    (chapter 8).
-
-    A dispatch mode sees every operation: it adds the storage of each new tensor (not views
-    or in-place results, which reuse an input's) and subtracts it when a weak reference sees
-    the storage freed. Tensors from before the block are not counted.
-    """
+    (chapter 8): a dispatch mode adds each new storage, and a weak reference subtracts it
+    once freed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,33 +96,18 @@ class LiveTensorBytes(TorchDispatchMode):
             self.live -= nbytes
 
 
-def mlp_activation_bytes(
-    batch: int, in_features: int, width: int, hidden: int, depth: int, element_size: int = 4
-) -> int:
-    """Activations a :func:`d2lgpu.models.residual_mlp` saves for backward, in bytes (chapter 8).
-
-    Per example: the input, per block its input, the GELU's input and the second linear
-    layer's input, and the last block's output. The residual additions save nothing.
-    """
-    for name, value in dict(batch=batch, in_features=in_features, width=width, hidden=hidden,
-                            depth=depth, element_size=element_size).items():
-        check_positive_int(name, value)
+def mlp_activation_bytes(batch: int, in_features: int, width: int, hidden: int, depth: int,
+                         element_size: int = 4) -> int:
+    """Activations a :func:`d2lgpu.models.residual_mlp` saves for backward, in bytes (chapter 8):
+    per example the input, per block its input, the GELU's and fc2's inputs, the last output."""
     return batch * (in_features + depth * (width + 2 * hidden) + width) * element_size
 
 
-def resnet18_activation_bytes(
-    batch: int, image_size: int = 28, in_channels: int = 1, element_size: int = 4
-) -> int:
+def resnet18_activation_bytes(batch: int, image_size: int = 28, in_channels: int = 1,
+                              element_size: int = 4) -> int:
     """Activations :func:`d2lgpu.models.resnet18` saves for backward in training mode, in bytes
-    (chapter 8).
-
-    Per example: the input; the stem's convolution and ReLU outputs; four feature maps in
-    each of the 8 residual blocks (both convolutions' and both ReLUs' outputs); the pooled
-    512 features. Per batch, each batch norm keeps its channels' mean and inverse std.
-    """
-    for name, value in dict(batch=batch, image_size=image_size, in_channels=in_channels,
-                            element_size=element_size).items():
-        check_positive_int(name, value)
+    (chapter 8): per example the input, the stem's two outputs, four maps per residual block and
+    the 512 pooled features; per batch norm its channels' mean and inverse std."""
     size = image_size
     per_example = in_channels * size * size + 2 * 64 * size * size + 512
     bn_channels = 64
@@ -172,11 +133,8 @@ def measure_activations(model: nn.Module, X: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class MemoryAnatomy:
-    """Bytes of each kind of tensor in one training step: predicted and counted.
-
-    ``peak``: parameters, optimizer state and the most bytes a steady-state step's own
-    tensors took at once. ``cuda_peak``: the allocator's peak for that step on a GPU.
-    """
+    """Bytes of each kind of tensor in one training step: predicted and counted. ``peak``: the
+    parameters, optimizer state and most bytes a steady-state step's tensors took at once."""
 
     optimizer: str
     batch: int
@@ -191,21 +149,17 @@ class MemoryAnatomy:
 
     @property
     def total(self) -> int:
-        """The four kinds added up; a step's peak differs (activations are freed during
-        backward while gradients appear)."""
+        """The four kinds added up: not the peak (backward frees activations as gradients come)."""
         return self.parameters + self.gradients + self.optimizer_state + self.activations
 
     def table(self) -> str:
-        act_formula = self.activations_formula
-        rows = [
-            ("parameters", format_mib(self.parameters), format_mib(self.parameters)),
-            ("gradients", format_mib(self.parameters), format_mib(self.gradients)),
-            (f"optimizer state ({self.optimizer})", format_mib(self.optimizer_state_formula),
-             format_mib(self.optimizer_state)),
-            (f"activations (batch {self.batch})",
-             "-" if act_formula is None else format_mib(act_formula),
-             format_mib(self.activations)),
-        ]
+        mib = format_mib
+        formula = "-" if self.activations_formula is None else mib(self.activations_formula)
+        rows = [("parameters", mib(self.parameters), mib(self.parameters)),
+                ("gradients", mib(self.parameters), mib(self.gradients)),
+                (f"optimizer state ({self.optimizer})", mib(self.optimizer_state_formula),
+                 mib(self.optimizer_state)),
+                (f"activations (batch {self.batch})", formula, mib(self.activations))]
         return format_table(("component", "formula", "counted"), rows)
 
 
@@ -213,33 +167,21 @@ def _loss(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(X), y)
 
 
-def measure_training_memory(
-    model: nn.Module,
-    X: torch.Tensor,
-    y: torch.Tensor,
-    optimizer: str = "adam",
-    *,
-    activations_formula: int | None = None,
-    lr: float = 0.01,
-) -> MemoryAnatomy:
-    """Run two training steps of ``model`` on ``(X, y)`` and count where the bytes went (chapter 8).
-
-    The first step is counted piece by piece; the second, steady-state step is watched by
-    :class:`LiveTensorBytes` (and the CUDA allocator) for the peak.
-    """
+def measure_training_memory(model: nn.Module, X: torch.Tensor, y: torch.Tensor,
+                            optimizer: str = "adam", *,
+                            activations_formula: int | None = None) -> MemoryAnatomy:
+    """Count where the bytes of two training steps of ``model`` on ``(X, y)`` went (chapter 8):
+    the first piece by piece, the steady-state second for its peak."""
     check_module("model", model)
     _check_batch(X, y)
-    if activations_formula is not None and type(activations_formula) is not int:
-        raise TypeError(f"activations_formula must be a number of bytes (an int) or None, "
-                        f"got {type(activations_formula).__name__} {activations_formula!r}")
     model.train()
-    opt = make_optimizer(optimizer, model.parameters(), lr=lr)
+    opt = make_optimizer(optimizer, model.parameters())
     with SavedActivations([*model.parameters(), *model.buffers()]) as saved:
         out = model(X)  # the model's activations; not the loss's
     nn.functional.cross_entropy(out, y).backward()
-    grads = gradient_bytes(model)
+    grads = storage_bytes(p.grad for p in model.parameters())
     opt.step()
-    state = optimizer_state_bytes(opt)
+    state = storage_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
 
     opt.zero_grad(set_to_none=True)
     del out
@@ -251,30 +193,16 @@ def measure_training_memory(
         _loss(model, X, y).backward()
         opt.step()
     params = parameter_bytes(model)
-    return MemoryAnatomy(
-        optimizer=optimizer,
-        batch=len(X),
-        parameters=params,
-        gradients=grads,
-        optimizer_state=state,
-        optimizer_state_formula=OPTIMIZERS[optimizer] * params,
-        activations=saved.nbytes,
-        activations_formula=activations_formula,
-        peak=params + state + live.peak,
-        cuda_peak=torch.cuda.max_memory_allocated(X.device) if on_cuda else None,
-    )
+    return MemoryAnatomy(optimizer, len(X), params, grads, state, OPTIMIZERS[optimizer] * params,
+                         saved.nbytes, activations_formula, params + state + live.peak,
+                         torch.cuda.max_memory_allocated(X.device) if on_cuda else None)
 
 
 def accumulated_gradients(
     model: nn.Module, X: torch.Tensor, y: torch.Tensor, micro_batches: int
 ) -> list[torch.Tensor]:
-    """Gradients of the mean cross-entropy over ``(X, y)``, computed in ``micro_batches`` pieces
-    (chapter 8).
-
-    Each piece's mean loss is weighted by its share of the batch, and ``backward`` adds into
-    ``.grad``: the gradient of the whole batch, with one piece's activations alive at a time.
-    Returns copies, in ``model.parameters()`` order.
-    """
+    """Copies of the gradients of the mean cross-entropy over ``(X, y)``, computed in
+    ``micro_batches`` pieces, each weighted by its share of the batch (chapter 8)."""
     check_module("model", model)
     _check_batch(X, y)
     check_positive_int("micro_batches", micro_batches)
@@ -294,7 +222,7 @@ class Checkpointed(nn.Module):
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
-        self.inner = check_module("inner", inner)
+        self.inner = inner
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled():
@@ -319,11 +247,8 @@ def checkpoint_stages(model: nn.Module, names: Sequence[str]) -> nn.Module:
 
 @dataclass(frozen=True)
 class CheckpointRow:
-    """One variant of :func:`checkpointing_tradeoff`.
-
-    ``step_seconds`` is the fastest timed step (forward + backward): wall-clock time on a
-    GPU, this process's CPU time on a CPU, which other programs on the cores do not stretch.
-    """
+    """One variant of :func:`checkpointing_tradeoff`; ``step_seconds``: the fastest timed step,
+    wall-clock on a GPU, this process's CPU time (not stretched by other programs) on a CPU."""
 
     variant: str
     held_after_forward: int  # bytes created by forward, still alive when backward starts
@@ -335,11 +260,8 @@ class CheckpointRow:
 
 @contextlib.contextmanager
 def _deterministic_cudnn() -> Iterator[None]:
-    """Deterministic cuDNN in strict fp32, so that "the same gradients" is exact equality.
-
-    Not ``cudnn.flags``: it reads the legacy TF32 flag, which raises once a learner has set
-    the new API's ``fp32_precision`` (chapter 6).
-    """
+    """Deterministic cuDNN in strict fp32, so that "the same gradients" is exact equality (not
+    ``cudnn.flags``: its legacy TF32 flag raises once ``fp32_precision`` is set, chapter 6)."""
     cudnn = torch.backends.cudnn
     saved = (cudnn.enabled, cudnn.benchmark, cudnn.deterministic)
     cudnn.enabled, cudnn.benchmark, cudnn.deterministic = True, False, True
@@ -350,18 +272,8 @@ def _deterministic_cudnn() -> Iterator[None]:
         cudnn.enabled, cudnn.benchmark, cudnn.deterministic = saved
 
 
-def _counted_step(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
-    model.zero_grad(set_to_none=True)
-    with LiveTensorBytes() as live:
-        loss = _loss(model, X, y)
-        held = live.live
-        loss.backward()
-    return held, live.peak
-
-
 def _timed_step(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> float:
-    """Seconds of forward + backward: CPU time on a CPU; on a GPU, CUDA events around the
-    step (the GPU's own clock, read once the end event has completed)."""
+    """Seconds of forward + backward: CPU time on a CPU, CUDA events around it on a GPU."""
     model.zero_grad(set_to_none=True)
     if X.device.type != "cuda":
         started = time.process_time()
@@ -376,23 +288,12 @@ def _timed_step(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def checkpointing_tradeoff(
-    make_model: Callable[[], nn.Module],
-    X: torch.Tensor,
-    y: torch.Tensor,
-    stages: Sequence[str],
-    *,
-    repeats: int = 3,
-    progress: bool = False,
-) -> tuple[list[CheckpointRow], float]:
+def checkpointing_tradeoff(make_model: Callable[[], nn.Module], X: torch.Tensor, y: torch.Tensor,
+                           stages: Sequence[str], *, repeats: int = 3,
+                           progress: bool = False) -> tuple[list[CheckpointRow], float]:
     """Memory and time of forward + backward, without and with checkpointing of ``stages``
-    (chapter 8).
-
-    ``make_model()`` must build the same model every time. One counted step per variant,
-    then ``repeats`` timed steps of each, in turns so that a change in the machine's load
-    hits both alike. Returns the two rows and the largest difference between the variants'
-    gradients (zero: checkpointing recomputes the same numbers).
-    """
+    (chapter 8): one counted step each, then ``repeats`` timed steps in turns, so that a change
+    in load hits both alike. Returns the rows and the largest difference of their gradients."""
     from tqdm.auto import tqdm
 
     if not callable(make_model) or isinstance(make_model, nn.Module):
@@ -410,11 +311,13 @@ def checkpointing_tradeoff(
         if on_cuda:
             torch.cuda.synchronize(X.device)
             torch.cuda.reset_peak_memory_stats(X.device)
-        with _deterministic_cudnn():
-            held, peak = _counted_step(model, X, y)
+        with _deterministic_cudnn(), LiveTensorBytes() as live:
+            loss = _loss(model, X, y)
+            held = live.live  # what forward left for backward
+            loss.backward()
         bar.update(1)
         cuda_peak = torch.cuda.max_memory_allocated(X.device) if on_cuda else None
-        counted[variant] = (held, peak, cuda_peak)
+        counted[variant] = (held, live.peak, cuda_peak)
         grads.append([p.grad.detach().clone() for p in model.parameters()])
         models[variant] = model
     times: dict[str, list[float]] = {variant: [] for variant in models}

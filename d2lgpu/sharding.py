@@ -1,10 +1,5 @@
-"""Sharded data parallelism with FSDP2 (``fully_shard``): every rank keeps 1/N of the model.
-
-Chapter 8 runs :class:`FSDPRun` and :class:`AccumulationRun` jobs on every rank through
-:func:`sharding_worker`, counts the collectives they issue, and writes distributed
-checkpoints (:func:`save_checkpoint`, :func:`load_checkpoint`) that any number of ranks,
-or one process, can load.
-"""
+"""Sharded data parallelism with FSDP2 (``fully_shard``): every rank keeps 1/N of the model,
+counts the collectives it issues, and writes distributed checkpoints (chapter 8)."""
 
 from __future__ import annotations
 
@@ -58,11 +53,9 @@ def fsdp2_unavailable_reason(device_type: str = "cpu") -> str | None:
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
     version = tuple(int(part) for part in torch.__version__.split(".")[:2])
     if device_type == "cpu" and version < (2, 9):
-        return (
-            "FSDP2 on a CPU device mesh (gloo) needs torch >= 2.9: up to 2.8 its reduce-scatter "
-            "on gloo summed the gradients instead of averaging them (pytorch/pytorch#162338); "
-            f"this is torch {torch.__version__}"
-        )
+        return ("FSDP2 on a CPU device mesh (gloo) needs torch >= 2.9: up to 2.8 its "
+                "reduce-scatter on gloo summed the gradients instead of averaging them "
+                f"(pytorch/pytorch#162338); this is torch {torch.__version__}")
     return None
 
 
@@ -91,13 +84,9 @@ class MLPShape:
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """A training run defined down to the last example, so runs can be compared number for number
-    (chapter 8).
-
-    Step ``s`` takes the global batch ``s*B .. s*B+B-1`` of its epoch's order; with ``W``
-    ranks, rank ``r`` takes the ``r``-th of ``W`` equal slices of it. Averaging the ranks'
-    gradients then gives the update of the whole batch, whatever ``W`` is.
-    """
+    """A training run fixed down to the last example, so that runs on any number of ranks can
+    be compared number for number (chapter 8): rank ``r`` of ``W`` takes the ``r``-th of ``W``
+    equal slices of each global batch."""
 
     shape: MLPShape
     images: torch.Tensor
@@ -122,9 +111,8 @@ class TrainPlan:
         check_seed(self.seed)
         check_bool("shuffle", self.shuffle)
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"optimizer must be one of {tuple(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
+            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, "
+                             f"got {self.optimizer!r}")
         for name in ("images", "test_images"):
             fix = f"Find the broken examples with (~{name}.isfinite()).flatten(1).any(1)"
             check_finite_tensors(name, [getattr(self, name)], fix=fix)
@@ -149,16 +137,12 @@ class TrainPlan:
         idx = order[(position * self.batch_size + torch.arange(self.batch_size)) % len(order)]
         return _as_float(self.images[idx]), self.labels[idx]
 
-    def local_batch(
-        self, step: int, rank: int, world_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batch_size % world_size:
-            raise ValueError(
-                f"the global batch of {self.batch_size} does not split evenly over {world_size} "
-                f"ranks: use a multiple of {world_size}"
-            )
+    def local_batch(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.batch_size % world:
+            raise ValueError(f"the global batch of {self.batch_size} does not split evenly over "
+                             f"{world} ranks: use a multiple of {world}")
         X, y = self.global_batch(step)
-        local = self.batch_size // world_size
+        local = self.batch_size // world
         return X[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
 
 
@@ -168,12 +152,9 @@ def _as_float(images: torch.Tensor) -> torch.Tensor:
 
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full model state on the CPU; a collective under FSDP (every rank must call it)."""
-    state = {}
-    for name, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        state[name] = value.detach().float().cpu().clone()
-    return state
+    state = model.state_dict()
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    return {k: v.detach().float().cpu().clone() for k, v in full.items()}
 
 
 @dataclass
@@ -203,27 +184,17 @@ def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleR
     return SingleResult(losses, _cpu_state(model))
 
 
-def shard_model(
-    model: nn.Module,
-    mesh: Any,
-    *,
-    reshard_after_forward: bool = True,
-    param_dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """``fully_shard`` every :class:`~d2lgpu.models.MLPBlock`, then the whole model, in place.
-
-    Bottom-up, as FSDP2 requires: each block is one all-gather and one reduce-scatter, and
-    the root takes the layers left over. A 16-bit ``param_dtype`` computes with copies of
-    the parameters in it and reduces gradients in fp32.
-    """
+def _shard_model(model: nn.Module, mesh: Any, reshard_after_forward: bool,
+                 param_dtype: torch.dtype | None) -> nn.Module:
+    """``fully_shard`` every MLPBlock, then the root (bottom-up, as FSDP2 requires): one
+    all-gather and one reduce-scatter per block; a 16-bit ``param_dtype`` reduces in fp32."""
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32)
     for module in model.modules():
         if isinstance(module, MLPBlock):
             fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return fully_shard(model, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -237,14 +208,9 @@ class ShardInfo:
 
 
 def _describe_shards(model: nn.Module) -> list[ShardInfo]:
-    rows = []
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            local, placements = param.to_local(), str(tuple(param.placements))
-        else:
-            local, placements = param, "(not sharded)"
-        rows.append(ShardInfo(name, tuple(param.shape), tuple(local.shape), placements))
-    return rows
+    """Every parameter of a model that ``fully_shard`` sharded (all of them are DTensors)."""
+    return [ShardInfo(name, tuple(p.shape), tuple(p.to_local().shape), str(tuple(p.placements)))
+            for name, p in model.named_parameters()]
 
 
 def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -253,12 +219,8 @@ def _local_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def padded_parameter_bytes(model: nn.Module, world_size: int) -> int:
-    """Bytes of ``model``'s parameters once FSDP2 pads dim 0 to a multiple of ``world_size``
-    (chapter 8).
-
-    Each rank's chunk of ``ceil(rows / N)`` rows is padded to that size, so that
-    all-gathers move equal pieces.
-    """
+    """Bytes of ``model``'s parameters once FSDP2 pads dim 0 to a multiple of ``world_size``,
+    so that all-gathers move equal pieces (chapter 8)."""
     check_module("model", model)
     check_positive_int("world_size", world_size)
     total = 0
@@ -275,8 +237,7 @@ _COLLECTIVE_KINDS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatte
 
 @dataclass
 class CommStats:
-    """Collective calls and the bytes they carried (the full, unsharded size of each)
-    (chapter 8)."""
+    """Collective calls and the full, unsharded bytes they carried (chapter 8)."""
 
     calls: int = 0
     nbytes: int = 0
@@ -301,11 +262,8 @@ def _payload(args: tuple[Any, ...]) -> tuple[int, torch.dtype | None]:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Count the collectives this process issues inside a ``with`` block, by kind.
-
-    torch.distributed's collectives are ``c10d`` operators, so a dispatch mode sees each
-    one, FSDP2's backward hooks included.
-    """
+    """Count the collectives this process issues inside a ``with`` block, by kind: they are
+    ``c10d`` operators, so a dispatch mode sees each one, FSDP2's backward hooks included."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -319,18 +277,10 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def collective_formula(
-    model: nn.Module,
-    world_size: int,
-    *,
-    reshard_after_forward: bool,
-    param_dtype: torch.dtype | None = None,
-) -> dict[str, int]:
-    """Predicted payload bytes of one FSDP2 training step, by kind of collective.
-
-    Each group is all-gathered before forward, and again before backward when it was
-    resharded; its gradients are reduce-scattered once, in fp32. All at the padded size.
-    """
+def collective_formula(model: nn.Module, world_size: int, *, reshard_after_forward: bool,
+                       param_dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Predicted payload bytes of one FSDP2 step, at the padded size: all-gathers before forward
+    and (resharded) before backward, in ``param_dtype``; one fp32 reduce-scatter."""
     padded = padded_parameter_bytes(model, world_size)
     gathers = 2 if reshard_after_forward else 1
     gather_bytes = padded // 2 if param_dtype in (torch.float16, torch.bfloat16) else padded
@@ -338,10 +288,8 @@ def collective_formula(
 
 
 def counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.futures.Future:
-    """A DDP communication hook: average a gradient bucket like DDP does, and count it (chapter 8).
-
-    Register with ``ddp_model.register_comm_hook(CommStats(), counting_allreduce_hook)``.
-    """
+    """A DDP communication hook that averages a gradient bucket as DDP does and counts it in
+    ``stats`` (chapter 8)."""
     buffer = bucket.buffer()
     stats.add(buffer.numel() * buffer.element_size(), buffer.dtype)
     buffer.div_(dist.get_world_size())
@@ -351,8 +299,7 @@ def counting_allreduce_hook(stats: CommStats, bucket: dist.GradBucket) -> torch.
 
 # DDP checks a hook's annotations against the objects themselves, not strings.
 counting_allreduce_hook.__annotations__.update(
-    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-)
+    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
 
 
 _STEP_PREFIX = "step-"
@@ -395,25 +342,14 @@ def _checkpoint_damage(path: Path) -> str | None:
     the checksums :func:`save_checkpoint` wrote with it."""
     if not (path / ".metadata").exists():
         return "has no .metadata (the map of its shards): it was damaged after it was written"
-    if not (path / _CHECKSUMS).is_file():
-        return (f"has no {_CHECKSUMS}, so its files cannot be checked: it was not written by "
-                "save_checkpoint, or was damaged")
     try:
-        expected = json.loads((path / _CHECKSUMS).read_text())
-    except (OSError, ValueError):
-        expected = None
-    if not isinstance(expected, dict):
-        return f"has a {_CHECKSUMS} that is not readable JSON: it was damaged"
+        expected = dict(json.loads((path / _CHECKSUMS).read_text()))
+    except (OSError, TypeError, ValueError):
+        return f"has no readable {_CHECKSUMS}: it was not written by save_checkpoint, or damaged"
     actual = _file_digests(path)
     for name in sorted(set(expected) | set(actual)):
-        if name not in actual:
-            return f"file {name} is missing"
-        if name not in expected:
-            return f"file {name} was not part of the checkpoint when it was written"
-        if actual[name] != expected[name]:
-            if (path / name).stat().st_size == 0:
-                return f"file {name} is empty"
-            return f"file {name} does not match the checksum written with it (corrupt or changed)"
+        if actual.get(name) != expected.get(name):
+            return f"file {name} is missing, added or changed since it was written (checksums)"
     return None
 
 
@@ -425,29 +361,18 @@ def _step_of(path: Path) -> int | None:
     return None
 
 
-def newest_intact_checkpoint(root: str | Path, before: int | None = None) -> Path | None:
-    """The checkpoint of the highest step under ``root`` (below ``before``) whose files all
-    check out; None when there is none."""
-    root = Path(root)
-    paths = root.iterdir() if root.is_dir() else []
-    steps = [(s, p) for p in paths if (s := _step_of(p)) is not None]
-    for step, candidate in sorted(steps, reverse=True):
-        if (before is None or step < before) and _checkpoint_damage(candidate) is None:
-            return candidate
-    return None
-
-
 def _verify_checkpoint(path: Path) -> None:
     """Refuse a damaged checkpoint, naming the damage and the newest intact one before it."""
     damage = _checkpoint_damage(path)
     if damage is None:
         return
-    fresh = _start_fresh(path.parent)
     step = _step_of(path)
-    older = newest_intact_checkpoint(path.parent, before=step) if step is not None else None
-    if older is not None:
-        way_on = (f"Delete {path} to resume from {older.name}, the newest intact checkpoint "
-                  f"before it; or, {fresh}")
+    older = [p for p in path.parent.iterdir() if (s := _step_of(p)) is not None
+             and step is not None and s < step and _checkpoint_damage(p) is None]
+    fresh = _start_fresh(path.parent)
+    if older:
+        way_on = (f"Delete {path} to resume from {max(older, key=_step_of).name}, the newest "
+                  f"intact checkpoint before it; or, {fresh}")
     else:
         way_on = f"No intact checkpoint comes before it: {fresh}"
     raise CheckpointError(f"checkpoint {path} {damage}. {way_on}")
@@ -472,18 +397,13 @@ def _quiet_dcp():
         yield
 
 
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    extra: dict[str, Any] | None = None,
-) -> Path:
+def save_checkpoint(root: str | Path, step: int, model: nn.Module,
+                    optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None = None) -> Path:
     """Write model and optimizer to ``root/step-NNNNNN`` with torch.distributed.checkpoint.
 
-    A collective: every rank writes its own shards. Rank 0 writes ``extra`` (JSON) and the
-    SHA-256 of every file, then renames the hidden temporary directory once all ranks are
-    done, so a directory named ``step-*`` is always complete.
+    A collective: every rank writes its own shards. Rank 0 adds ``extra`` (JSON) and the
+    SHA-256 of every file, and renames the temporary directory once all ranks are done, so a
+    directory named ``step-*`` is always complete.
     """
     root = prepare_checkpoint_root(root) if _is_main() else Path(root)
     final = root / f"{_STEP_PREFIX}{step:06d}"
@@ -499,12 +419,8 @@ def save_checkpoint(
     if _is_main():
         (tmp / "extra.json").write_text(json.dumps({"step": step, **(extra or {})}))
         (tmp / _CHECKSUMS).write_text(json.dumps(_file_digests(tmp), indent=1))
-        old = root / f".{final.name}.old"
-        if final.exists():  # the same step saved again after a restart: replace it
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a restart
         os.replace(tmp, final)  # atomic: the name appears only when complete
-        shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
     return final
@@ -513,63 +429,40 @@ def save_checkpoint(
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint of the highest step under ``root``, or None when there is none (chapter 8).
 
-    A ``step-*`` directory without ``.metadata`` was damaged after it was written, and
-    entries that only look like checkpoints (``step-abc``) are errors when they are all
-    there is: a resumed run must never start from scratch without a word.
+    Entries that only look like checkpoints (``step-abc``) are an error when they are all there
+    is: a resumed run must never start from scratch without a word.
     """
-    if not isinstance(root, (str, os.PathLike)):
-        raise TypeError(f"root must be a path, got {type(root).__name__} {root!r}")
     root = Path(root)
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if _step_of(p) is not None]
-    lookalikes = sorted(p.name for p in root.iterdir() if p not in done
+    entries = list(root.iterdir()) if root.is_dir() else []
+    done = [p for p in entries if _step_of(p) is not None]
+    lookalikes = sorted(p.name for p in entries if p not in done
                         and (p.name.startswith(_STEP_PREFIX) or p.name.endswith(".distcp")))
-    for p in done:
-        if not (p / ".metadata").exists():
-            _verify_checkpoint(p)  # raises, naming the newest intact one before it
-    if lookalikes:
-        odd = ", ".join(lookalikes[:5]) + (" ..." if len(lookalikes) > 5 else "")
-        what = (f"{root} holds {len(lookalikes)} entr{'y' if len(lookalikes) == 1 else 'ies'} "
-                f"that look like checkpoints but are not ({odd}): save_checkpoint writes "
-                f"directories named {_STEP_PREFIX}NNNNNN (six digits)")
-        if not done:
-            raise CheckpointError(
-                f"{what}, and there is no other checkpoint, so a resumed run would start from "
-                f"scratch. Rename or move them away if they are checkpoints of another tool; "
-                f"or, {_start_fresh(root)}"
-            )
-        warnings.warn(f"{what}; they are left out", stacklevel=2)
+    if lookalikes and not done:
+        raise CheckpointError(
+            f"{root} holds {len(lookalikes)} entries that look like checkpoints but are not "
+            f"({', '.join(lookalikes[:5])}), and no checkpoint, so a resumed run would start "
+            f"from scratch: save_checkpoint writes directories named {_STEP_PREFIX}NNNNNN. "
+            f"Move them away if they are another tool's; or, {_start_fresh(root)}"
+        )
     return max(done, key=_step_of, default=None)
 
 
-def load_checkpoint(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """Load a checkpoint of :func:`save_checkpoint` into ``model`` and ``optimizer``; return extra
-    (chapter 8).
-
-    ``model`` may be sharded over any number of ranks, or be a plain module: DCP reads the
-    pieces of the saved shards that overlap what this rank holds. The files are checked
-    against their checksums first.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a checkpoint directory, got {type(path).__name__} {path!r}")
-    check_module("model", model)
+def load_checkpoint(path: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load a checkpoint of :func:`save_checkpoint` into ``model`` and ``optimizer``, sharded
+    over any number of ranks or plain, once its checksums check out; return its extra
+    (chapter 8)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"{path} is no checkpoint directory: pick one with latest_checkpoint()"
-        )
+        raise FileNotFoundError(f"{path} is no checkpoint directory: see latest_checkpoint()")
     extra = read_checkpoint_extra(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     _check_checkpoint_fits(path, state["model"])
     with _quiet_dcp():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
     return extra
 
 
@@ -577,40 +470,33 @@ def _check_checkpoint_fits(path: Path, model_state: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model, naming what differs (DCP's own error names no
     parameter)."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    parts, missing = [], []
+    parts = []
     for name, value in model_state.items():
+        entry = saved.get(f"model.{name}")
         if not isinstance(value, torch.Tensor):
             continue
-        entry = saved.get(f"model.{name}")
         if entry is None:
-            missing.append(name)
+            parts.append(f"this model's {name} is not in it")
         elif tuple(getattr(entry, "size", value.shape)) != tuple(value.shape):
             parts.append(f"{name} is {tuple(entry.size)} in the checkpoint, "
                          f"{tuple(value.shape)} in this model")
-    if missing:
-        parts.append(f"this model's {', '.join(missing[:5])} "
-                     f"{'is' if len(missing) == 1 else 'are'} not in it")
     if parts:
-        raise CheckpointError(
-            f"checkpoint {path} holds another model: {'; '.join(parts[:6])}. Build the model "
-            f"with the settings it was saved with (its extra.json records them); or, "
-            f"{_start_fresh(path.parent)}"
-        )
+        raise CheckpointError(f"checkpoint {path} holds another model: {'; '.join(parts[:6])}. "
+                              "Build the model with the settings it was saved with (its "
+                              f"extra.json records them); or, {_start_fresh(path.parent)}")
 
 
 @dataclass(frozen=True)
 class FSDPRun:
-    """One run of :func:`train_fsdp`: the plan, how to shard, and when to checkpoint (or fail)
-    (chapter 8).
+    """One run of :func:`train_fsdp`: the plan, how to shard, when to checkpoint (chapter 8).
 
-    ``precision`` is a word of :data:`d2lgpu.precision.PRECISIONS`. ``resume_from`` is a
-    checkpoint, or a root whose latest checkpoint to take (none yet: start from step 0).
-    ``fail_rank`` raises in step ``fail_at_step``, to show what a failure does.
+    ``resume_from`` is a checkpoint, or a root whose latest one to take (none yet: start from
+    step 0). ``fail_rank`` raises in step ``fail_at_step``, to show what a failure does.
     """
 
     plan: TrainPlan
     reshard_after_forward: bool = True
-    precision: str = "fp32"
+    precision: str = "fp32"  # a word of d2lgpu.precision.PRECISIONS
     checkpoint_root: str | None = None
     save_every: int | None = None
     resume_from: str | None = None
@@ -626,10 +512,6 @@ class FSDPRun:
             raise TypeError(f"plan must be a TrainPlan, got {type(self.plan).__name__}")
         check_bool("reshard_after_forward", self.reshard_after_forward)
         check_precision(self.precision)
-        for name in ("checkpoint_root", "resume_from"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise TypeError(f"{name} must be a directory path or None, got {value!r}")
         if self.save_every is not None and self.checkpoint_root is None:
             raise ValueError("save_every needs checkpoint_root, the directory to write to")
         for name in ("save_every", "log_every"):
@@ -653,9 +535,6 @@ class StepWatch:
 class FSDPResult:
     """What :func:`train_fsdp` returns on rank 0; the per-rank lists cover every rank."""
 
-    world_size: int
-    backend: str
-    start_step: int  # 0, or the step of the checkpoint it resumed from
     losses: list[float]  # mean over the global batch, from step 0
     test_acc: list[tuple[int, float]]
     state_dict: dict[str, torch.Tensor]
@@ -664,67 +543,41 @@ class FSDPResult:
     optimizer_bytes: list[int]
     watch: list[StepWatch]  # the last step
     comm_formula: dict[str, int]
-    saved: list[str] = field(default_factory=list)
-    param_dtype: str = "float32"
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype or torch.float32).removeprefix("torch.")
 
 
-def _watched_step(
-    model: nn.Module,
-    X: torch.Tensor,
-    y: torch.Tensor,
-    scaler: ShardedGradScaler | None,
-    fail: str | None,
-) -> tuple[torch.Tensor, StepWatch]:
-    """Forward and backward of one step, with the collectives counted and memory measured."""
-    watch = StepWatch()
-    if X.device.type == "cuda":
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                scaler: ShardedGradScaler | None, X: torch.Tensor, y: torch.Tensor,
+                watch: StepWatch | None, fail: str | None) -> torch.Tensor:
+    """One optimizer step; a watched step counts its collectives and measures memory into
+    ``watch``."""
+    on_cuda = X.device.type == "cuda"
+    if watch is not None and on_cuda:
         torch.cuda.reset_peak_memory_stats(X.device)
-    with CollectiveCounter() as counter:
+    with CollectiveCounter() if watch is not None else contextlib.nullcontext() as counter:
         out = model(X)  # in the dtype the layers computed in
-        full = [p for p in model.parameters() if not isinstance(p, DTensor)]
-        watch.held_after_forward = storage_bytes(full)
+        if watch is not None:
+            full = [p for p in model.parameters() if not isinstance(p, DTensor)]
+            watch.held_after_forward = storage_bytes(full)
         if fail:
             raise RuntimeError(fail)
         loss = nn.functional.cross_entropy(out.float(), y)
         (loss if scaler is None else scaler.scale(loss)).backward()
-    watch.comm = counter.stats
-    watch.compute_dtype = _dtype_name(out.dtype)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    watch.gradient_bytes = _local_bytes(grads)
-    watch.grad_dtype = _dtype_name(grads[0].dtype)
-    if X.device.type == "cuda":
-        watch.cuda_peak = torch.cuda.max_memory_allocated(X.device)
-    return loss, watch
-
-
-def _train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: ShardedGradScaler | None,
-    X: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    watch: bool,
-    fail: str | None,
-) -> tuple[torch.Tensor, StepWatch | None]:
-    """One optimizer step: this rank's loss and, for a watched step, what was seen in it."""
-    seen = None
-    if watch or fail:
-        loss, seen = _watched_step(model, X, y, scaler, fail)
-    else:
-        loss = nn.functional.cross_entropy(model(X).float(), y)
-        (loss if scaler is None else scaler.scale(loss)).backward()
+    if watch is not None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        watch.comm, watch.gradient_bytes = counter.stats, _local_bytes(grads)
+        watch.compute_dtype, watch.grad_dtype = _dtype_name(out.dtype), _dtype_name(grads[0].dtype)
+        watch.cuda_peak = torch.cuda.max_memory_allocated(X.device) if on_cuda else None
     if scaler is None:
         optimizer.step()
     else:  # skips the step where a gradient overflowed, on every rank alike
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), seen
+    return loss.detach()
 
 
 def _test_accuracy(model: nn.Module, plan: TrainPlan, ctx: DistContext) -> float:
@@ -759,23 +612,11 @@ def _recorded_config(run: FSDPRun, param_dtype: torch.dtype | None) -> dict[str,
     }
 
 
-def check_resumable(
-    extra: dict[str, Any],
-    config: dict[str, Any],
-    path: Path,
-    must_match: dict[str, str] | None = None,
-) -> None:
-    """Refuse a checkpoint written under other settings, naming every difference.
-
-    ``must_match`` maps each setting of ``config`` to the words that name it (default: every
-    setting, named by its key).
-    """
-    old = extra.get("config")
-    if not isinstance(old, dict):
-        raise CheckpointError(
-            f"checkpoint {path} does not record the settings it was trained with, so a resumed "
-            f"run cannot be checked against them; {_start_fresh(path.parent)}"
-        )
+def check_resumable(extra: dict[str, Any], config: dict[str, Any], path: Path,
+                    must_match: dict[str, str] | None = None) -> None:
+    """Refuse a checkpoint written under other settings, naming every difference;
+    ``must_match`` maps each setting of ``config`` to the words that name it (default: all)."""
+    old = extra.get("config") or {}  # none recorded: every setting differs
     differences = [
         f"{words} {old.get(key)} in the checkpoint, {config[key]} now"
         for key, words in (must_match or {key: key for key in config}).items()
@@ -789,13 +630,8 @@ def check_resumable(
         )
 
 
-def _resume(
-    run: FSDPRun,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    ctx: DistContext,
-    config: dict[str, Any],
-) -> tuple[int, list[float]]:
+def _resume(run: FSDPRun, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext,
+            config: dict[str, Any]) -> tuple[int, list[float]]:
     """The step and loss history to continue from: those of ``run.resume_from``, if any."""
     if run.resume_from is None:
         return 0, []
@@ -819,16 +655,11 @@ def _resume(
 
 
 def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
-    """The course's divergence rule (:func:`~d2lgpu.runtime.checks.check_training_loss`) on
-    every loss from index ``first_new`` on."""
+    """The course's divergence rule on every loss from index ``first_new`` on."""
     for step in range(first_new, len(losses)):
-        check_training_loss(
-            losses[step],
-            when=f"step {step + 1}",
-            lr=plan.lr,
-            first_loss=losses[0] if step > 0 else None,
-            advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint",
-        )
+        check_training_loss(losses[step], when=f"step {step + 1}", lr=plan.lr,
+                            first_loss=losses[0] if step > 0 else None,
+                            advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint")
 
 
 def _mean_over_ranks(local_losses: list[torch.Tensor], ctx: DistContext) -> list[float]:
@@ -841,41 +672,32 @@ def _mean_over_ranks(local_losses: list[torch.Tensor], ctx: DistContext) -> list
 
 
 def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
-    """Train ``run.plan`` with FSDP2 over the ranks of ``ctx``; every rank calls it.
-
-    The same seed gives the same full model on every rank, and ``fully_shard`` keeps each
-    rank's slice of it. The last step is watched (:class:`StepWatch`).
-    """
+    """Train ``run.plan`` with FSDP2 over the ranks of ``ctx``; every rank calls it. The same
+    seed builds the same model on every rank; ``fully_shard`` keeps each rank's slice."""
     plan = run.plan
     if run.checkpoint_root is not None:
         prepare_checkpoint_root(run.checkpoint_root)  # before any training
     policy = precision_policy(ctx.device, run.precision)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    model = shard_model(plan.shape.build(plan.seed), mesh,
-                        reshard_after_forward=run.reshard_after_forward, param_dtype=policy.dtype)
+    model = _shard_model(plan.shape.build(plan.seed), mesh, run.reshard_after_forward,
+                         policy.dtype)
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
-    # fp16's narrow range needs loss scaling (chapter 6); the sharded scaler agrees on
-    # overflows over all ranks.
+    # fp16 needs loss scaling (chapter 6); the sharded scaler agrees on overflows over ranks.
     scaler = ShardedGradScaler(ctx.device.type) if policy.use_scaler else None
     config = _recorded_config(run, policy.dtype)
     start, losses = _resume(run, model, optimizer, ctx, config)
     checked = start  # losses before this index were checked already
     pending: list[torch.Tensor] = []  # local losses not yet averaged over the ranks
     test_acc: list[tuple[int, float]] = []
-    saved: list[str] = []
     watch = StepWatch()
     with policy.matmul_precision():  # TF32 on or off for fp32 matmuls (CUDA only)
         since = time.perf_counter()
         for step in range(start, plan.steps):
             X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
-            fail = None
-            if run.fail_rank == ctx.rank and step == run.fail_at_step:
-                fail = (f"rank {ctx.rank} failed on purpose in step {step} "
-                        "(the others wait in backward)")
-            loss, watched = _train_step(model, optimizer, scaler, X, y,
-                                        watch=step == plan.steps - 1, fail=fail)
-            watch = watched or watch
-            pending.append(loss)
+            fail = (f"rank {ctx.rank} failed on purpose in step {step} (the others wait in "
+                    "backward)" if (run.fail_rank, run.fail_at_step) == (ctx.rank, step) else None)
+            watched = watch if step == plan.steps - 1 else None
+            pending.append(_train_step(model, optimizer, scaler, X, y, watched, fail))
             done = step + 1
             log_now = run.log_every is not None and done % run.log_every == 0
             save_now = run.save_every is not None and done % run.save_every == 0
@@ -896,7 +718,6 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
             if save_now:
                 extra = {"losses": losses, "world_size": ctx.world_size, "config": config}
                 path = save_checkpoint(run.checkpoint_root, done, model, optimizer, extra)
-                saved.append(str(path))
                 if ctx.is_main and run.log_every:
                     print(f"saved checkpoint {path}", flush=True)
         losses += _mean_over_ranks(pending, ctx)
@@ -904,39 +725,19 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
 
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     per_rank: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(
-        per_rank, (_local_bytes(model.parameters()), _local_bytes(state), watch))
-    return FSDPResult(
-        world_size=ctx.world_size,
-        backend=ctx.backend,
-        start_step=start,
-        losses=losses,
-        test_acc=test_acc,
-        state_dict=_cpu_state(model),
-        shards=_describe_shards(model),
-        parameter_bytes=[r[0] for r in per_rank],
-        optimizer_bytes=[r[1] for r in per_rank],
-        watch=[r[2] for r in per_rank],
-        comm_formula=collective_formula(plan.shape.build(), ctx.world_size,
-                                        reshard_after_forward=run.reshard_after_forward,
-                                        param_dtype=policy.dtype),
-        saved=saved,
-        param_dtype=_dtype_name(policy.dtype),
-    )
+    dist.all_gather_object(per_rank, (_local_bytes(model.parameters()), _local_bytes(state), watch))
+    formula = collective_formula(plan.shape.build(), ctx.world_size, param_dtype=policy.dtype,
+                                 reshard_after_forward=run.reshard_after_forward)
+    return FSDPResult(losses, test_acc, _cpu_state(model), _describe_shards(model),
+                      [r[0] for r in per_rank], [r[1] for r in per_rank],
+                      [r[2] for r in per_rank], formula)
 
 
-def sharding_worker(
-    rank: int,
-    world_size: int,
-    master_port: int,
-    jobs: Sequence[FSDPRun | AccumulationRun],
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> list[Any]:
-    """Entry point for :func:`d2lgpu.runtime.distributed.launch`: join the group, run each job,
-    leave (chapter 8).
-
-    Several jobs share one launch, so that starting the processes is paid once.
-    """
+def sharding_worker(rank: int, world_size: int, master_port: int,
+                    jobs: Sequence[FSDPRun | AccumulationRun],
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """The function :func:`d2lgpu.runtime.distributed.launch` starts on every rank: join the
+    group and run each job, so that starting the processes is paid once (chapter 8)."""
     with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
         return [job.run(ctx) for job in jobs]
 
@@ -956,11 +757,8 @@ ACCUMULATION_VARIANTS = ("sync every micro-batch", "no_sync until the last")
 
 @dataclass(frozen=True)
 class AccumulationRun:
-    """DDP training of ``plan`` with ``micro_batches`` per step, both ways, all-reduces counted
-    (chapter 8).
-
-    Each rank splits its share of every global batch into ``micro_batches`` pieces.
-    """
+    """DDP training of ``plan``, each rank's share of a batch in ``micro_batches`` pieces, both
+    ways, all-reduces counted (chapter 8)."""
 
     plan: TrainPlan
     micro_batches: int
@@ -977,14 +775,11 @@ class AccumulationRun:
             result.comm[variant], result.state_dicts[variant] = stats, state
         return result
 
-    def _train(
-        self, use_no_sync: bool, ctx: DistContext
-    ) -> tuple[CommStats, dict[str, torch.Tensor]]:
+    def _train(self, use_no_sync: bool, ctx: DistContext) -> tuple[CommStats, dict[str, Any]]:
         plan = self.plan
         model = plan.shape.build(plan.seed).to(ctx.device)
-        ddp = DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
-        )
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
         stats = CommStats()
         ddp.register_comm_hook(stats, counting_allreduce_hook)
         optimizer = make_optimizer(plan.optimizer, ddp.parameters(), lr=plan.lr)

@@ -8,7 +8,6 @@ from torch import nn
 
 from d2lgpu.memory import (
     OPTIMIZERS,
-    Checkpointed,
     LiveTensorBytes,
     accumulated_gradients,
     checkpoint_stages,
@@ -61,8 +60,6 @@ def test_resnet18_activations_match_the_formula():
     # Linear in the batch size, apart from batch norm's per-channel statistics.
     per_example = resnet18_activation_bytes(2) - resnet18_activation_bytes(1)
     assert resnet18_activation_bytes(8) == resnet18_activation_bytes(1) + 7 * per_example
-    with pytest.raises(ValueError, match="batch"):
-        resnet18_activation_bytes(0)
 
 
 def test_saved_activations_leave_out_the_excluded_parameters():
@@ -202,10 +199,7 @@ def test_checkpointing_keeps_cudnn_tf32_off_and_restores_it():
     "call, words",
     [
         (lambda: checkpoint_stages(_mlp(), "fc"), r"names must be a list .*\['fc'\]"),
-        (lambda: Checkpointed(None), "inner must be a torch.nn.Module"),
         (lambda: parameter_bytes(None), "model must be a torch.nn.Module"),
-        (lambda: format_mib("12"), "nbytes must be a number"),
-        (lambda: format_mib(float("nan")), "nbytes must be a finite number"),
         (lambda: measure_activations(_mlp(), None), "X must be a torch.Tensor"),
         (lambda: measure_training_memory(None, *_batch(2)), "model must be"),
         (lambda: measure_training_memory(_mlp(), _batch(2)[0], None), "y must be"),
@@ -215,15 +209,4 @@ def test_checkpointing_keeps_cudnn_tf32_off_and_restores_it():
 )
 def test_bad_input_to_memory_names_the_fix(call, words):
     with pytest.raises((TypeError, ValueError), match=words):
-        call()
-
-
-@pytest.mark.parametrize("call, name", [
-    (lambda: mlp_activation_bytes(2, 4, 8, 16, 1, element_size="4"), "element_size"),
-    (lambda: resnet18_activation_bytes(2, element_size=float("nan")), "element_size"),
-    (lambda: measure_training_memory(nn.Linear(4, 3), torch.ones(2, 4), torch.zeros(2).long(),
-                                     activations_formula="no"), "activations_formula"),
-])
-def test_memory_formulas_name_a_bad_argument(call, name):
-    with pytest.raises((TypeError, ValueError), match=name):
         call()

@@ -12,13 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from d2lgpu.exercises import ExerciseWrong, attempt, expect, expect_value_error, passed
-from d2lgpu.memory import (
-    OPTIMIZERS,
-    gradient_bytes,
-    make_optimizer,
-    optimizer_state_bytes,
-    parameter_bytes,
-)
+from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
 from d2lgpu.models import residual_mlp
 from d2lgpu.precision import SavedActivations
 from d2lgpu.sharding import MLPShape
@@ -31,7 +25,8 @@ def _counted_after_one_step(model: nn.Module, optimizer: str, in_features: int) 
     X = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
     model(X).float().sum().backward()
     opt.step()
-    return parameter_bytes(model) + gradient_bytes(model) + optimizer_state_bytes(opt)
+    state = [v for s in opt.state.values() for v in s.values()]
+    return storage_bytes([*model.parameters(), *(p.grad for p in model.parameters()), *state])
 
 
 def training_bytes(fn: Callable[[nn.Module, str], int]) -> None:
