@@ -1,10 +1,5 @@
-"""Chapter 2's measurements: the wrong timer, bandwidths, and the fusion study.
-
-:func:`time_naive` leaves out the wait that :func:`d2lgpu.timing.time_fn` does at the end,
-to show what goes wrong. The rest are the measurements the course quotes: a device's copy
-bandwidth (the ceiling for memory-bound work), the multiply-add benchmark, host-to-device
-rates, and the fusion study (bytes counted per operator, loops timed in interleaved rounds).
-"""
+"""Chapter 2's measurements: the wrong timer, bandwidths, the multiply-add benchmark and the
+fusion study (bytes counted per operator, loops timed in interleaved rounds)."""
 
 from __future__ import annotations
 
@@ -33,6 +28,13 @@ __all__ = [
 ]
 
 
+def _needs_device(device: DeviceLike, what: str) -> torch.device:
+    dev = timing_device(device)
+    if dev is None:
+        raise ValueError(f"{what} needs a device, e.g. 'cpu' or 'cuda:0'")
+    return dev
+
+
 def time_naive(
     fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
 ) -> Timing:
@@ -53,10 +55,9 @@ def time_naive(
 
 
 _MIB = 2**20
-#: Where Linux describes the caches of the first CPU (one ``index*`` folder per cache).
-_CPU0_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
-#: The copy buffer when the last-level cache size is unknown: beyond common caches, yet
-#: small enough for a laptop (two are allocated).
+_CPU0_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")  # one index* folder per cache
+#: The copy buffer when the cache size is unknown: beyond common caches, yet small enough
+#: for a laptop (two are allocated).
 _DEFAULT_COPY_BYTES = 256 * _MIB
 
 
@@ -86,9 +87,9 @@ def _count_cpus(cpu_list: str) -> int:
 
 
 def last_level_cache_bytes() -> tuple[int, str] | None:
-    """The last-level CPU cache this process's threads can fill, and where it was read: on
-    Linux CPU 0's in sysfs, times the caches the usable CPUs spread over (one L3 per core
-    complex); elsewhere ``os.sysconf``'s; None when neither says."""
+    """The last-level CPU cache this process's threads can fill, and where it was read: CPU 0's
+    in Linux's sysfs, times the caches the usable CPUs spread over (one L3 per core complex);
+    None where sysfs does not say."""
     best: tuple[int, int, int] | None = None  # (level, bytes, CPUs sharing it)
     for index in sorted(_CPU0_CACHE_DIR.glob("index*")):
         try:
@@ -101,28 +102,18 @@ def last_level_cache_bytes() -> tuple[int, str] | None:
             continue
         if kind != "Instruction" and (best is None or level > best[0]):
             best = (level, size, sharing)
-    if best is not None:
-        level, size, sharing = best
-        instances = math.ceil(_usable_cpus() / sharing)
-        return size * instances, (
-            f"level-{level} cache ({instances} x {size / _MIB:g} MiB, from {_CPU0_CACHE_DIR})"
-        )
-    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
-        try:
-            size = os.sysconf(name)
-        except (ValueError, OSError, AttributeError):  # unknown name, or no sysconf
-            continue
-        if size > 0:
-            return size, f"os.sysconf('{name}')"
-    return None
+    if best is None:
+        return None
+    level, size, sharing = best
+    instances = math.ceil(_usable_cpus() / sharing)
+    return size * instances, (
+        f"level-{level} cache ({instances} x {size / _MIB:g} MiB, from {_CPU0_CACHE_DIR})")
 
 
 def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
     """The buffer size :func:`measure_copy_bandwidth` uses on ``device``, and why (chapter 2):
     at least twice the last-level cache, so that the copy streams from memory."""
-    dev = timing_device(device)
-    if dev is None:
-        raise ValueError("copy_buffer_bytes needs a device, e.g. 'cpu' or 'cuda:0'")
+    dev = _needs_device(device, "copy_buffer_bytes")
     if dev.type == "cpu":
         cache = last_level_cache_bytes()
         if cache is None:
@@ -139,9 +130,8 @@ def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
 
 
 def _copies_per_timing(seconds_per_copy: float) -> int:
-    """Back-to-back copies in one timing so that it holds at least 50 ms of work: a timing
-    pays a fixed 10-20 us (events, the first launch, the GPU waking up), while one 256 MiB
-    copy on an H100 lasts about 150 us."""
+    """Copies in one timing so that it holds 50 ms of work: a timing pays a fixed 10-20 us,
+    one 256 MiB copy on an H100 lasts about 150 us."""
     if not (math.isfinite(seconds_per_copy) and seconds_per_copy > 0):
         return 10_000
     return max(1, min(10_000, math.ceil(0.05 / seconds_per_copy)))
@@ -174,9 +164,7 @@ def measure_copy_bandwidth(
 ) -> float:
     """Measured peak copy bandwidth of ``device``'s memory in GB/s, the best of ``repeats``
     timings of ``dst.copy_(src)``, counting the bytes read plus written (chapter 2)."""
-    dev = timing_device(device)
-    if dev is None:
-        raise ValueError("measure_copy_bandwidth needs a device, e.g. 'cpu' or 'cuda:0'")
+    dev = _needs_device(device, "measure_copy_bandwidth")
     if nbytes is None:
         nbytes, _ = copy_buffer_bytes(dev)
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
@@ -254,15 +242,11 @@ def multiply_add_benchmark(
     except Exception as err:
         if not is_compiled(step):
             raise
-        # compile_or_reason compiles with fullgraph=True: where dynamo would fall back to
-        # eager mode without a word (a graph break, or its recompile limit hit), it raises.
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        # compiled with fullgraph=True, dynamo raises where it would fall back to eager mode
         raise RuntimeError(
             f"the compiled {variant!r} step did not run compiled on {dev} at {numel:,} floats "
-            f"({type(err).__name__}: {detail})"
-            "; without fullgraph=True torch would have run it eagerly and this row would have "
-            "timed eager code under a compiled label. Call torch._dynamo.reset() before "
-            "timing each device (multiply_add_sweep does), or drop the compiled variant."
+            f"({_first_line(err)}). Call torch._dynamo.reset() before timing each device "
+            "(multiply_add_sweep does), or drop the compiled variant."
         ) from err
     achieved = gbps(multiply_add_bytes(numel, a.element_size(), steps, tensor_passes),
                     timing.median)
@@ -284,11 +268,8 @@ def multiply_add_sweep(
     warmup: int = 1, repeats: int = 5,
 ) -> list[ElementwiseRow]:
     """:func:`multiply_add_benchmark` for every device, size and variant; ``copy_gbps`` maps
-    ``str(device)`` to its copy bandwidth.
-
-    Dynamo guards a compiled step on the device and would pass its recompile limit with
-    several GPUs, so its caches are reset before each device.
-    """
+    ``str(device)`` to its copy bandwidth. Dynamo is reset before each device: it guards a
+    compiled step on the device and would pass its recompile limit with several GPUs."""
     compiled = any(is_compiled(step) for step, _ in variants.values())
     rows = []
     for device in devices:
@@ -325,6 +306,11 @@ def multiply_add_table(rows: Sequence[ElementwiseRow]) -> list[list[Any]]:
     return table
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _reset_dynamo() -> None:
     import torch._dynamo  # loaded already wherever torch.compile made a step
 
@@ -340,11 +326,7 @@ def compile_or_reason(
     step: StepFn, device: DeviceLike, *, backend: str = "inductor"
 ) -> tuple[StepFn | None, str]:
     """``torch.compile(step, fullgraph=True)`` if it works on ``device`` here, else why not
-    (chapter 2).
-
-    Compilation is lazy, so the result is run once and checked against eager mode;
-    ``fullgraph=True`` turns a later fallback to eager mode into an error.
-    """
+    (chapter 2): run once and checked against eager mode, as compilation is lazy."""
     dev = timing_device(device)
     try:
         compiled = torch.compile(step, backend=backend, fullgraph=True)
@@ -354,8 +336,7 @@ def compile_or_reason(
         if not torch.allclose(got, step(torch.zeros_like(a), a, b)):
             return None, "torch.compile ran but its result differs from eager mode"
     except Exception as err:  # any failure means "not usable here"; the reason is shown
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return None, f"torch.compile is not usable here: {type(err).__name__}: {first_line}"
+        return None, f"torch.compile is not usable here: {_first_line(err)}"
     return compiled, f"torch.compile (backend={backend!r}) works here"
 
 
@@ -393,10 +374,8 @@ def measure_host_to_device(
     memory (only from pinned memory does ``non_blocking=True`` return at once) (chapter 2)."""
     dev = timing_device(device)
     if dev is None or dev.type != "cuda":
-        raise RuntimeError(
-            f"host-to-device transfers are measured on a CUDA GPU, got {dev}; "
-            "there is no host-to-device link to measure on the CPU"
-        )
+        raise RuntimeError(f"host-to-device transfers are measured on a CUDA GPU, got {dev}; "
+                           "there is no host-to-device link to measure on the CPU")
     rows = []
     for nbytes in sizes:
         check_positive_int("each size (bytes)", nbytes)
@@ -421,8 +400,7 @@ class TimerComparison:
     synchronised: Timing
 
     @property
-    def ratio(self) -> float:
-        """Median naive time over median synchronised time (1 means they agree)."""
+    def ratio(self) -> float:  # 1 when the two agree
         return self.naive.median / self.synchronised.median
 
 
@@ -432,9 +410,7 @@ def compare_timers(
     """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run, so
     that a burst of load from another program lands on both (chapter 2)."""
     check_warmup_repeats(warmup, repeats)
-    dev = timing_device(device)
-    if dev is None:
-        raise ValueError("compare_timers needs a device, e.g. 'cpu' or 'cuda:0'")
+    dev = _needs_device(device, "compare_timers")
     for _ in range(warmup):
         fn()
     naive, synced = [], []
@@ -462,8 +438,8 @@ _WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_"}
 
 @dataclass(frozen=True)
 class Traffic:
-    """Bytes read and written, counted from the operators' arguments (the same on every
-    machine); ``fresh``: new result tensors; ``ops``: aten operators run."""
+    """Bytes read and written, counted from the operators' arguments; ``fresh``: new result
+    tensors; ``ops``: aten operators run."""
 
     read: int
     written: int
@@ -472,16 +448,13 @@ class Traffic:
 
     @property
     def moved(self) -> int:
-        """Bytes read plus bytes written."""
         return self.read + self.written
 
 
 def count_traffic(fn: Callable[[], object]) -> Traffic:
-    """Run ``fn()`` once and count the bytes its aten operators read and write (chapter 2).
-
-    An argument written in place counts as read and written, an ``out=`` argument or
-    ``copy_``'s destination as written only; views cost nothing.
-    """
+    """Run ``fn()`` once and count the bytes its aten operators read and write (chapter 2): an
+    argument written in place is read and written, an ``out=`` or ``copy_`` destination only
+    written; views cost nothing."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     totals = {"read": 0, "written": 0, "fresh": 0, "ops": 0}
@@ -625,8 +598,7 @@ class FusionStudy:
     traffic: dict[str, Traffic]
     times: InterleavedTimes
 
-    def passes(self, name: str) -> float:
-        """Counted tensor-sizes moved per step."""
+    def passes(self, name: str) -> float:  # counted tensor-sizes moved per step
         return self.traffic[name].moved / (self.numel * 4)
 
     def seconds_per_step(self, name: str) -> float:
@@ -635,12 +607,10 @@ class FusionStudy:
         return min(self.times.seconds[name]) / self.steps
 
     def gbps(self, name: str) -> float:
-        """Counted bytes per second, from :meth:`seconds_per_step`."""
         return gbps(self.traffic[name].moved, self.seconds_per_step(name))
 
     @property
     def peak_gbps(self) -> float:
-        """The highest counted rate in the study (a yardstick's, as a rule)."""
         return max(self.gbps(name) for name in self.times.seconds)
 
     def table(self) -> list[list[Any]]:
@@ -661,11 +631,8 @@ FUSION_STUDY_HEADERS = ("variant", "tensor-sizes per step (counted)", "new tenso
 
 
 def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str, Traffic]:
-    """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats,
-    counted on 1,024 and scaled (chapter 2).
-
-    Two steps minus one step, so that what a loop does once stays out of the count.
-    """
+    """Counted traffic of one step of each :func:`fusion_study_loops` loop on ``numel`` floats
+    (chapter 2): two steps minus one on 1,024 floats, scaled, so set-up stays out."""
     check_positive_int("numel", numel)
     dev = timing_device(device) or torch.device("cpu")
     ones = torch.ones(1024, device=dev)
@@ -684,9 +651,7 @@ def fusion_study(
 ) -> FusionStudy:
     """Count and time :func:`fusion_study_loops` on float32 tensors of ``numel`` elements,
     in ``rounds`` interleaved rounds (chapter 2)."""
-    dev = timing_device(device)
-    if dev is None:
-        raise ValueError("fusion_study needs a device, e.g. 'cpu' or 'cuda:0'")
+    dev = _needs_device(device, "fusion_study")
     check_positive_int("numel", numel)
     check_positive_int("steps", steps)
     check_warmup_repeats(1, rounds)

@@ -1,8 +1,6 @@
 """What this machine offers, and why CUDA is missing when it is (chapter 1).
 
-:func:`diagnose_cuda` is a pure function of the facts (so every branch is tested without
-a GPU); :func:`read_nvml` asks the driver for live readings; :func:`environment_report`
-gathers both with versions and GPU properties, and ``python -m d2lgpu info`` prints it.
+:func:`diagnose_cuda` is a pure function of the facts, so every branch is tested without a GPU.
 Nothing here starts a subprocess or waits, so a report cannot hang.
 """
 
@@ -99,10 +97,8 @@ def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | Non
     if value is None:
         return None
     if not isinstance(value, str):
-        raise TypeError(
-            f"a {VISIBLE_DEVICES_ENV} value is a string such as '0,1' (or None when unset), "
-            f"got {type(value).__name__} {value!r}; write str({value!r}) if you mean that"
-        )
+        raise TypeError(f"a {VISIBLE_DEVICES_ENV} value is a string such as '0,1' (or None when "
+                        f"unset), got {type(value).__name__} {value!r}; write str({value!r})")
     prefix = value[:4] if value.startswith(("GPU-", "MIG-")) else None
     visible: list = []
     for entry in value.split(","):
@@ -179,41 +175,24 @@ def _visible_devices_problems(
 ) -> list[CudaProblem]:
     """What is wrong with ``CUDA_VISIBLE_DEVICES``: it hides every GPU, or it is malformed."""
     visible = parse_cuda_visible_devices(visible_devices_env)
-    shown = repr(visible_devices_env)
+    shown = f"{VISIBLE_DEVICES_ENV}={visible_devices_env!r}"
     # CUDA stops at the first index that does not exist, so a first entry past the end
     # hides everything.
     past_end = (bool(visible) and physical_gpu_count is not None
                 and all(isinstance(i, int) for i in visible) and visible[0] >= physical_gpu_count)
     if visible == [] or past_end:
-        if visible_devices_env.strip() == "":
-            detail = "is set to an empty string, which hides every GPU from CUDA"
-        elif visible == [] and parse_cuda_visible_devices(visible_devices_env.split(",")[0]):
-            # the first entry alone is valid, so a repeat hid every GPU
-            detail = "names a GPU twice, and CUDA then hides every GPU"
-        elif visible == []:
-            detail = (
-                "hides every GPU: CUDA reads a comma-separated list of GPU indices or UUIDs "
-                "and stops at the first entry that is neither"
-            )
-        else:
-            detail = (
-                f"hides every GPU: it starts with GPU {visible[0]}, but the driver sees only "
-                f"{physical_gpu_count} GPU(s), numbered from 0"
-            )
-        return [CudaProblem("hidden_by_env", f"{VISIBLE_DEVICES_ENV}={shown} {detail}.",
-                            _FIX_VISIBLE_DEVICES)]
+        n = physical_gpu_count
+        seen = "" if n is None else f" (the driver sees only {n} GPU(s))"
+        why = (f"{shown} hides every GPU: CUDA reads GPU indices or UUIDs separated by commas, "
+               f"stops at the first entry that is neither or past the last GPU{seen}, and hides "
+               "all if one is repeated.")
+        return [CudaProblem("hidden_by_env", why, _FIX_VISIBLE_DEVICES)]
     entries = [] if visible_devices_env is None else visible_devices_env.split(",")
     if visible is not None and [str(item) for item in visible] != [e.strip() for e in entries]:
-        return [
-            CudaProblem(
-                "malformed_env",
-                f"{VISIBLE_DEVICES_ENV}={shown} is malformed: CUDA reads only the number each "
-                "entry starts with and stops at the first entry without one, so it sees "
-                f"only {visible}.",
-                "write the indices you mean separated by commas, without gaps or spaces, "
-                "e.g. `0,1`.",
-            )
-        ]
+        why = (f"{shown} is malformed: CUDA reads only the number each entry starts with and "
+               f"stops at the first entry without one, so it sees only {visible}.")
+        return [CudaProblem("malformed_env", why, "write the indices you mean separated by "
+                            "commas, without gaps or spaces, e.g. `0,1`.")]
     return []
 
 
@@ -277,11 +256,8 @@ def diagnose_cuda(
     driver_cuda_version: str | None = None,
     gpu_capabilities: Sequence[tuple[int, int] | None] = (), arch_list: Sequence[str] | None = None,
 ) -> CudaDiagnosis:
-    """Say whether CUDA is usable and, if not, why and how to fix it (chapter 1).
-
-    A pure function of the facts (torch's CUDA build, ``CUDA_VISIBLE_DEVICES``, the driver,
-    the GPUs torch and NVML see, their compute capabilities and torch's arch list).
-    """
+    """Say whether CUDA is usable and, if not, why and how to fix it, from the facts alone
+    (chapter 1)."""
     env_problems = _visible_devices_problems(visible_devices_env, physical_gpu_count)
     if device_count > 0:
         arch_problems = []
@@ -297,12 +273,9 @@ def diagnose_cuda(
     # Most fundamental first: the build, then the driver, then the variable.
     problems = []
     if cuda_build is None:
-        problems.append(CudaProblem(
-            "cpu_build",
-            "this torch is a CPU-only build "
-            "(torch.version.cuda is None): it cannot use a GPU even if one is present.",
-            _FIX_CPU_BUILD,
-        ))
+        problems.append(CudaProblem("cpu_build", "this torch is a CPU-only build (torch.version."
+                                    "cuda is None): it cannot use a GPU even if one is present.",
+                                    _FIX_CPU_BUILD))
     if not driver_found:
         problems.append(CudaProblem(
             "no_driver",
@@ -316,20 +289,15 @@ def diagnose_cuda(
             and _version_tuple(driver_cuda_version) < _version_tuple(cuda_build)):
         problems.append(_driver_too_old(cuda_build, driver_cuda_version))
     if not problems:
-        problems.append(
-            CudaProblem(
-                "no_usable_device",
-                f"an NVIDIA driver is present and torch is built for CUDA {cuda_build}, "
-                "yet CUDA finds no usable GPU. Usual causes: the driver is older than this "
-                f"CUDA {cuda_build} build needs (the header of `nvidia-smi` shows the "
-                "newest CUDA version the driver supports), the GPU is in exclusive-process "
-                "mode and taken by another process, or a container sees the driver but not "
-                "the device files.",
-                "update the NVIDIA driver, or install a torch built for an older CUDA "
-                "(https://pytorch.org/get-started/locally/); check `nvidia-smi` for "
-                "processes holding the GPU and its compute mode.",
-            )
-        )
+        problems.append(CudaProblem(
+            "no_usable_device",
+            f"an NVIDIA driver is present and torch is built for CUDA {cuda_build}, yet CUDA "
+            "finds no usable GPU: the driver may be too old for it, the GPU taken by another "
+            "process in exclusive mode, or a container may lack the device files.",
+            "check `nvidia-smi` (its header names the newest CUDA the driver supports; it lists "
+            "the processes holding the GPU); update the driver or install a torch for an older "
+            "CUDA (https://pytorch.org/get-started/locally/).",
+        ))
     return CudaDiagnosis(False, 0, tuple(problems))
 
 
@@ -404,8 +372,6 @@ def read_nvml() -> NvmlView:
         why = str(exc)
         if isinstance(exc, pynvml.NVMLError_LibraryNotFound):
             why += " (NVML ships with the NVIDIA driver, so no driver is installed here)"
-        elif isinstance(exc, pynvml.NVMLError_DriverNotLoaded):
-            why += " (the driver is installed but its kernel module is not loaded)"
         return NvmlView(None, (), f"NVML cannot start: {why}")
     try:
         driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
@@ -422,15 +388,15 @@ def read_nvml() -> NvmlView:
 
 
 def _shut_down(pynvml, view: NvmlView) -> NvmlView:  # type: ignore[no-untyped-def]
-    """``nvmlShutdown``, which can fail too (a GPU lost meanwhile): the view is kept."""
+    """``nvmlShutdown``, which can fail too (a GPU lost meanwhile), keeping the view."""
     with contextlib.suppress(pynvml.NVMLError):
         pynvml.nvmlShutdown()
     return view
 
 
 def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-untyped-def]
-    """One GPU's readings. An unsupported query gives None quietly; a failing one gives None
-    and is noted in ``error``, so one lost or forbidden GPU does not hide the others."""
+    """One GPU's readings: None for a query it does not support, and for one that fails,
+    noted in ``error``."""
     errors: list[str] = []
 
     def read(what: str, call, *args):  # type: ignore[no-untyped-def]
@@ -452,9 +418,8 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
     rates = read("utilization", pynvml.nvmlDeviceGetUtilizationRates, handle)
     power_mw = read("power", pynvml.nvmlDeviceGetPowerUsage, handle)
     limit_mw = read("power limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-    temperature = read(
-        "temperature", pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU
-    )
+    temperature = read("temperature", pynvml.nvmlDeviceGetTemperature, handle,
+                       pynvml.NVML_TEMPERATURE_GPU)
     return NvmlGpuReading(
         index, "?" if name is None else _as_str(name), "" if uuid is None else _as_str(uuid),
         utilization_percent=None if rates is None else int(rates.gpu),
@@ -470,12 +435,8 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU visible to torch, as ``cuda:index``.
-
-    ``native_formats``: the training formats its Tensor Cores run. ``torch_says_bf16`` is
-    ``torch.cuda.is_bf16_supported()``, which counts emulation as support. ``error`` says
-    what could not be read (a GPU lost, or taken in exclusive mode).
-    """
+    """One GPU visible to torch, as ``cuda:index``; ``torch_says_bf16`` counts emulation as
+    support, ``error`` says what could not be read."""
 
     index: int
     name: str
@@ -491,7 +452,6 @@ class GpuInfo:
 
     @property
     def bf16_emulated(self) -> bool:
-        """True when torch reports bf16 support that the hardware does not have natively."""
         return bool(self.torch_says_bf16) and "bf16" not in self.native_formats
 
 
@@ -551,11 +511,8 @@ def _pycuda_attributes(count: int) -> tuple[str, list[dict[str, int] | None]]:
     try:
         import pycuda.driver as pycuda_driver
     except ImportError:
-        return (
-            "pycuda is not installed (optional: `pip install pycuda` or "
-            "`pip install 'd2lgpu[pycuda]'`; building it needs the CUDA toolkit)",
-            [None] * count,
-        )
+        return ("pycuda is not installed (optional: `pip install pycuda` or `pip install "
+                "'d2lgpu[pycuda]'`; building it needs the CUDA toolkit)", [None] * count)
     if count == 0:
         return "pycuda is installed; no GPU to query", []
     try:
@@ -576,11 +533,8 @@ def _first_line(exc: BaseException) -> str:
 
 def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
               nvml: NvmlView) -> GpuInfo:
-    """:class:`GpuInfo` of ``cuda:index``; what fails is reported in ``error``, not raised.
-
-    Free memory comes from NVML: ``torch.cuda.mem_get_info`` would create a CUDA context,
-    a few hundred MiB, on every GPU.
-    """
+    """:class:`GpuInfo` of ``cuda:index``, failures in ``error``. Free memory comes from NVML:
+    ``torch.cuda.mem_get_info`` would create a CUDA context on every GPU."""
     try:
         props = torch.cuda.get_device_properties(index)
         name, capability = str(props.name), (int(props.major), int(props.minor))
@@ -593,10 +547,8 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
                    None)
     if reading is not None and reading.memory_free_bytes is not None:
         free, total = reading.memory_free_bytes, reading.memory_total_bytes
-    torch_says_bf16, error = None, None
-    if capability >= (8, 0):
-        torch_says_bf16 = True  # torch answers from the properties alone, without a context
-    else:
+    torch_says_bf16, error = (True if capability >= (8, 0) else None), None
+    if torch_says_bf16 is None:
         # Below 8.0 torch answers by creating a bf16 tensor on the GPU, so a context there is
         # unavoidable; a GPU held by another process in exclusive mode fails here.
         try:

@@ -212,18 +212,8 @@ def test_last_level_cache_is_read_from_sysfs_and_counts_every_instance(tmp_path,
     assert bm.last_level_cache_bytes()[0] == 4 * 32 * 2**20
 
 
-def test_last_level_cache_falls_back_to_sysconf_then_to_unknown(tmp_path, monkeypatch):
+def test_last_level_cache_is_unknown_without_sysfs(tmp_path, monkeypatch):
     monkeypatch.setattr(bm, "_CPU0_CACHE_DIR", tmp_path / "missing")
-    sizes = {"SC_LEVEL3_CACHE_SIZE": 16 * 2**20}
-
-    def sysconf(name):
-        if name not in sizes:
-            raise ValueError(name)
-        return sizes[name]
-
-    monkeypatch.setattr(bm.os, "sysconf", sysconf)
-    assert bm.last_level_cache_bytes() == (16 * 2**20, "os.sysconf('SC_LEVEL3_CACHE_SIZE')")
-    sizes.clear()
     assert bm.last_level_cache_bytes() is None
 
 
