@@ -124,14 +124,13 @@ def main() -> None:
     plan = profiling.ablation_plan(device, skip=skip)
     start = time.perf_counter()
 
-    def report(row: profiling.AblationRow) -> None:
-        done = (f"{row.images_per_second:,.0f} img/s" if row.ran
-                else f"skipped: {row.step.skip_reason}")
-        print(f"  {row.label}: {done} ({time.perf_counter() - start:.0f} s so far)", flush=True)
+    def report(step: profiling.AblationStep) -> None:
+        done = "ran" if step.skip_reason is None else f"skipped: {step.skip_reason}"
+        print(f"  {step.label}: {done} ({time.perf_counter() - start:.0f} s so far)", flush=True)
 
     rows = profiling.run_ablation(
         settings.make_model, plan, data, resident, settings.num_epochs, settings.lr, device,
-        seed=args.seed, flops_per_example=flops, peak=peak, on_row=report, repeats=repeats,
+        seed=args.seed, flops_per_example=flops, peak=peak, on_run=report, repeats=repeats,
     )
     table = format_ablation_table(rows)
     print(table)

@@ -1,17 +1,14 @@
 """Chapter 7's fast path: :class:`Techniques`, one switch per technique that fills one device,
-and :func:`train_fast`, chapter 4's loop with those switches. Chapter 7 writes each
-technique out in plain PyTorch, then adds them one at a time in an ablation
-(:func:`d2lgpu.profiling.run_ablation`)."""
+and :func:`train_fast`, chapter 4's loop with those switches."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +17,7 @@ from torch import nn
 from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
-from d2lgpu.runtime.checks import (
-    check_batch,
-    check_bool,
-    check_loader,
-    check_module,
-    check_positive_float,
-    check_positive_int,
-)
+from d2lgpu.runtime import checks
 from d2lgpu.runtime.config import smoke_mode
 from d2lgpu.runtime.gpus import as_device, resolve_devices
 from d2lgpu.training import History, check_epoch_loss, evaluate_accuracy, progress_bar, start_run
@@ -46,11 +36,8 @@ TECHNIQUES = (
 
 @dataclass(frozen=True)
 class Techniques:
-    """Which techniques :func:`train_fast` uses, one switch each (chapter 7).
-
-    ``Techniques()`` is chapter 4's loop, :func:`d2lgpu.train` (``no_sync`` only, strict
-    fp32); :meth:`d2l_style` switches that off too; :meth:`fast` is the fast path.
-    """
+    """Which techniques :func:`train_fast` uses, one switch each (chapter 7): ``Techniques()``
+    is chapter 4's loop (``no_sync`` only), :meth:`d2l_style` none, :meth:`fast` the fast path."""
 
     device_data: bool = False  # the data set lives on the device as uint8 (DeviceLoader)
     no_sync: bool = True  # loss and accuracy summed on the device, read once an epoch
@@ -76,9 +63,8 @@ class Techniques:
     def fast(
         cls, device: torch.device | str, *, compile: bool = False, cuda_graphs: bool = False
     ) -> Techniques:
-        """The fast path on ``device``: every technique up to the fused optimizer that pays
-        off there (:func:`technique_skip_reason`), plus ``compile``/``cuda_graphs`` when
-        asked for (they cost compile time up front)."""
+        """Every technique up to the fused optimizer that pays off on ``device``
+        (:func:`technique_skip_reason`), plus ``compile``/``cuda_graphs`` when asked for."""
         device = as_device(device)
         basic = TECHNIQUES[: TECHNIQUES.index("fused_optimizer") + 1]
         pays = {name: technique_skip_reason(name, device) is None for name in basic}
@@ -86,12 +72,11 @@ class Techniques:
         return cls(**pays, compile=compile, cuda_graphs=cuda_graphs)
 
     def replace(self, **changes: bool | str) -> Techniques:
-        """A copy with some fields changed, e.g. ``techniques.replace(compile=True)``."""
         return dataclasses.replace(self, **changes)
 
     @property
     def enabled(self) -> tuple[str, ...]:
-        """The techniques that are on (precision: not "fp32"), in :data:`TECHNIQUES` order."""
+        """The techniques that are on (precision: not "fp32")."""
         return tuple(name for name in TECHNIQUES if getattr(self, name) not in (False, "fp32"))
 
     def __str__(self) -> str:
@@ -106,15 +91,13 @@ def _has_cxx_compiler() -> bool:
 
 
 def technique_skip_reason(technique: str, device: torch.device | str) -> str | None:
-    """Why the fast path leaves ``technique`` out on ``device`` (at most 64 characters), or
-    None when it uses it (chapter 7): it cannot run there, or it buys nothing there."""
+    """Why the fast path leaves ``technique`` out on ``device`` (it cannot run or buys nothing
+    there), in at most 64 characters, or None when it uses it (chapter 7)."""
     if technique not in TECHNIQUES:
         raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
     device = as_device(device)
     on_cuda = device.type == "cuda"
-    if technique == "precision":
-        if precision_policy(device, "auto").dtype is not None:
-            return None
+    if technique == "precision" and precision_policy(device, "auto").dtype is None:
         if device.type == "cpu":
             return "no native bf16 here: emulated bf16 is slower, 'auto' is fp32"
         return f"no fast reduced format on {device}: 'auto' is fp32"
@@ -153,11 +136,10 @@ def fused_sgd_device_types() -> tuple[str, ...]:
 
 def make_sgd(params, lr: float, device: torch.device | str) -> torch.optim.SGD:
     """SGD with the fastest step this torch has on ``device`` (chapter 7): ``fused``, one pass
-    over every parameter (it also takes GradScaler's inf check on the device), else
-    ``foreach``, a few multi-tensor kernels instead of several per parameter tensor."""
+    over every parameter, else ``foreach``, a few multi-tensor kernels."""
     if params is None:
         raise TypeError("params must be the parameters to optimize, e.g. net.parameters()")
-    lr = check_positive_float("lr", lr)
+    lr = checks.check_positive_float("lr", lr)
     if as_device(device).type in fused_sgd_device_types():
         return torch.optim.SGD(params, lr=lr, fused=True)
     return torch.optim.SGD(params, lr=lr, foreach=True)
@@ -165,13 +147,10 @@ def make_sgd(params, lr: float, device: torch.device | str) -> torch.optim.SGD:
 
 def compile_model(net: nn.Module, techniques: Techniques, device: torch.device | str) -> nn.Module:
     """``net``, or a ``torch.compile`` wrapper sharing its weights, as ``techniques`` asks
-    (chapter 7): inductor for ``compile`` (mode "reduce-overhead", its kernels replayed as
-    CUDA graphs, with ``cuda_graphs`` too), the "cudagraphs" backend for ``cuda_graphs``
-    alone. A technique that cannot run on ``device`` is an error that says why."""
-    check_module("net", net)
-    if not isinstance(techniques, Techniques):
-        raise TypeError(f"techniques must be a d2lgpu.Techniques (e.g. Techniques(compile=True)), "
-                        f"got {type(techniques).__name__} {techniques!r}")
+    (chapter 7): inductor for ``compile`` ("reduce-overhead" with ``cuda_graphs`` too), the
+    "cudagraphs" backend for ``cuda_graphs`` alone."""
+    checks.check_module("net", net)
+    _check_techniques(techniques)
     device = as_device(device)
     for name in ("compile", "cuda_graphs"):
         reason = technique_skip_reason(name, device) if getattr(techniques, name) else None
@@ -198,15 +177,14 @@ def fast_epoch(
     device: torch.device, policy: PrecisionPolicy, scaler: torch.amp.GradScaler,
     techniques: Techniques, on_batch=None,
 ) -> tuple[float, float, int, float]:
-    """Chapter 4's :func:`d2lgpu.train_epoch` with the switches of ``techniques`` (chapter 7):
-    the same four numbers back. Without ``no_sync`` every step reads its loss and correct
-    count with ``.item()``, as d2l's loop does. Each step is a ``train_step`` range in traces."""
+    """Chapter 4's :func:`d2lgpu.train_epoch` with the switches of ``techniques`` (chapter 7);
+    each step is a ``train_step`` range in traces."""
     model.train()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     loss_read, correct_read, count, first_loss = 0.0, 0, 0, None
     for index, batch in enumerate(train_iter):
-        X, y = check_batch("train_iter", batch, index)
+        X, y = checks.check_batch("train_iter", batch, index)
         with torch.profiler.record_function("train_step"):
             X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if techniques.channels_last and X.dim() == 4:
@@ -239,19 +217,10 @@ def fast_epoch(
     return loss_read / count, correct_read / count, count, float(first_loss)
 
 
-@contextlib.contextmanager
-def _cudnn_benchmark(enabled: bool) -> Iterator[None]:
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = before or enabled
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
-
-
-def _is_pair(data: object) -> bool:
-    return isinstance(data, (tuple, list)) and len(data) == 2 and all(
-        isinstance(t, torch.Tensor) for t in data)
+def _check_techniques(techniques: object) -> None:
+    if not isinstance(techniques, Techniques):
+        raise TypeError(f"techniques must be a d2lgpu.Techniques (e.g. Techniques.fast(device)), "
+                        f"got {techniques!r}")
 
 
 def _fast_loaders(
@@ -259,24 +228,20 @@ def _fast_loaders(
     batch_size: int, seed: int | None,
 ) -> tuple[Iterable, Iterable]:
     """DeviceLoaders on ``device`` with ``device_data`` (tensor pairs are put there now),
-    other loaders without it; the wrong kind is an error that names the fix."""
+    other loaders without it."""
     loaders = []
     for name, data, shuffle in (("train_data", train_data, True), ("test_data", test_data, False)):
-        kind = "a DeviceLoader" if isinstance(data, DeviceLoader) else (
-            "a pair of tensors" if _is_pair(data) else None)
-        if not techniques.device_data:
-            if kind is not None:
-                raise TypeError(
-                    f"{name} is {kind}, which train_fast reads only with the device_data "
-                    "switch: pass techniques=d2lgpu.Techniques.fast(device), or DataLoaders")
-            loaders.append(check_loader(name, data))
-        elif kind is None:
+        pair = isinstance(data, (tuple, list)) and len(data) == 2 and all(
+            isinstance(t, torch.Tensor) for t in data)
+        if techniques.device_data != (pair or isinstance(data, DeviceLoader)):
             raise TypeError(
-                f"{name} must be a d2lgpu.DeviceLoader or a pair (uint8 images, labels), got "
-                f"{type(data).__name__}. The fast path keeps the data set on the device "
-                "instead of reading a DataLoader: use d2lgpu.fashion_mnist_on_device("
-                "batch_size, device), or switch device_data off (plain d2lgpu.Techniques()).")
-        elif kind == "a pair of tensors":
+                f"{name} is a {type(data).__name__}: train_fast reads a DeviceLoader or a pair "
+                "(uint8 images, labels) with the device_data switch on, DataLoaders with it off. "
+                "Pass d2lgpu.fashion_mnist_on_device(batch_size, device) with techniques="
+                "d2lgpu.Techniques.fast(device), or DataLoaders with d2lgpu.Techniques()")
+        if not techniques.device_data:
+            loaders.append(checks.check_loader(name, data))
+        elif pair:
             loaders.append(DeviceLoader(*data, batch_size, device=device, shuffle=shuffle,
                                         seed=seed or 0, channels_last=techniques.channels_last))
         elif data.device != device:
@@ -292,33 +257,28 @@ def train_fast(
     net: nn.Module, train_data: object, test_data: object, num_epochs: int, lr: float,
     device: torch.device | str | None = None, *, techniques: Techniques | None = None,
     batch_size: int = 256, seed: int | None = 0, precision: str | None = None,
-    progress: bool = True, init: bool = True,
+    progress: bool = True,
 ) -> History:
     """Chapter 4's :func:`d2lgpu.train` on one device (None: :func:`d2lgpu.try_gpu`) with the
     switches of ``techniques`` (None: :meth:`Techniques.fast`) (chapter 7). With ``device_data``
     the data are :class:`d2lgpu.DeviceLoader` s or pairs (uint8 images, labels) batched by
-    ``batch_size``, else DataLoaders; ``precision`` overrides the techniques' word; compiling
-    counts in the first epoch, and evaluation runs the eager module."""
-    check_module("net", net)
-    check_positive_int("num_epochs", num_epochs)
-    check_positive_float("lr", lr)
-    check_positive_int("batch_size", batch_size)
-    check_bool("progress", progress)
-    check_bool("init", init)
+    ``batch_size``; ``precision`` overrides the techniques' word."""
+    checks.check_module("net", net)
+    checks.check_positive_int("num_epochs", num_epochs)
+    checks.check_positive_float("lr", lr)
+    checks.check_positive_int("batch_size", batch_size)
+    checks.check_bool("progress", progress)
     devices = [try_gpu()] if device is None else resolve_devices(device, "train_fast")
     if len(devices) != 1:
         raise ValueError(f"train_fast trains on one device, got {[str(d) for d in devices]}")
     device = devices[0]
-    if techniques is None:
-        techniques = Techniques.fast(device)
-    if not isinstance(techniques, Techniques):
-        raise TypeError(f"techniques must be a d2lgpu.Techniques (e.g. Techniques.fast(device)),"
-                        f" got {type(techniques).__name__} {techniques!r}")
+    techniques = Techniques.fast(device) if techniques is None else techniques
+    _check_techniques(techniques)
     if precision is not None:
         techniques = techniques.replace(precision=check_precision(precision))
     train_iter, test_iter = _fast_loaders(train_data, test_data, techniques, device,
                                           batch_size, seed)
-    start_run(net, seed, init)
+    start_run(net, seed, True)
     if seed is not None and isinstance(train_iter, DeviceLoader):
         train_iter.manual_seed(seed)  # its own generator: restart its shuffling too
     net.to(device, memory_format=torch.channels_last if techniques.channels_last
@@ -335,9 +295,10 @@ def train_fast(
     bar = progress_bar(progress, steps and steps * num_epochs,
                        f"training on {device} ({techniques}; {policy.name})")
     # cuDNN's autotuner picks the NHWC Tensor Core convolutions once per input shape.
-    autotune = techniques.channels_last and device.type == "cuda"
+    autotune = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = autotune or techniques.channels_last and device.type == "cuda"
     try:
-        with policy.matmul_precision(), _cudnn_benchmark(autotune):
+        with policy.matmul_precision():
             for epoch in range(num_epochs):
                 start = time.perf_counter()
                 loss, train_acc, count, first_loss = fast_epoch(
@@ -351,5 +312,6 @@ def train_fast(
                             count / train_seconds)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
     finally:
+        torch.backends.cudnn.benchmark = autotune
         bar.close()
     return history

@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 import zlib
+from collections import namedtuple
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,19 +65,12 @@ def runs_dir(name: str) -> Path:
 
 # Profiling and reading traces
 
-#: ``.item()``, ``float(t)`` and ``if t:`` run ``aten::item``, which waits for the device.
-SYNC_OPS = ("aten::item",)
-#: torch wraps every DataLoader fetch in a range named ``enumerate(DataLoader)#...``.
-DATALOADER_PREFIX = "enumerate(DataLoader)"
-
 
 def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
     """What ``torch.profiler.profile`` should record for work on ``device``: host operators,
     and on a GPU its kernels and copies too (chapter 7)."""
     device = as_device(device)
-    if device.type == "cpu":
-        # Without a GPU, Kineto (the profiler's engine) only logs start/stop lines and an
-        # "ERROR" that it found no GPU; on a GPU its lines stay (CUPTI permission problems).
+    if device.type == "cpu":  # without a GPU, Kineto logs only that it found none
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -85,8 +79,8 @@ def profiler_activities(device: torch.device | str) -> list[torch.profiler.Profi
 
 
 def op_table(prof: torch.profiler.profile, top: int = 10) -> str:
-    """The ``top`` operators of a finished profile by self time (on the device where it ran
-    any), at most 100 characters a line: ``key_averages().table()`` is about 200 (chapter 7)."""
+    """The ``top`` operators of a finished profile by self time (on the device, if any), in
+    lines of at most 100 characters: ``key_averages().table()``'s are about 200 (chapter 7)."""
     averages = list(prof.key_averages())
     if not averages:
         raise ValueError("the profile recorded no operators: was anything run inside it?")
@@ -108,9 +102,8 @@ def op_table(prof: torch.profiler.profile, top: int = 10) -> str:
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One event of a Chrome trace: ``category`` is its ``cat`` (``cpu_op``,
-    ``user_annotation``, ``kernel``, ...), times are microseconds, ``thread`` the host
-    thread or CUDA stream."""
+    """One event of a Chrome trace: ``category`` is its ``cat`` (``cpu_op``, ``kernel``, ...),
+    times are microseconds, ``thread`` the host thread or CUDA stream."""
 
     name: str
     category: str
@@ -129,8 +122,8 @@ class TraceEvent:
 
 
 def read_trace(path: str | Path) -> list[TraceEvent]:
-    """The duration and instant events of the Chrome trace ``prof.export_chrome_trace(path)``
-    wrote (``.json`` or ``.json.gz``), sorted by start (chapter 7)."""
+    """The duration and instant events of a Chrome trace (``.json`` or ``.json.gz``), sorted by
+    start (chapter 7)."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     fix = "write it with prof.export_chrome_trace(path)"
@@ -159,42 +152,42 @@ def read_trace(path: str | Path) -> list[TraceEvent]:
 def _train_steps(events: Sequence[TraceEvent]) -> list[TraceEvent]:
     steps = [e for e in events if e.name == "train_step" and e.duration_us > 0]
     if not steps:
-        raise ValueError(
-            "the trace has no 'train_step' ranges: profile a d2lgpu.train_fast call (it marks "
-            "each step), or wrap your own steps in torch.profiler.record_function('train_step')"
-        )
+        raise ValueError("the trace has no 'train_step' ranges: profile a d2lgpu.train_fast "
+                         "call, or wrap your steps in torch.profiler.record_function('train_step')")
     return steps
 
 
 def _syncs_in_steps(events: Sequence[TraceEvent], steps: Sequence[TraceEvent]) -> list[TraceEvent]:
-    return [e for e in events if e.name in SYNC_OPS and any(
+    # .item(), float(t) and `if t:` run aten::item, which waits for the device
+    return [e for e in events if e.name == "aten::item" and any(
         s.thread == e.thread and s.start_us <= e.start_us and e.end_us <= s.end_us
         for s in steps)]
 
 
 def _fetches(events: Sequence[TraceEvent]) -> list[TraceEvent]:
-    return [e for e in events if e.name.startswith(DATALOADER_PREFIX) and e.duration_us > 0]
+    # torch wraps every DataLoader fetch in a range named enumerate(DataLoader)#...
+    return [e for e in events if e.name.startswith("enumerate(DataLoader)") and e.duration_us > 0]
 
 
 @dataclass(frozen=True)
 class TraceSummary:
     """What a profiled training loop did: its steps, the ``.item()`` calls inside them and
-    the DataLoader fetches that fed them (those that end before the last step does)."""
+    the DataLoader fetches that fed them (those that end before the last step does), with
+    the total milliseconds of each."""
 
     train_steps: int
     item_calls: int
     dataloader_fetches: int
-    step_ms: float  # total time inside train_step ranges
-    dataloader_ms: float  # total time of those fetches
-    sync_ms: float  # total time of those .item() calls
+    step_ms: float
+    dataloader_ms: float
+    sync_ms: float
 
     @property
     def item_calls_per_step(self) -> float:
-        return self.item_calls / self.train_steps if self.train_steps else 0.0
+        return self.item_calls / self.train_steps
 
     @property
     def dataloader_share(self) -> float:
-        """The share of the loop spent waiting for batches."""
         total = self.step_ms + self.dataloader_ms
         return self.dataloader_ms / total if total > 0 else 0.0
 
@@ -206,14 +199,8 @@ def summarize_trace(events: Sequence[TraceEvent]) -> TraceSummary:
     syncs = _syncs_in_steps(events, steps)
     last_end = max(s.end_us for s in steps)
     fetches = [e for e in _fetches(events) if e.end_us <= last_end]
-    return TraceSummary(
-        train_steps=len(steps),
-        item_calls=len(syncs),
-        dataloader_fetches=len(fetches),
-        step_ms=sum(s.duration_us for s in steps) / 1e3,
-        dataloader_ms=sum(f.duration_us for f in fetches) / 1e3,
-        sync_ms=sum(s.duration_us for s in syncs) / 1e3,
-    )
+    ms = [sum(e.duration_us for e in part) / 1e3 for part in (steps, fetches, syncs)]
+    return TraceSummary(len(steps), len(syncs), len(fetches), *ms)
 
 
 def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -247,10 +234,9 @@ def idle_gaps(
 
 
 def timeline_lanes(events: Sequence[TraceEvent]) -> dict[str, list[tuple[float, float]]]:
-    """A trace as lanes of merged ``(start_us, end_us)`` intervals (chapter 7): ``train
-    steps``, ``DataLoader``, ``.item() in steps``, on a GPU also ``host ops`` and ``GPU
-    kernels``, and ``idle``: gaps longer than 1% of the steps' span in the lane that does
-    the model's work (the kernels on a GPU, else the steps)."""
+    """A trace as lanes of merged ``(start_us, end_us)`` intervals (chapter 7): the steps, the
+    DataLoader, ``.item()``, on a GPU host ops and kernels, and ``idle``: gaps over 1% of the
+    steps' span in the lane that does the model's work (the kernels on a GPU, else the steps)."""
     steps = _train_steps(events)
     lanes = {
         "train steps": [(s.start_us, s.end_us) for s in steps],
@@ -276,8 +262,8 @@ _LANE_COLOURS = {
 
 
 def plot_timeline(events: Sequence[TraceEvent], ax=None, *, title: str | None = None):
-    """Draw a trace's training steps, from the batch fetch before the first, as the lanes of
-    :func:`timeline_lanes`, idle gaps hatched, in ms from the first step (chapter 7)."""
+    """Draw a trace's training steps as the lanes of :func:`timeline_lanes`, idle gaps hatched,
+    in ms from the first step (chapter 7)."""
     import matplotlib.pyplot as plt
 
     lanes = timeline_lanes(events)
@@ -304,8 +290,7 @@ def plot_timeline(events: Sequence[TraceEvent], ax=None, *, title: str | None = 
     ax.invert_yaxis()
     ax.set_xlim((window[0] - origin) / 1e3, (window[1] - origin) / 1e3)
     ax.set_xlabel("time (ms) from the first training step")
-    if title:
-        ax.set_title(title)
+    ax.set_title(title or "")
     ax.grid(True, axis="x", alpha=0.3)
     return ax
 
@@ -327,47 +312,36 @@ def memory_timeline_from_trace(
         and (device.index is None or int(e.args.get("Device Id", -1)) in (device.index, -1))
     ]
     if not timeline:
-        raise ValueError(
-            f"the trace has no memory events for {device}: profile with profile_memory=True"
-        )
+        raise ValueError(f"the trace has no memory events for {device}: profile with "
+                         "profile_memory=True")
     return timeline
-
-
-_SNAPSHOT_IS = ("a CUDA memory snapshot is the pickle that "
-                "torch.cuda.memory._dump_snapshot(path) writes after "
-                "torch.cuda.memory._record_memory_history()")
 
 
 def memory_timeline_from_snapshot(
     snapshot: Mapping[str, Any] | str | Path, device_index: int = 0
 ) -> list[tuple[float, int]]:
-    """``(time, bytes allocated)`` after every allocation and free in a CUDA memory snapshot
-    (``torch.cuda.memory._snapshot()``, or the pickle ``_dump_snapshot`` wrote) (chapter 7).
-    What was allocated before the history began (the weights) is what the segments hold at
-    the end less what the history added."""
+    """``(time, bytes allocated)`` after every allocation and free in a CUDA memory snapshot or
+    the pickle ``_dump_snapshot`` wrote (chapter 7). What was allocated before the history began
+    is what the segments hold at the end less what the history added."""
+    fix = ("a CUDA memory snapshot is the pickle that torch.cuda.memory._dump_snapshot(path) "
+           "writes after torch.cuda.memory._record_memory_history()")
     if not isinstance(snapshot, Mapping):
         path = Path(snapshot)
         try:
             with open(path, "rb") as f:
                 snapshot = pickle.load(f)
         except FileNotFoundError:
-            raise FileNotFoundError(f"no memory snapshot at {path}: {_SNAPSHOT_IS}") from None
+            raise FileNotFoundError(f"no memory snapshot at {path}: {fix}") from None
         except Exception as err:  # a directory, or a file that does not unpickle
             raise ValueError(f"{path} is not a memory snapshot ({type(err).__name__}: {err}); "
-                             f"{_SNAPSHOT_IS}") from None
+                             f"{fix}") from None
         if not isinstance(snapshot, Mapping):
             raise ValueError(f"{path} holds a pickled {type(snapshot).__name__}, not a memory "
-                             f"snapshot (a dict with 'device_traces'); {_SNAPSHOT_IS}")
-    traces = snapshot.get("device_traces")
-    if traces is None:
-        raise ValueError("not a CUDA memory snapshot: it has no 'device_traces'")
-    if not 0 <= device_index < len(traces):
-        raise ValueError(f"the snapshot has {len(traces)} device(s), no index {device_index}")
-    if not traces[device_index]:
-        raise ValueError(
-            "the snapshot has no allocation history: call "
-            "torch.cuda.memory._record_memory_history() before the work you want to see"
-        )
+                             f"snapshot; {fix}")
+    traces = snapshot.get("device_traces") or []
+    if not 0 <= device_index < len(traces) or not traces[device_index]:
+        raise ValueError(f"the snapshot has no allocation history for device index "
+                         f"{device_index} of {len(traces)}: {fix}, around the work to see")
     signs = {"alloc": 1, "free_completed": -1}
     changes = [(float(entry.get("time_us", i)), signs[entry["action"]] * int(entry["size"]))
                for i, entry in enumerate(traces[device_index]) if entry.get("action") in signs]
@@ -388,16 +362,15 @@ def memory_timeline_from_snapshot(
 
 def plot_memory_timeline(timeline: Sequence[tuple[float, int]], ax=None, *,
                          spans: Sequence[tuple[float, float, str]] = (), title: str | None = None):
-    """Draw allocated MiB over time (ms, from microseconds) as a step line, shading the
-    ``(start, end, label)`` ``spans``, e.g. the training steps (chapter 7)."""
+    """Draw allocated MiB over time (ms) as a step line, shading the ``(start, end, label)``
+    ``spans``, e.g. the training steps (chapter 7)."""
     import matplotlib.pyplot as plt
 
     origin = timeline[0][0]
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.2))
     ys = [b / 2**20 for _, b in timeline]
-    ax.step([(t - origin) / 1e3 for t, _ in timeline], ys, where="post", color="tab:blue",
-            linewidth=1)
+    ax.step([(t - origin) / 1e3 for t, _ in timeline], ys, where="post", linewidth=1)
     for i, (a, b, label) in enumerate(spans):
         ax.axvspan((a - origin) / 1e3, (b - origin) / 1e3, alpha=0.12,
                    color="tab:orange" if i % 2 else "tab:green")
@@ -405,8 +378,7 @@ def plot_memory_timeline(timeline: Sequence[tuple[float, int]], ax=None, *,
     ax.set_xlabel("time (ms)")
     ax.set_ylabel("allocated (MiB)")
     ax.set_ylim(0, max(ys) * 1.12 + 1e-9)
-    if title:
-        ax.set_title(title)
+    ax.set_title(title or "")
     ax.grid(True, alpha=0.3)
     return ax
 
@@ -425,12 +397,11 @@ class RooflinePoint:
 
     def __post_init__(self) -> None:
         if not (self.flops >= 0 and self.nbytes > 0 and self.seconds > 0):
-            raise ValueError(f"a RooflinePoint needs flops >= 0, nbytes > 0 and seconds > 0, "
-                             f"got {self}")
+            raise ValueError(f"a RooflinePoint needs flops >= 0, nbytes > 0, seconds > 0: {self}")
 
     @property
     def intensity(self) -> float:
-        """Arithmetic intensity: FLOPs per byte moved to or from memory."""
+        """FLOPs per byte moved to or from memory."""
         return self.flops / self.nbytes
 
     @property
@@ -451,17 +422,15 @@ class Roofline:
     bandwidth_gbps: float
     compute_label: str = "matmul"
     memory_label: str = "copy"
-    #: every memory roof measured, e.g. {"copy": 20.1, "add": 22.9} (GB/s)
-    bandwidths: Mapping[str, float] = field(default_factory=dict, compare=False)
+    bandwidths: Mapping[str, float] = field(default_factory=dict, compare=False)  # every roof
 
     def __post_init__(self) -> None:
         if not (0 < self.peak_tflops < math.inf and 0 < self.bandwidth_gbps < math.inf):
-            raise ValueError(f"peak_tflops and bandwidth_gbps must be positive numbers, got "
-                             f"{self.peak_tflops!r} and {self.bandwidth_gbps!r}")
+            raise ValueError(f"peak_tflops and bandwidth_gbps must be positive numbers: {self}")
 
     @property
     def ridge(self) -> float:
-        """FLOPs per byte where the memory roof meets the compute roof."""
+        """FLOPs per byte where the two roofs meet."""
         return self.peak_tflops * 1e12 / (self.bandwidth_gbps * 1e9)
 
     def attainable_tflops(self, intensity: float) -> float:
@@ -478,8 +447,7 @@ class Roofline:
 def _best_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int = 1,
                   repeats: int = 5) -> float:
     """The best of ``repeats`` timings of ``fn()``: other work only ever slows a run down.
-    On a GPU from CUDA events on ``device``'s stream (the GPU's clock, no host wake-up in
-    it, with ``device`` current even when another GPU is the process's), else time_fn's."""
+    On a GPU from CUDA events on ``device``'s stream, the GPU's own clock."""
     if device.type != "cuda":
         return time_fn(fn, device, warmup=warmup, repeats=repeats).min
     with torch.cuda.device(device):
@@ -503,10 +471,9 @@ def _operands(device: torch.device, numel: int) -> tuple[torch.Tensor, ...]:
 
 
 def measure_stream_bandwidth(device: torch.device | str, numel: int, *, repeats: int = 5) -> float:
-    """GB/s of an out-of-place add of two ``numel``-float tensors, counted as the 12 bytes per
-    element the program asks for (chapter 7). On a CPU a store through the caches reads its
-    line first, which a copy's non-temporal stores may skip: the add writes as other
-    elementwise ops do."""
+    """GB/s of an out-of-place add of two ``numel``-float tensors, counted as 12 bytes an
+    element (chapter 7): it writes as other elementwise ops do, where a CPU's copy may skip
+    reading the line it stores to."""
     device = as_device(device)
     a, b, out = _operands(device, numel)
     seconds = _best_seconds(lambda: torch.add(a, b, out=out), device, repeats=repeats)
@@ -531,15 +498,12 @@ def paired_multiply_add_ratio(
 def measure_roofline(
     device: torch.device | str, matmul_n: int, *, stream_numel: int, repeats: int = 5,
 ) -> tuple[Roofline, RooflinePoint]:
-    """The device's roofline, measured, and its matmul as a point (chapter 7). The compute
-    roof: the best of ``repeats`` ``matmul_n``-square matmuls in the device's fast format
-    (:func:`d2lgpu.precision_policy` "auto", else fp32). The memory roof: the
-    higher of a copy (:func:`d2lgpu.measure_copy_bandwidth`) and an add of ``stream_numel``
-    floats (:func:`measure_stream_bandwidth`)."""
+    """The device's roofline, measured, and its matmul as a point (chapter 7): the best of
+    ``repeats`` ``matmul_n``-square matmuls in the "auto" format (else fp32), under the higher
+    of a copy's and an add's bandwidth (:func:`measure_stream_bandwidth`)."""
     device = as_device(device)
     dtype = precision.precision_policy(device, "auto").dtype or torch.float32
-    a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
-    b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
+    a, b = (torch.randn(matmul_n, matmul_n, device=device).to(dtype) for _ in range(2))
     seconds = _best_seconds(lambda: a @ b, device, repeats=repeats)
     flops = 2 * matmul_n**3
     dtype_name = str(dtype).replace("torch.", "")
@@ -549,17 +513,16 @@ def measure_roofline(
     roof = Roofline(tflops(flops, seconds), bandwidths[memory_label],
                     f"best {dtype_name} matmul", memory_label, bandwidths)
     nbytes = 3 * matmul_n * matmul_n * a.element_size()
-    return roof, RooflinePoint(f"matmul {matmul_n}x{matmul_n} {dtype_name}", flops, nbytes,
-                               seconds)
+    return roof, RooflinePoint(f"matmul {matmul_n}x{matmul_n} {dtype_name}", flops, nbytes, seconds)
 
 
 def roofline_points(
     device: torch.device | str, *, elementwise_numel: int, tiny_numel: int = 8,
     tiny_repeats: int = 1000, repeats: int = 5,
 ) -> list[RooflinePoint]:
-    """Two fp32 multiplications (1 FLOP per 12 bytes): one of ``elementwise_numel`` elements,
-    and one of ``tiny_numel`` called ``tiny_repeats`` times, too small for its work to
-    matter; each the best of ``repeats`` runs (chapter 7)."""
+    """Two fp32 multiplications (1 FLOP per 12 bytes), each the best of ``repeats`` runs: one
+    of ``elementwise_numel`` elements, one of ``tiny_numel`` called ``tiny_repeats`` times
+    (chapter 7)."""
     device = as_device(device)
     points = []
     for name, numel, calls in (
@@ -579,8 +542,8 @@ def roofline_points(
 
 def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, *,
                   title: str | None = None):
-    """Draw the roofline (log-log) with ``points`` on it, labelled with their regime; in
-    GFLOP/s when the peak is below 1 TFLOP/s (CPUs), else TFLOP/s (chapter 7)."""
+    """Draw the roofline (log-log) with ``points`` on it, labelled with their regime
+    (chapter 7)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -589,8 +552,7 @@ def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, 
     intensities = [p.intensity for p in points] + [roofline.ridge]
     lo, hi = min(intensities) / 8, max(intensities) * 8
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.plot(xs, [roofline.attainable_tflops(x) * scale for x in xs], color="black",
-            linewidth=1.5)
+    ax.plot(xs, [roofline.attainable_tflops(x) * scale for x in xs], color="black")
     ax.axvline(roofline.ridge, color="grey", linestyle=":", linewidth=1)
     peak = roofline.peak_tflops * scale
     ax.text(hi, peak * 1.25, f"{roofline.compute_label}: {peak:.3g} {unit}",
@@ -611,8 +573,7 @@ def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, 
     ax.set_ylabel(unit)
     floor = min(achieved + [roofline.attainable_tflops(lo) * scale])
     ax.set_ylim(floor / 5, max(achieved + [peak]) * 4)
-    if title:
-        ax.set_title(title)
+    ax.set_title(title or "")
     ax.grid(True, which="both", alpha=0.2)
     return ax
 
@@ -669,10 +630,9 @@ def ablation_plan(
 
 @dataclass(frozen=True)
 class AblationRow:
-    """A measured (or skipped) row of the ablation. ``round_speeds``: per run, the images/s of
-    its epochs after the first (rows of one round ran one after the other, so their epochs
-    pair up); ``history`` is the first run's; ``counted`` is (before, after) in
-    ``COUNT_UNITS[technique]`` for the techniques a CPU counts (chapter 7)."""
+    """A measured (or skipped) row of the ablation (chapter 7). ``round_speeds``: per run, the
+    images/s of its epochs after the first; ``history`` is the first run's; ``counted`` is
+    (before, after) in ``COUNT_UNITS[technique]`` for the techniques a CPU counts."""
 
     step: AblationStep
     history: History | None = None
@@ -689,13 +649,9 @@ class AblationRow:
         return self.history is not None
 
     @property
-    def speeds(self) -> tuple[float, ...]:
-        return tuple(v for run in self.round_speeds for v in run)
-
-    @property
     def images_per_second(self) -> float | None:
         """The median images/s of all the row's epochs after the first."""
-        return statistics.median(self.speeds) if self.ran else None
+        return statistics.median(v for run in self.round_speeds for v in run) if self.ran else None
 
     @property
     def test_acc(self) -> float | None:
@@ -709,11 +665,9 @@ class AblationRow:
 def speed_ratios(row: AblationRow, before: AblationRow) -> tuple[float, ...]:
     """``row``'s speed over ``before``'s, epoch k of run r over epoch k of run r: the two ran
     minutes apart at most, so a busy spell that slows both cancels in the ratio."""
-    return tuple(
-        mine / theirs
-        for run, run_before in zip(row.round_speeds, before.round_speeds, strict=False)
-        for mine, theirs in zip(run, run_before, strict=False)
-    )
+    return tuple(mine / theirs
+                 for run, run_before in zip(row.round_speeds, before.round_speeds, strict=False)
+                 for mine, theirs in zip(run, run_before, strict=False))
 
 
 def previous_ran(rows: Sequence[AblationRow], row: AblationRow) -> AblationRow:
@@ -737,16 +691,18 @@ def mfu_note(device: torch.device | str, peak: float | None) -> str:
 
 @dataclass(frozen=True)
 class AblationSettings:
-    """How big the ablation of chapter 7 (and ``benchmarks/ablation.py``) is."""
+    """How big the ablation of chapter 7 (and ``benchmarks/ablation.py``) is: ``model`` names
+    a d2lgpu model function; a size of None is the whole split (the quick subset in quick
+    mode); ``repeats`` runs per row, interleaved."""
 
-    model: str  # a d2lgpu model function: "resnet18" or "small_cnn"
+    model: str
     batch_size: int
     num_epochs: int
     lr: float
-    train_size: int | None  # None: the whole split (the quick subset in quick mode)
+    train_size: int | None
     test_size: int | None
     skip: Mapping[str, str] = field(default_factory=dict)  # technique -> reason
-    repeats: int = 1  # runs per row, interleaved: round 1 of every row, then round 2
+    repeats: int = 1
 
     def make_model(self) -> nn.Module:
         from d2lgpu import models
@@ -762,17 +718,14 @@ class AblationSettings:
 
 
 def ablation_settings(chosen: str | None = None) -> AblationSettings:
-    """The ablation's size for a workload (None: this process's :func:`d2lgpu.workload`)
-    (chapter 7). ``full``: ResNet-18 on 15,000 images, batch 256 (about 24 min on a T4, by
-    ``benchmarks/full_mode_estimate.py``); ``cpu``: the small CNN on 3,200 images, batch 64;
-    both run every row twice, interleaved, 3 epochs each: 4 paired epochs a row. ``quick``:
-    the small CNN on the quick subset, once, 2 epochs, without compile or fused SGD."""
+    """The ablation's size for a workload (None: :func:`d2lgpu.workload`) (chapter 7): ``full``
+    ResNet-18 on 15,000 images (about 24 min on a T4), ``cpu`` the small CNN on 3,200, both
+    twice, 3 epochs; ``quick`` the small CNN on the quick subset, without compile or fused SGD."""
     chosen = workload() if chosen is None else chosen
     if chosen == "full" and smoke_mode():  # full mode's rows, four small batches
-        # On a CPU the chapter trains CPU mode's model: ResNet-18 on two cores made the
-        # smoke run of chapter 7 take about 190 s, most of it outside the ablation.
+        # On a CPU the small CNN: ResNet-18 on two cores made chapter 7's smoke run 190 s.
         model = "resnet18" if cuda_usable() else "small_cnn"
-        return AblationSettings(model, 8, 2, 0.1, 32, 16, repeats=1)
+        return AblationSettings(model, 8, 2, 0.1, 32, 16)
     if chosen == "full":
         return AblationSettings("resnet18", 256, 3, 0.1, 15_000, 10_000, repeats=2)
     if chosen == "cpu":
@@ -788,10 +741,9 @@ def ablation_data(
     batch_size: int, device: torch.device | str, *, train_size: int | None = None,
     test_size: int | None = None, quick: bool | None = None,
 ) -> tuple[tuple[Iterable, Iterable], tuple[DeviceLoader, DeviceLoader]]:
-    """The same Fashion-MNIST examples as DataLoaders (the d2l-style pipeline) and as
-    :class:`d2lgpu.DeviceLoader` s on ``device``, for :func:`run_ablation` (chapter 7): the
-    first ``train_size``/``test_size`` of each split (None: all), from the quick subsets
-    when ``quick`` (None: in quick and smoke mode)."""
+    """The first ``train_size``/``test_size`` Fashion-MNIST examples (None: all) as DataLoaders
+    and as :class:`d2lgpu.DeviceLoader` s on ``device``, for :func:`run_ablation` (chapter 7),
+    from the quick subsets when ``quick`` (None: in quick and smoke mode)."""
     from torch.utils import data as tud
 
     from d2lgpu.data import fashion_mnist_tensors, load_data_fashion_mnist
@@ -814,12 +766,9 @@ def ablation_data(
     return (loaders[0], loaders[1]), (resident[0], resident[1])
 
 
-#: The techniques whose gain on a GPU comes from what a CPU lacks: host reads that stall a
-#: GPU's queue, Tensor Cores, kernel launches. On a CPU their rows are timed, and what they
-#: change is counted too (:func:`count_technique_effect`), which a CPU's clock cannot show.
+#: The techniques whose gain on a GPU comes from what a CPU lacks (host reads that stall a
+#: GPU's queue, Tensor Cores, kernel launches): on a CPU their effect is counted as well.
 COUNTED_ON_CPU = ("no_sync", "precision", "fused_optimizer")
-
-#: What :func:`count_technique_effect` counts for each technique, before -> after.
 COUNT_UNITS = {
     "no_sync": ".item() reads a training step",
     "precision": "MiB autograd saves for backward a step",
@@ -839,9 +788,7 @@ def count_technique_effect(
     before: Techniques,
 ) -> tuple[float, float]:
     """What switching ``technique`` on (on top of ``before``) changes, counted without it and
-    with it on the first 4 of ``batches`` (on ``device``), in ``COUNT_UNITS[technique]``:
-    ``.item()`` reads a step, the bytes autograd saves in a step, or the ATen operators of
-    one ``optimizer.step()`` (on a GPU, about one kernel launch each)."""
+    with it on the first 4 of ``batches``, in ``COUNT_UNITS[technique]`` (chapter 7)."""
     batches = list(itertools.islice(iter(batches), 4))
     if technique == "no_sync":
         per_step = []
@@ -881,20 +828,17 @@ def run_ablation(
     dataloaders: tuple[Iterable, Iterable], device_loaders: tuple[Iterable, Iterable],
     num_epochs: int, lr: float, device: torch.device | str, *, seed: int = 0,
     flops_per_example: float | None = None, peak: float | None = None,
-    on_row: Callable[[AblationRow], None] | None = None,
     on_run: Callable[[AblationStep], None] | None = None, repeats: int = 1,
 ) -> list[AblationRow]:
     """Train a fresh ``make_model()`` with :func:`d2lgpu.train_fast` for every row of ``plan``
     not skipped, on ``device_loaders`` with ``device_data``, else ``dataloaders`` (chapter 7).
     ``repeats`` rounds run the rows forwards, then backwards, and so on, so that a busy spell
-    or a drifting load favours no row. ``flops_per_example`` and ``peak`` give the MFU;
-    ``on_row`` gets each finished row, ``on_run`` the step of every run."""
+    favours no row; ``on_run`` gets the step of every run."""
     device = as_device(device)
     plan = list(plan)
     histories: list[list[History]] = [[] for _ in plan]
     for round_ in range(repeats):
-        order = range(len(plan)) if round_ % 2 == 0 else reversed(range(len(plan)))
-        for i in order:
+        for i in range(len(plan)) if round_ % 2 == 0 else reversed(range(len(plan))):
             step = plan[i]
             if step.skip_reason is None:
                 loaders = device_loaders if step.techniques.device_data else dataloaders
@@ -921,26 +865,13 @@ def run_ablation(
                 row = dataclasses.replace(row, counted=count_technique_effect(
                     step.technique, make_model, device_loaders[0], lr, device, before))
         rows.append(row)
-        if on_row is not None:
-            on_row(row)
     return rows
 
 
-@dataclass(frozen=True)
-class AblationNumbers:
-    """One row of the ablation in numbers that agree (chapter 7): ``x_prev``, the median of
-    the paired ratios against the row that ran before (1.0 for the baseline), ``low`` and
-    ``high`` their range, ``images_per_second`` the baseline's median times every ``x_prev``
-    down to this row (so a row is drawn faster than the one before exactly when ``x_prev``
-    is above 1), ``x_base`` that over the baseline's, and ``mfu`` from it."""
-
-    row: AblationRow
-    x_prev: float
-    low: float
-    high: float
-    images_per_second: float
-    x_base: float
-    mfu: float | None
+#: One row of the ablation in numbers that agree (chapter 7): ``x_prev``, the median of the
+#: paired ratios against the row that ran before, ``low`` and ``high`` their range,
+#: ``images_per_second`` the baseline's median times every ``x_prev`` down to this row.
+AblationNumbers = namedtuple("AblationNumbers", "row x_prev low high images_per_second x_base mfu")
 
 
 def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None]:
@@ -966,9 +897,8 @@ def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None
 
 
 class SlowStorage(torch.utils.data.Dataset):
-    """``dataset`` whose every item arrives ``latency`` seconds late, as from a network share:
-    a sleep, so that what DataLoader workers hide shows on any machine (chapter 7). In the
-    package so that workers started with ``spawn`` (macOS, Windows) can import it."""
+    """``dataset`` whose every item arrives ``latency`` seconds late, as from a network share
+    (chapter 7). In the package so that workers started with ``spawn`` can import it."""
 
     def __init__(self, dataset: torch.utils.data.Dataset, latency: float) -> None:
         self.dataset = dataset
@@ -985,13 +915,8 @@ class SlowStorage(torch.utils.data.Dataset):
 # torch.compile: graph breaks and modes
 
 
-@dataclass(frozen=True)
-class GraphBreak:
-    """Where ``torch.compile`` had to end a graph: the line, dynamo's reason, its explanation."""
-
-    code: str
-    reason: str
-    explanation: str
+#: Where ``torch.compile`` had to end a graph: the line, dynamo's reason, its explanation.
+GraphBreak = namedtuple("GraphBreak", "code reason explanation")
 
 
 @dataclass(frozen=True)
@@ -1013,8 +938,8 @@ class GraphBreakReport:
 
 
 def explain_graph_breaks(fn: Callable, *args, **kwargs) -> GraphBreakReport:
-    """Trace ``fn(*args, **kwargs)`` with ``torch._dynamo.explain`` (no code generation: a
-    second, not a compile) and report its graphs and graph breaks (chapter 7)."""
+    """Trace ``fn(*args, **kwargs)`` with ``torch._dynamo.explain`` (no code generation) and
+    report its graphs and graph breaks (chapter 7)."""
     logger = logging.getLogger("torch._dynamo")
     level = logger.level
     logger.setLevel(logging.ERROR)  # dynamo logs every break with a stack; the report says it
@@ -1027,31 +952,20 @@ def explain_graph_breaks(fn: Callable, *args, **kwargs) -> GraphBreakReport:
         lines = [line.strip() for line in str(item.reason).splitlines() if line.strip()]
         why = next((line for line in lines if line.startswith("Explanation:")), "")
         code = (item.user_stack[-1].line or "").strip() if item.user_stack else ""
-        breaks.append(GraphBreak(
-            code=code or "?",
-            reason=lines[0] if lines else "(no reason given)",
-            explanation=why.removeprefix("Explanation:").strip(),
-        ))
-    return GraphBreakReport(explanation.graph_count, explanation.graph_break_count,
-                            tuple(breaks))
+        breaks.append(GraphBreak(code or "?", lines[0] if lines else "(no reason given)",
+                                 why.removeprefix("Explanation:").strip()))
+    return GraphBreakReport(explanation.graph_count, explanation.graph_break_count, tuple(breaks))
 
 
-@dataclass(frozen=True)
-class CompileModeRow:
-    """One ``torch.compile`` mode on one training step: the first call (compiling included),
-    the median step after it, and the loss after all those steps (equal across modes)."""
-
-    mode: str
-    first_call_seconds: float
-    step_seconds: float
-    loss: float
+#: One ``torch.compile`` mode on one training step: the first call (compiling included), the
+#: median step after it, and the final loss.
+CompileModeRow = namedtuple("CompileModeRow", "mode first_call_seconds step_seconds loss")
 
 
 def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Callable:
-    """``torch.compile(model, fullgraph=fullgraph, **options)`` after ``torch._dynamo.reset()``
-    (chapter 7): past ``recompile_limit`` (8) entries per function, shared by every instance
-    of a module class, dynamo runs eager code under the compiled label. The reset empties
-    its caches; ``fullgraph=True`` makes a graph break, or the limit, an error."""
+    """``torch.compile`` after ``torch._dynamo.reset()`` (chapter 7): past ``recompile_limit``
+    entries per function dynamo runs eager code under the compiled label; the reset empties
+    its caches, and ``fullgraph=True`` makes a graph break, or the limit, an error."""
     torch._dynamo.reset()
     return torch.compile(model, fullgraph=fullgraph, **options)
 
@@ -1062,10 +976,9 @@ def compare_compile_modes(
     modes: Sequence[str] = ("eager", "default", "reduce-overhead", "max-autotune"), *,
     repeats: int = 20, backend: str = "inductor",
 ) -> list[CompileModeRow]:
-    """Time one SGD training step (forward, backward and update) of a fresh, seeded
-    ``make_model()`` per ``torch.compile`` mode ("eager": not compiled), each compiled with
-    :func:`fresh_compile`; the first call includes compiling (chapter 7). ``backend`` is
-    inductor's; tests pass "eager" (dynamo's graph run as is)."""
+    """Time one SGD training step of a fresh, seeded ``make_model()`` per ``torch.compile`` mode
+    ("eager": not compiled) with :func:`fresh_compile`; the first call includes compiling
+    (chapter 7). Tests pass ``backend="eager"`` (dynamo's graph run as is)."""
     device = as_device(device)
     X, y = (t.to(device) for t in batch)
     rows = []
@@ -1107,16 +1020,13 @@ def capture_training_step(
     optimizer: torch.optim.Optimizer, example: tuple[torch.Tensor, torch.Tensor], *,
     warmup_steps: int = 3,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Record one training step as a CUDA graph, after ``warmup_steps`` real steps on a side
-    stream (lazy state must exist first), and return ``step(X, y)``: it copies a batch of
-    ``example``'s shapes into the graph's inputs, replays it and returns the loss tensor,
-    which the next replay overwrites (chapter 7)."""
+    """Record one training step as a CUDA graph after ``warmup_steps`` real steps on a side
+    stream, and return ``step(X, y)``: it copies a batch into the graph's inputs, replays it
+    and returns the loss tensor, which the next replay overwrites (chapter 7)."""
     X0, y0 = example
     if X0.device.type != "cuda":
-        raise ValueError(
-            f"CUDA graphs record CUDA kernels; the example batch is on {X0.device}. "
-            "Move the model and the batch to a GPU first"
-        )
+        raise ValueError(f"CUDA graphs record CUDA kernels; the example batch is on "
+                         f"{X0.device}: move the model and the batch to a GPU first")
     device = X0.device
     static_X, static_y = X0.clone(), y0.clone()
     # The example's GPU current while recording: torch.cuda.graph captures on its stream.

@@ -417,7 +417,7 @@ def test_train_fast_defaults_to_the_fast_techniques():
     assert named.train_loss == default.train_loss
     assert named.test_acc == default.test_acc
     pair = (torch.zeros(4, 1, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64))
-    with pytest.raises(TypeError, match="a pair of tensors.*device_data switch"):
+    with pytest.raises(TypeError, match="train_data is a tuple.*device_data switch"):
         train_fast(net(), pair, pair, 1, 0.1, CPU, techniques=Techniques(), progress=False)
 
 

@@ -43,7 +43,7 @@ VALID = {
     fast.compile_model: lambda: dict(net=_linear(), techniques=fast.Techniques(), device=CPU),
     fast.train_fast: lambda: dict(
         net=_linear(), train_data=_uint8_pair(), test_data=_uint8_pair(), num_epochs=1, lr=0.1,
-        device=CPU, batch_size=10, progress=False, init=True),
+        device=CPU, batch_size=10, progress=False),
 }
 
 NONE_MEANT: set = set()  # (function, parameter) pairs where None means something unannotated

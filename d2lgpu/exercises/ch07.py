@@ -20,8 +20,7 @@ from d2lgpu.profiling import Roofline, explain_graph_breaks, profiler_activities
 
 
 def _reads(k: int) -> Callable[[], float]:
-    """A function that reads ``k`` single numbers back with ``.item()``."""
-    def read_k_numbers() -> float:
+    def read_k_numbers() -> float:  # k single numbers read back with .item()
         values = torch.arange(4.0)
         return sum(values[i % 4].item() for i in range(k))
     return read_k_numbers
@@ -78,8 +77,7 @@ def no_graph_break(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
             torch.linspace(-3, 1, 16),
         "x = torch.tensor([-2.0, 1.0, 3.0, -1.0]) (exactly half positive: not centred)":
             torch.tensor([-2.0, 1.0, 3.0, -1.0]),
-        "a seeded 3x5 torch.randn":
-            torch.randn(3, 5, generator=torch.Generator().manual_seed(0)),
+        "a seeded 3x5 torch.randn": torch.randn(3, 5, generator=torch.Generator().manual_seed(0)),
     }
     for what, x in inputs.items():
         got = attempt(ex, fn, x.clone())
