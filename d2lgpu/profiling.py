@@ -1,5 +1,5 @@
 """Chapter 7's helpers: profiler traces read and drawn, memory timelines, the roofline, the
-fast path as an ablation, torch.compile's graph breaks and modes, and CUDA graphs by hand."""
+fast path as an ablation, and torch.compile's graph breaks and modes."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from d2lgpu.training import History
 __all__ = [
     "ABLATION_LABELS", "COUNT_UNITS", "AblationRow", "AblationStep", "Roofline",
     "RooflinePoint", "SlowStorage", "TraceEvent", "TraceSummary", "ablation_data",
-    "ablation_numbers", "ablation_plan", "ablation_settings", "capture_training_step",
+    "ablation_numbers", "ablation_plan", "ablation_settings",
     "compare_compile_modes", "explain_graph_breaks", "fresh_compile",
     "idle_gaps", "measure_roofline", "measure_stream_bandwidth", "memory_timeline_from_snapshot",
     "memory_timeline_from_trace", "merge_intervals", "mfu_note", "op_table",
@@ -171,9 +171,8 @@ def _fetches(events: Sequence[TraceEvent]) -> list[TraceEvent]:
 
 @dataclass(frozen=True)
 class TraceSummary:
-    """What a profiled training loop did: its steps, the ``.item()`` calls inside them and
-    the DataLoader fetches that fed them (those that end before the last step does), with
-    the total milliseconds of each."""
+    """A profiled training loop's steps, the ``.item()`` calls inside them and the DataLoader
+    fetches that fed them: how many, and their total milliseconds."""
 
     train_steps: int
     item_calls: int
@@ -218,11 +217,8 @@ def idle_gaps(
     busy: Iterable[tuple[float, float]], start: float, end: float, min_gap: float = 0.0
 ) -> list[tuple[float, float]]:
     """The parts of ``[start, end]`` that no ``busy`` interval covers, longer than ``min_gap``."""
-    gaps = []
-    cursor = start
+    gaps, cursor = [], start
     for a, b in merge_intervals(busy):
-        if b <= cursor:
-            continue
         if a > cursor and min(a, end) - cursor > min_gap:
             gaps.append((cursor, min(a, end)))
         cursor = max(cursor, b)
@@ -471,9 +467,8 @@ def _operands(device: torch.device, numel: int) -> tuple[torch.Tensor, ...]:
 
 
 def measure_stream_bandwidth(device: torch.device | str, numel: int, *, repeats: int = 5) -> float:
-    """GB/s of an out-of-place add of two ``numel``-float tensors, counted as 12 bytes an
-    element (chapter 7): it writes as other elementwise ops do, where a CPU's copy may skip
-    reading the line it stores to."""
+    """GB/s of an out-of-place add of two ``numel``-float tensors, 12 bytes an element: it
+    writes as other elementwise ops do, where a CPU's copy may not (chapter 7)."""
     device = as_device(device)
     a, b, out = _operands(device, numel)
     seconds = _best_seconds(lambda: torch.add(a, b, out=out), device, repeats=repeats)
@@ -520,9 +515,8 @@ def roofline_points(
     device: torch.device | str, *, elementwise_numel: int, tiny_numel: int = 8,
     tiny_repeats: int = 1000, repeats: int = 5,
 ) -> list[RooflinePoint]:
-    """Two fp32 multiplications (1 FLOP per 12 bytes), each the best of ``repeats`` runs: one
-    of ``elementwise_numel`` elements, one of ``tiny_numel`` called ``tiny_repeats`` times
-    (chapter 7)."""
+    """Two fp32 multiplications (1 FLOP per 12 bytes) as points, the best of ``repeats`` runs:
+    a large one, and a tiny one called ``tiny_repeats`` times (chapter 7)."""
     device = as_device(device)
     points = []
     for name, numel, calls in (
@@ -691,9 +685,8 @@ def mfu_note(device: torch.device | str, peak: float | None) -> str:
 
 @dataclass(frozen=True)
 class AblationSettings:
-    """How big the ablation of chapter 7 (and ``benchmarks/ablation.py``) is: ``model`` names
-    a d2lgpu model function; a size of None is the whole split (the quick subset in quick
-    mode); ``repeats`` runs per row, interleaved."""
+    """How big the ablation of chapter 7 is: ``model`` names a d2lgpu model function, a size
+    of None is the whole split, ``repeats`` the runs per row, interleaved."""
 
     model: str
     batch_size: int
@@ -963,9 +956,8 @@ CompileModeRow = namedtuple("CompileModeRow", "mode first_call_seconds step_seco
 
 
 def fresh_compile(model: Callable, *, fullgraph: bool = True, **options) -> Callable:
-    """``torch.compile`` after ``torch._dynamo.reset()`` (chapter 7): past ``recompile_limit``
-    entries per function dynamo runs eager code under the compiled label; the reset empties
-    its caches, and ``fullgraph=True`` makes a graph break, or the limit, an error."""
+    """``torch.compile`` after ``torch._dynamo.reset()``, which empties dynamo's caches: past
+    their limit it runs eager code, which ``fullgraph=True`` makes an error (chapter 7)."""
     torch._dynamo.reset()
     return torch.compile(model, fullgraph=fullgraph, **options)
 
@@ -1010,54 +1002,3 @@ def compare_compile_modes(
         timing = time_fn(run, device, warmup=2, repeats=repeats)
         rows.append(CompileModeRow(mode, first, timing.median, run().item()))
     return rows
-
-
-# CUDA graphs by hand
-
-
-def capture_training_step(
-    model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    optimizer: torch.optim.Optimizer, example: tuple[torch.Tensor, torch.Tensor], *,
-    warmup_steps: int = 3,
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Record one training step as a CUDA graph after ``warmup_steps`` real steps on a side
-    stream, and return ``step(X, y)``: it copies a batch into the graph's inputs, replays it
-    and returns the loss tensor, which the next replay overwrites (chapter 7)."""
-    X0, y0 = example
-    if X0.device.type != "cuda":
-        raise ValueError(f"CUDA graphs record CUDA kernels; the example batch is on "
-                         f"{X0.device}: move the model and the batch to a GPU first")
-    device = X0.device
-    static_X, static_y = X0.clone(), y0.clone()
-    # The example's GPU current while recording: torch.cuda.graph captures on its stream.
-    with torch.cuda.device(device):
-        main = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for _ in range(warmup_steps):
-                optimizer.zero_grad(set_to_none=True)
-                loss_fn(model(static_X), static_y).backward()
-                optimizer.step()
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            static_loss = loss_fn(model(static_X), static_y)
-            static_loss.backward()
-            optimizer.step()
-
-    def step(X: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if X.shape != static_X.shape or y.shape != static_y.shape:
-            raise ValueError(
-                f"a CUDA graph replays fixed shapes: recorded {tuple(static_X.shape)} and "
-                f"{tuple(static_y.shape)}, got {tuple(X.shape)} and {tuple(y.shape)} "
-                "(drop the last partial batch, or run it eagerly)"
-            )
-        static_X.copy_(X)
-        static_y.copy_(y)
-        with torch.cuda.device(device):
-            graph.replay()
-        return static_loss
-
-    return step
