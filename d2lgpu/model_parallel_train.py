@@ -1,10 +1,8 @@
 """FSDP2 x tensor parallel on a 2-D mesh, with checkpoints: chapter 9's torchrun entry point.
 
-``torchrun --standalone --nproc_per_node=4 -m d2lgpu.model_parallel_train --dp 2 --tp 2``
-splits each block over a ``tp`` group and shards the pieces over a ``dp`` group
-(:func:`d2lgpu.model_parallel.train_2d`; NCCL on GPUs, gloo on CPUs). Started again with the
-same ``--checkpoint-dir`` (by hand or by ``torchrun --max-restarts``), a job continues from
-the latest checkpoint on any mesh shape: DCP gives each rank the pieces it now holds.
+``torchrun --standalone --nproc_per_node=4 -m d2lgpu.model_parallel_train --dp 2 --tp 2``.
+Started again with the same ``--checkpoint-dir``, a job continues from the latest checkpoint
+on any mesh shape: DCP gives each rank the pieces it now holds.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from d2lgpu.model_parallel import ModelSpec, TrainResult, TwoDRun, check_2d, train_2d
-from d2lgpu.precision import PRECISIONS, check_precision, precision_policy
-from d2lgpu.runtime.checks import flag_type, positive_int_flag, positive_number_flag, seed_flag
+from d2lgpu.model_parallel import ModelSpec, TrainResult, TwoDRun, check_2d
+from d2lgpu.precision import PRECISIONS, precision_policy
+from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag, seed_flag
 from d2lgpu.runtime.distributed import DistContext, add_job_flags, process_group
 from d2lgpu.sharding import (
     CheckpointError,
@@ -38,38 +36,31 @@ __all__ = ["main"]
 
 _COMMAND = "torchrun --standalone --nproc_per_node=N -m d2lgpu.model_parallel_train"
 
+
 @dataclass(frozen=True)
 class ResumableTwoDRun:
     """A :class:`TwoDRun` that writes a distributed checkpoint to ``checkpoint_root`` every
-    ``save_every`` steps and after the last (:func:`d2lgpu.sharding.save_checkpoint`), and
-    resumes from the latest one there, whatever mesh shape wrote it."""
+    ``save_every`` steps and after the last, and resumes from the latest one there."""
 
     two_d: TwoDRun
     checkpoint_root: str
     save_every: int
-    #: The --precision the run trains in, as the policy names it; recorded and checked.
-    precision: str = "fp32"
-    #: For showing a crash: the last rank is killed (SIGKILL, as the out-of-memory killer
-    #: does) after the forward of step ``kill_at_step`` (from 0), while the others wait for it.
+    precision: str = "fp32"  # the policy's name for it: recorded and checked
+    #: The last rank is killed (SIGKILL, as the out-of-memory killer does) after the forward
+    #: of step ``kill_at_step`` (from 0), while the others wait for it.
     kill_at_step: int | None = None
 
     def run(self, ctx: DistContext) -> TrainResult:
-        return train_2d(self.two_d, ctx, self)
+        return self.two_d.run(ctx, self)
 
     def _config(self) -> dict[str, Any]:
-        """The settings a checkpoint records, by the words that name them: a resumed run must
-        repeat them all (its mesh shape is recorded too, but may change)."""
+        """The settings a resumed run must repeat, by the words that name them."""
         run, spec = self.two_d, self.two_d.spec
-        return {
-            "model (kind, width, hidden, depth, heads, norm)":
+        return {"model (kind, width, hidden, depth, heads, norm)":
                 [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
-            "global batch size": run.batch_size,
-            "sequence length": run.seq_len,
-            "learning rate": run.lr,
-            "optimizer": "sgd, momentum 0.9",
-            "seed": run.seed,
-            "precision": self.precision,
-        }
+                "global batch size": run.batch_size, "sequence length": run.seq_len,
+                "learning rate": run.lr, "optimizer": "sgd, momentum 0.9", "seed": run.seed,
+                "precision": self.precision}
 
     def resume(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
                ctx: DistContext) -> tuple[int, list[float]]:
@@ -78,25 +69,20 @@ class ResumableTwoDRun:
         if path is None:
             return 0, []
         extra = read_checkpoint_extra(path)  # damage named first, before the settings
-        config = self._config()
-        check_resumable(extra, config, path, {words: words for words in config})
+        check_resumable(extra, self._config(), path)
         if extra["step"] >= self.two_d.steps:
             raise CheckpointError(
                 f"checkpoint {path} is at step {extra['step']} and this run ends at step "
-                f"{self.two_d.steps}: nothing left to train. Ask for more steps (they count "
-                f"from the start, not from the checkpoint); or, to start fresh, delete "
-                f"{path.parent} or pass another checkpoint directory"
-            )
+                f"{self.two_d.steps}: ask for more steps (counted from the start), or delete "
+                f"{path.parent} or pass another checkpoint directory to start fresh")
         load_checkpoint(path, model, opt)
         if "scaler" in extra:
             scaler.load_state_dict(extra["scaler"])
-        saved = tuple(extra["mesh"])
         if ctx.is_main:
             print(f"resuming from {path} (step {extra['step']})", flush=True)
-            if saved != self.two_d.mesh_shape:
+            if (saved := tuple(extra["mesh"])) != self.two_d.mesh_shape:
                 print(f"the checkpoint was written on a mesh (dp, tp) = {saved}, this run has "
-                      f"{self.two_d.mesh_shape}: each rank reads the pieces of the saved "
-                      "tensors it now holds", flush=True)
+                      f"{self.two_d.mesh_shape}: each rank reads its own pieces", flush=True)
         return extra["step"], list(extra["losses"])
 
     def after_forward(self, step: int, ctx: DistContext) -> None:
@@ -109,8 +95,7 @@ class ResumableTwoDRun:
                    losses: list[float], ctx: DistContext) -> None:
         if done % self.save_every and done != self.two_d.steps:
             return
-        extra = {"losses": losses, "mesh": list(self.two_d.mesh_shape),
-                 "config": self._config()}
+        extra = {"losses": losses, "mesh": list(self.two_d.mesh_shape), "config": self._config()}
         if scaler.is_enabled():
             extra["scaler"] = scaler.state_dict()
         path = save_checkpoint(self.checkpoint_root, done, model, opt, extra)
@@ -120,16 +105,12 @@ class ResumableTwoDRun:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=_COMMAND,
-        description="Train a stack of blocks with FSDP2 over one mesh dimension (dp) and "
-        "tensor parallel over the other (tp), with distributed checkpoints.",
-    )
+    parser = argparse.ArgumentParser(prog=_COMMAND, description="Train a stack of blocks with "
+                                     "FSDP2 over dp and tensor parallel over tp, with checkpoints.")
     add = parser.add_argument
-    add("--dp", type=positive_int_flag, help="data-parallel (FSDP2) ranks (default: the ranks "
-        "/ --tp)")
+    add("--dp", type=positive_int_flag, help="data-parallel (FSDP2) ranks (default: ranks / --tp)")
     add("--tp", type=positive_int_flag, help="tensor-parallel ranks per data-parallel group "
-        "(default: the ranks / --dp, or 2 when neither is given and the ranks are even, else 1)")
+        "(default: ranks / --dp, or 2 when neither is given and the ranks are even, else 1)")
     add("--steps", type=positive_int_flag, default=40)
     add("--save-every", type=positive_int_flag, default=10,
         help="steps between checkpoints; the last step is always saved (default %(default)s)")
@@ -143,11 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--seq-len", type=positive_int_flag, default=16)
     add("--lr", type=positive_number_flag, default=0.05, help="SGD's learning rate (momentum 0.9)")
     add("--seed", type=seed_flag, default=0)
-    add("--precision", type=flag_type(lambda _, value: check_precision(value, "--precision"), str),
-        metavar="{" + ",".join(PRECISIONS) + "}", default="auto",
-        help="auto: the device's rule (bf16 from compute capability 8.0, fp16 on 7.x; on a CPU "
-        "bf16 where it runs natively, else fp32); bf16/fp16: FSDP2 computes in it and reduces "
-        "gradients in fp32 (default %(default)s)")
+    add("--precision", choices=PRECISIONS, default="auto", help="bf16/fp16: FSDP2 computes in "
+        "it, reducing gradients in fp32; auto: the device's fast format (default %(default)s)")
     add("--checkpoint-dir",
         help="resume from the latest checkpoint here, and write one every --save-every steps")
     add_job_flags(parser, data=False,
@@ -158,18 +136,13 @@ def _parser() -> argparse.ArgumentParser:
 def _mesh(args: argparse.Namespace, world_size: int) -> tuple[int, int]:
     """``(dp, tp)`` from the flags, filling in what is not given."""
     dp, tp = args.dp, args.tp
-    if dp is None and tp is None:
-        tp = 2 if world_size % 2 == 0 else 1
-    if dp is None:
-        dp = max(world_size // tp, 1)
     if tp is None:
-        tp = max(world_size // dp, 1)
-    return dp, tp
+        tp = max(world_size // dp, 1) if dp else 2 if world_size % 2 == 0 else 1
+    return dp or max(world_size // tp, 1), tp
 
 
-def _parse_args(
-    argv: Sequence[str] | None, world_size: int | None = None
-) -> tuple[argparse.Namespace, TwoDRun | None]:
+def _parse_args(argv: Sequence[str] | None,
+                world_size: int | None = None) -> tuple[argparse.Namespace, TwoDRun | None]:
     """The flags, and (given the job's ``world_size``) the checked run they describe."""
     parser = _parser()
     args = parser.parse_args(argv)
@@ -190,27 +163,21 @@ def _parse_args(
     try:
         check_2d(spec, mesh, world_size, args.batch_size)
     except ValueError as exc:
-        parser.error(
-            f"--dp {mesh[0]} --tp {mesh[1]} on {world_size} ranks, {args.kind} blocks of "
-            f"--hidden {args.hidden} / --heads {args.heads}, --batch-size {args.batch_size}: "
-            f"{exc}"
-        )
-    return args, TwoDRun(spec, mesh, args.batch_size, args.seq_len, args.steps, args.lr,
-                         args.seed)
+        parser.error(f"--dp {mesh[0]} --tp {mesh[1]} on {world_size} ranks, {args.kind} blocks of "
+                     f"--hidden {args.hidden} / --heads {args.heads}, --batch-size "
+                     f"{args.batch_size}: {exc}")
+    return args, TwoDRun(spec, mesh, args.batch_size, args.seq_len, args.steps, args.lr, args.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> TrainResult:
     """Command line: every process started by torchrun joins the group and trains its part."""
     _parse_args(argv)  # usage errors first, also outside torchrun
     if "RANK" not in os.environ:
-        raise SystemExit(
-            "d2lgpu.model_parallel_train splits a model over processes: start it with "
-            f"torchrun, e.g. `{_COMMAND.replace('=N', '=4')} --dp 2 --tp 2`"
-        )
+        raise SystemExit("d2lgpu.model_parallel_train splits a model over processes: start it "
+                         f"with torchrun, e.g. `{_COMMAND.replace('=N', '=4')} --dp 2 --tp 2`")
     args, two_d = _parse_args(argv, int(os.environ["WORLD_SIZE"]))
     with process_group(timeout_s=args.timeout) as ctx:
-        reason = fsdp2_unavailable_reason(ctx.device.type)
-        if reason is not None:
+        if reason := fsdp2_unavailable_reason(ctx.device.type):
             raise RuntimeError(reason)
         policy = precision_policy(ctx.device, args.precision)
         two_d = job = replace(two_d, param_dtype=policy.dtype)
@@ -221,12 +188,10 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
             job = ResumableTwoDRun(two_d, args.checkpoint_dir, args.save_every, policy.name,
                                    args.fail_after_epoch * args.save_every if crash else None)
         if ctx.is_main:
-            dp, tp = two_d.mesh_shape
             params = sum(p.numel() for p in two_d.spec.build().parameters())
-            print(f"{ctx.world_size} ranks, backend {ctx.backend}; mesh (dp, tp) = ({dp}, {tp}); "
-                  f"{two_d.spec.depth} {two_d.spec.kind} blocks, {params:,} parameters; "
-                  f"precision {policy.name}", flush=True)
-            print(f"global batch {two_d.batch_size} ({two_d.batch_size // dp} per dp group) x "
+            print(f"{ctx.world_size} ranks, backend {ctx.backend}; mesh (dp, tp) = "
+                  f"{two_d.mesh_shape}; {two_d.spec.depth} {two_d.spec.kind} blocks, {params:,} "
+                  f"parameters; precision {policy.name}; global batch {two_d.batch_size} x "
                   f"{two_d.seq_len} positions, {two_d.steps} steps", flush=True)
         with policy.matmul_precision():  # TF32 on or off
             result = job.run(ctx)
