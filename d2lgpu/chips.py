@@ -1,8 +1,5 @@
-"""What a chip can do: its Tensor Cores' formats, its data-sheet figures, and FLOP counts.
-
-Facts that need no GPU to be read, from NVIDIA's data sheets and whitepapers (each figure
-names its source), keyed by compute capability or by ``torch.cuda.get_device_name()``.
-"""
+"""What a chip can do: its Tensor Cores' formats, its data-sheet figures (each naming its
+source), and FLOP counts; facts that need no GPU to be read."""
 
 from __future__ import annotations
 
@@ -33,12 +30,8 @@ def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
 
 
 def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
-    """Tensor Core formats narrower than 16 bits on GPUs of this compute capability (chapter 6).
-
-    ``torch.autocast`` uses none of them. INT8 from 7.2, FP8 from 8.9 (Ada) and 9.0
-    (Hopper), FP6 and FP4 from 10.0 (Blackwell), following NVIDIA's architecture
-    whitepapers and the PTX ISA's ``mma`` types.
-    """
+    """Tensor Core formats narrower than 16 bits on GPUs of this compute capability, none of
+    which ``torch.autocast`` uses (chapter 6); from NVIDIA's whitepapers and the PTX ISA."""
     check_capability(capability)
     formats = []
     if capability >= (8, 9):
@@ -50,9 +43,8 @@ def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     return formats
 
 
-#: CUDA 13.0 removed compute capabilities below 7.5 from its compilers (release notes), so
-#: torch's CUDA 13 wheels carry no kernels for a P100 or V100; of torch 2.15's release
-#: wheels only cu126 does (``PYTORCH_RELEASES_CODE_CC`` in torch/cuda/__init__.py).
+#: CUDA 13.0 removed compute capabilities below 7.5 from its compilers (release notes): of
+#: torch 2.15's release wheels only cu126 carries kernels for a P100 or V100.
 CUDA_13_DROPPED_BELOW = (7, 5)
 
 
@@ -95,12 +87,8 @@ GPU_DATASHEETS: dict[str, dict[str, object]] = {
 def training_flops_per_example(
     net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
 ) -> float:
-    """FLOPs of one training step (forward and backward) per example, counted by
-    ``FlopCounterMode`` on a copy of ``net`` on the CPU (chapter 4).
-
-    Matrix products and convolutions count (2 FLOPs per multiply-add), as Tensor Core
-    peaks do; elementwise work is left out.
-    """
+    """FLOPs of one training step per example, counted by ``FlopCounterMode`` on a CPU copy
+    of ``net`` (chapter 4): matrix products and convolutions only, as Tensor Core peaks."""
     from torch.utils.flop_counter import FlopCounterMode
 
     if not isinstance(net, nn.Module):
@@ -114,11 +102,9 @@ def training_flops_per_example(
     return counter.get_total_flops() / batch_size
 
 
-#: Dense Tensor Core peak in TFLOP/s of bf16 (fp16 without native bf16: T4, V100) from
-#: NVIDIA's data sheets, keyed by (model, form factor) as :func:`_model_and_form_factor`
-#: reads ``torch.cuda.get_device_name()`` (None: the name carries none, as the H100 and
-#: H200 SXM's do not). Each value is (peak, SMs of the full GPU), the SMs for the GPUs
-#: MIG can split, to scale a slice's peak (None: not splittable).
+#: Dense bf16 Tensor Core peak in TFLOP/s (fp16 on a T4, V100) from NVIDIA's data sheets,
+#: keyed as :func:`_model_and_form_factor` reads the device name; each value is (peak, SMs
+#: of the full GPU, to scale a MIG slice's peak; None: not splittable).
 PEAK_TFLOPS: dict[tuple[str, str | None], tuple[float, int | None]] = {
     # "NVIDIA H100 Tensor Core GPU" datasheet: BF16 Tensor Core 1,979 TFLOPS (SXM), 1,671
     # (NVL), 1,513 (PCIe), each "with sparsity", i.e. twice the dense rate; 132 SMs on
@@ -156,9 +142,8 @@ _FORM_FACTORS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
 
 
 def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
-    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB": the model word and the first form-factor
-    word, whole words ("RTX A1000" is no A100). A GeForce card is its whole name after
-    "GeForce", since "RTX 4090 D" and "RTX 4090 Laptop GPU" are other chips."""
+    """("a100", "sxm4") for "NVIDIA A100-SXM4-40GB", whole words; a GeForce card is its whole
+    name after "GeForce" ("RTX 4090 D" is another chip)."""
     words = name.lower().replace("-", " ").replace("_", " ").split()
     while words and words[0] in ("nvidia", "tesla"):
         words = words[1:]
@@ -171,8 +156,8 @@ def _model_and_form_factor(name: str) -> tuple[str, str | None] | None:
 
 
 def peak_format(device: torch.device | str) -> str | None:
-    """The format of :func:`peak_tflops`'s peak on ``device``: "bf16" from compute capability
-    8.0, "fp16" on 7.x, None where no Tensor Core peak applies (the CPU, GPUs below 7.0)."""
+    """The format of :func:`peak_tflops`'s peak on ``device``: "bf16" from 8.0, "fp16" on 7.x,
+    else None."""
     device = as_device(device)
     if device.type != "cuda":
         return None
@@ -181,13 +166,8 @@ def peak_format(device: torch.device | str) -> str | None:
 
 
 def peak_tflops(device: torch.device | str) -> float | None:
-    """The data-sheet dense Tensor Core peak of ``device``'s GPU (:data:`PEAK_TFLOPS`), or None
-    when unknown (chapter 7).
-
-    A MIG slice reports its parent's name but only its own SMs: its peak is the parent's
-    scaled by its share (a 3g.20gb slice of an A100 has 42 of 108). A GPU with more SMs
-    than the table's is not the one the data sheet describes.
-    """
+    """The data-sheet dense Tensor Core peak of ``device``'s GPU, or None when unknown
+    (chapter 7); a MIG slice gets its share of its parent's, by SMs."""
     device = as_device(device)
     if device.type != "cuda":
         return None
@@ -199,6 +179,6 @@ def peak_tflops(device: torch.device | str) -> float | None:
     if full_sms is None:
         return peak
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if sms > full_sms:
+    if sms > full_sms:  # not the GPU the data sheet describes
         return None
     return peak * sms / full_sms

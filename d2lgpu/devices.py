@@ -1,10 +1,5 @@
-"""Naming devices: the CPU, one GPU, or all of them (chapters 1 and 3).
-
-As in "Dive into Deep Learning" (``d2l.try_gpu``), with one difference: :func:`try_all_gpus`
-returns ``[cpu]`` on a machine without GPUs, never ``[]``, on which d2l's training loop
-fails at ``devices[0]``. The checks of a device a learner passes in are the runtime's
-``gpus``.
-"""
+"""Naming devices: the CPU, one GPU, or all of them (chapters 1 and 3), as d2l's ``try_gpu``,
+except that :func:`try_all_gpus` returns ``[cpu]``, never ``[]``, on a machine without GPUs."""
 
 from __future__ import annotations
 
@@ -43,11 +38,9 @@ def gpu(i: int = 0) -> torch.device:
     i = _check_index(i)
     n = num_gpus()
     if i >= n:
-        raise RuntimeError(
-            f"GPU {i} does not exist: this process sees {n} GPU(s). "
-            f"Use d2lgpu.try_gpu({i}) to fall back to the CPU, "
-            "or run `python -m d2lgpu info` to see why GPUs are missing."
-        )
+        raise RuntimeError(f"GPU {i} does not exist: this process sees {n} GPU(s). Use "
+                           f"d2lgpu.try_gpu({i}) to fall back to the CPU, or run `python -m "
+                           "d2lgpu info` to see why GPUs are missing.")
     return torch.device("cuda", i)
 
 

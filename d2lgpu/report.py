@@ -61,18 +61,15 @@ def setup_summary() -> str:
             major, minor = torch.cuda.get_device_capability(i)
             lines.append(f"  cuda:{i}  {torch.cuda.get_device_name(i)}  "
                          f"(compute capability {major}.{minor})")
-    elif torch.version.cuda is None:
-        lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}; this torch is a "
-                     "CPU-only build.")
-    elif torch.cuda.device_count():  # listed, but this build has no kernels for one of them
-        lines.append(f"CUDA lists {torch.cuda.device_count()} GPU(s), but this torch cannot use "
-                     f"them: everything runs on the CPU, in {mode}; this torch has no kernels "
-                     "for a GPU here.")
     else:
-        lines.append(f"No CUDA GPU here: everything runs on the CPU, in {mode}; CUDA finds no "
-                     "usable GPU.")
-    if not usable:
-        lines.append("  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1).")
+        listed = torch.cuda.device_count() if torch.version.cuda else 0
+        head = (f"CUDA lists {listed} GPU(s), but this torch cannot use them" if listed
+                else "No CUDA GPU here")
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else "this torch has no kernels for a GPU here" if listed
+               else "CUDA finds no usable GPU")
+        lines += [f"{head}: everything runs on the CPU, in {mode}; {why}.",
+                  "  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1)."]
     lines.append(describe_mode())
     return "\n".join(lines)
 
@@ -89,11 +86,9 @@ def _leading_int(entry: str) -> int | None:
 
 
 def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
-    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible, as CUDA reads it (chapter 1).
-
-    None when unset (every GPU). As in ``torch.cuda``'s copy of CUDA's parser, reading
-    stops at the first entry that is no number or UUID, and a repeated entry hides all.
-    """
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible (None: unset, every GPU), as
+    CUDA reads it: up to the first entry that is no number or UUID; a repeat hides all
+    (chapter 1)."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -123,16 +118,14 @@ class CudaProblem:
 
 @dataclass(frozen=True)
 class CudaDiagnosis:
-    """Whether CUDA is usable, and every problem found, most fundamental first;
-    ``device_count`` is what torch lists."""
+    """Whether CUDA is usable, and every problem found, most fundamental first."""
 
     usable: bool
     device_count: int
     problems: tuple[CudaProblem, ...] = ()
 
     @property
-    def cause(self) -> str:
-        """The code of the first problem (``"ok"`` when there is none)."""
+    def cause(self) -> str:  # the first problem's code
         return self.problems[0].code if self.problems else "ok"
 
     def __str__(self) -> str:
@@ -228,10 +221,9 @@ def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[s
            "sees the GPU, but every kernel fails with 'no kernel image is available for "
            "execution on the device', so the course runs on the CPU instead.")
     build = _version_tuple(cuda_build) if cuda_build else None
-    if (major, minor) < CUDA_13_DROPPED_BELOW and build is not None and build >= (13,):
-        why += (f" CUDA 13 dropped GPUs below compute capability "
-                f"{CUDA_13_DROPPED_BELOW[0]}.{CUDA_13_DROPPED_BELOW[1]} (V100, P100, ...).")
     if (major, minor) < CUDA_13_DROPPED_BELOW:
+        if build is not None and build >= (13,):
+            why += " CUDA 13 dropped GPUs below compute capability 7.5 (V100, P100, ...)."
         # torch 2.15's table of its release wheels (PYTORCH_RELEASES_CODE_CC in
         # torch/cuda/__init__.py): only cu126 carries sm_50 to sm_70; CUDA 13 starts at sm_75.
         which = ("a cu126 wheel, the only one of torch's current release wheels that still "
@@ -354,11 +346,6 @@ class NvmlView:
     cuda_driver_version: str | None = None
 
 
-def _as_str(value: str | bytes) -> str:
-    # Older nvidia-ml-py releases return bytes, newer ones str.
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def read_nvml() -> NvmlView:
     """The driver's version and live per-GPU readings through NVML (chapter 1); never raises,
     and one GPU that fails does not hide the others."""
@@ -374,7 +361,7 @@ def read_nvml() -> NvmlView:
             why += " (NVML ships with the NVIDIA driver, so no driver is installed here)"
         return NvmlView(None, (), f"NVML cannot start: {why}")
     try:
-        driver = _as_str(pynvml.nvmlSystemGetDriverVersion())
+        driver = pynvml.nvmlSystemGetDriverVersion()
         count = pynvml.nvmlDeviceGetCount()
     except pynvml.NVMLError as exc:
         return _shut_down(pynvml, NvmlView(None, (), f"NVML query failed: {exc}"))
@@ -421,7 +408,7 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
     temperature = read("temperature", pynvml.nvmlDeviceGetTemperature, handle,
                        pynvml.NVML_TEMPERATURE_GPU)
     return NvmlGpuReading(
-        index, "?" if name is None else _as_str(name), "" if uuid is None else _as_str(uuid),
+        index, name or "?", uuid or "",
         utilization_percent=None if rates is None else int(rates.gpu),
         memory_used_bytes=None if memory is None else int(memory.used),
         memory_total_bytes=None if memory is None else int(memory.total),
@@ -435,8 +422,7 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU visible to torch, as ``cuda:index``; ``torch_says_bf16`` counts emulation as
-    support, ``error`` says what could not be read."""
+    """One GPU visible to torch, as ``cuda:index``; ``error`` says what could not be read."""
 
     index: int
     name: str
@@ -445,14 +431,9 @@ class GpuInfo:
     free_memory_bytes: int | None
     multiprocessor_count: int
     native_formats: tuple[str, ...]
-    torch_says_bf16: bool | None
     uuid: str
     pycuda_attributes: dict[str, int] | None = None
     error: str | None = None
-
-    @property
-    def bf16_emulated(self) -> bool:
-        return bool(self.torch_says_bf16) and "bf16" not in self.native_formats
 
 
 @dataclass(frozen=True)
@@ -533,37 +514,26 @@ def _first_line(exc: BaseException) -> str:
 
 def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
               nvml: NvmlView) -> GpuInfo:
-    """:class:`GpuInfo` of ``cuda:index``, failures in ``error``. Free memory comes from NVML:
-    ``torch.cuda.mem_get_info`` would create a CUDA context on every GPU."""
+    """:class:`GpuInfo` of ``cuda:index``, without creating a CUDA context (free memory comes
+    from NVML); a failure is reported in ``error``."""
     try:
         props = torch.cuda.get_device_properties(index)
         name, capability = str(props.name), (int(props.major), int(props.minor))
         sms, uuid = int(props.multi_processor_count), str(getattr(props, "uuid", ""))
     except Exception as exc:  # any failure of one GPU is reported, not raised
-        return GpuInfo(index, "?", (0, 0), None, None, 0, (), None, "", pycuda_attributes,
+        return GpuInfo(index, "?", (0, 0), None, None, 0, (), "", pycuda_attributes,
                        error=f"properties: {_first_line(exc)}")
     free, total = None, int(getattr(props, "total_memory", 0)) or None
     reading = next((r for r in nvml.gpus if uuid and r.uuid.lower().endswith(uuid.lower())),
                    None)
     if reading is not None and reading.memory_free_bytes is not None:
         free, total = reading.memory_free_bytes, reading.memory_total_bytes
-    torch_says_bf16, error = (True if capability >= (8, 0) else None), None
-    if torch_says_bf16 is None:
-        # Below 8.0 torch answers by creating a bf16 tensor on the GPU, so a context there is
-        # unavoidable; a GPU held by another process in exclusive mode fails here.
-        try:
-            with torch.cuda.device(index):
-                torch_says_bf16 = bool(torch.cuda.is_bf16_supported())
-        except Exception as exc:
-            error = f"is_bf16_supported: {_first_line(exc)}"
     return GpuInfo(index, name, capability, total, free, sms,
-                   tuple(native_tensor_core_formats(capability)), torch_says_bf16, uuid,
-                   pycuda_attributes, error)
+                   tuple(native_tensor_core_formats(capability)), uuid, pycuda_attributes)
 
 
 def environment_report() -> EnvironmentReport:
-    """Collect the :class:`EnvironmentReport` of this process (chapter 1); a GPU that cannot
-    be queried is listed with what failed."""
+    """Collect the :class:`EnvironmentReport` of this process (chapter 1)."""
     count = _gpus_torch_lists()
     nvml = read_nvml()
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
@@ -619,19 +589,11 @@ def format_report(report: EnvironmentReport) -> str:
             "  Tensor Core formats (native): "
             + (", ".join(gpu.native_formats) or "none (fp32 only)"),
         ]
-        if gpu.error is not None:
-            lines.append(f"  failed: {gpu.error} (is another process holding this GPU in "
-                         "exclusive mode? see `nvidia-smi`)")
-        if gpu.bf16_emulated:
-            lines.append(
-                "  note: torch.cuda.is_bf16_supported() says True, but this GPU has no bf16 "
-                "Tensor Cores: bf16 runs emulated (correct, slow). Use fp16 with a GradScaler."
-            )
-        elif "bf16" not in gpu.native_formats:
-            lines.append(
-                "  note: no bf16 Tensor Cores on this GPU; use fp16 with a GradScaler. "
-                "torch.cuda.is_bf16_supported() counts emulation as support: do not go by it."
-            )
+        if "bf16" not in gpu.native_formats:
+            lines.append("  note: no bf16 Tensor Cores on this GPU, so bf16 runs emulated "
+                         "(correct, slow); use fp16 with a GradScaler. "
+                         "torch.cuda.is_bf16_supported() counts emulation as support: do not "
+                         "go by it.")
         if gpu.pycuda_attributes:
             shown = {k: v for k, v in gpu.pycuda_attributes.items() if k in _PYCUDA_SHOWN}
             lines.append("  pycuda: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
@@ -667,15 +629,17 @@ class GpuMemory:
         )
 
 
-def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
-    """Read :class:`GpuMemory` for a CUDA device; a clear error for a CPU device (chapter 1)."""
+def _gpu_only(device: torch.device | str | int, what: str, why: str) -> torch.device:
     device = as_device(device)
     if device.type != "cuda":
-        raise ValueError(
-            f"gpu_memory needs a CUDA device, got {device}: the CPU has no caching allocator "
-            "statistics. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
-        )
-    device = require_cuda_device(device, "gpu_memory")
+        raise ValueError(f"{what} needs a CUDA device, got {device}: {why}. Pass "
+                         "d2lgpu.try_gpu() and check that it is a CUDA device first.")
+    return require_cuda_device(device, what)
+
+
+def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
+    """Read :class:`GpuMemory` for a CUDA device (chapter 1)."""
+    device = _gpu_only(device, "gpu_memory", "the CPU has no caching allocator statistics")
     free, total = torch.cuda.mem_get_info(device)
     return GpuMemory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
                      torch.cuda.max_memory_allocated(device), int(free), int(total))
@@ -708,23 +672,17 @@ def format_nvml_view(
     return "\n".join(lines)
 
 
-def read_nvml_while_busy(device: torch.device | str | int, busy_seconds: float = 3.0,
-                         matrix_size: int = 8192) -> NvmlView:
-    """Read NVML while ``device`` works through matrix products queued for about
-    ``busy_seconds`` (chapter 1): launches are asynchronous, so Python reads meanwhile."""
-    dev = as_device(device)
-    if dev.type != "cuda":
-        raise ValueError(
-            f"read_nvml_while_busy needs a CUDA device, got {dev}: NVML watches NVIDIA GPUs "
-            "only. Pass d2lgpu.try_gpu() and check that it is a CUDA device first."
-        )
-    a = torch.randn(matrix_size, matrix_size, device=dev)
+def read_nvml_while_busy(device: torch.device | str | int) -> NvmlView:
+    """Read NVML while ``device`` works through matrix products queued for about 3 s
+    (chapter 1): launches are asynchronous, so Python reads meanwhile."""
+    dev = _gpu_only(device, "read_nvml_while_busy", "NVML watches NVIDIA GPUs only")
+    a = torch.randn(8192, 8192, device=dev)
     b = a @ a  # the first product also starts cuBLAS, so it is not timed
     torch.cuda.synchronize(dev)
     start = time.perf_counter()
     b = a @ a
     torch.cuda.synchronize(dev)
-    for _ in range(math.ceil(busy_seconds / (time.perf_counter() - start))):
+    for _ in range(math.ceil(3.0 / (time.perf_counter() - start))):
         b = a @ a  # queued: Python goes on while the GPU computes
     time.sleep(1.0)
     view = read_nvml()

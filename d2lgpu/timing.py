@@ -1,9 +1,5 @@
-"""The course's clock: timing work on any device correctly, and the tables the times go in.
-
-CUDA runs asynchronously: ``a * b`` on GPU tensors *queues* a kernel and returns at once,
-so :func:`time_fn` waits for the device before it starts the clock and again before it
-stops it. Chapter 2 introduces these; every later chapter that times something uses them.
-"""
+"""The course's clock (chapter 2): CUDA runs asynchronously, so :func:`time_fn` waits for the
+device before it starts the clock and again before it stops it; and the tables times go in."""
 
 from __future__ import annotations
 
@@ -53,18 +49,15 @@ class Timing:
         return min(self.times)
 
     @property
-    def iqr(self) -> float:
-        """Interquartile range (75th minus 25th percentile, linear interpolation)."""
+    def iqr(self) -> float:  # 75th minus 25th percentile
         if len(self.times) < 2:
             return 0.0
         q1, _, q3 = statistics.quantiles(self.times, n=4, method="inclusive")
         return q3 - q1
 
     def __str__(self) -> str:
-        return (
-            f"median {format_seconds(self.median)} "
-            f"(IQR {format_seconds(self.iqr)}, {len(self.times)} runs)"
-        )
+        iqr = format_seconds(self.iqr)
+        return f"median {format_seconds(self.median)} (IQR {iqr}, {len(self.times)} runs)"
 
 
 def gbps(nbytes: float, seconds: float) -> float:
@@ -105,9 +98,8 @@ def timing_device(device: DeviceLike) -> torch.device | None:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise RuntimeError("'mps' was asked for, but Apple's MPS backend is not available")
     if dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(
-            f"cannot time work on a {dev.type!r} device: only 'cpu', 'cuda' and 'mps' are supported"
-        )
+        raise ValueError(f"cannot time work on a {dev.type!r} device: only 'cpu', 'cuda' and "
+                         "'mps' are supported")
     return dev
 
 
@@ -127,11 +119,8 @@ def synchronize(device: torch.device | None) -> None:
 def time_fn(
     fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
 ) -> Timing:
-    """Time ``fn()`` correctly: ``warmup`` untimed calls, then ``repeats`` timed ones (chapter 2).
-
-    Warm-up absorbs one-off costs (CUDA context, kernel selection, ``torch.compile``); each
-    timed call is bracketed by a synchronisation of ``device`` (None: the current GPU).
-    """
+    """Time ``fn()`` correctly: ``warmup`` untimed calls absorb one-off costs, then ``repeats``
+    timed ones, each bracketed by a synchronisation of ``device`` (chapter 2)."""
     check_warmup_repeats(warmup, repeats)
     dev = timing_device(device)
     for _ in range(warmup):

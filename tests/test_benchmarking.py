@@ -343,11 +343,6 @@ def test_table_speed_up_is_cpu_time_over_device_time() -> None:
     assert bm.multiply_add_table(rows[1:])[0][4] == "-"  # nothing to compare with
 
 
-def test_sweep_without_copy_bandwidth_names_the_fix() -> None:
-    with pytest.raises(ValueError, match="measure_copy_bandwidth"):
-        bm.multiply_add_sweep(["cpu"], [64], steps=1, copy_gbps={})
-
-
 # --- compiled rows on several devices ----------------------------------------------------------
 
 

@@ -1,6 +1,5 @@
 """Tests of d2lgpu.report and the command line: the diagnosis, NVML, the report, `d2lgpu info`."""
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -232,7 +231,7 @@ def _fake_pynvml(fail_init: bool = False) -> types.ModuleType:
     fake.NVML_TEMPERATURE_GPU = 0
     fake.nvmlInit = init
     fake.nvmlShutdown = lambda: None
-    fake.nvmlSystemGetDriverVersion = lambda: b"550.54"
+    fake.nvmlSystemGetDriverVersion = lambda: "550.54"
     fake.nvmlDeviceGetCount = lambda: 1
     fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
     fake.nvmlDeviceGetName = lambda h: "Tesla T4"
@@ -320,8 +319,6 @@ def test_nvml_readings_it_refuses_show_as_na_and_never_crash_the_report(monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: _fake_props("T4", 7, 5))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
     monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
     text = d2lgpu.format_report(d2lgpu.environment_report())
     assert "memory: free unknown" in text and "utilisation n/a" in text
@@ -409,12 +406,12 @@ def test_format_cudnn_versions():
     assert report._format_cudnn(8902) == "8.9.2"  # cuDNN 8: major*1000 + minor*100 + patch
 
 
-def _fake_gpu(capability, torch_says_bf16, pycuda_attributes=None) -> GpuInfo:
+def _fake_gpu(capability, pycuda_attributes=None) -> GpuInfo:
     return GpuInfo(
         index=0, name="Fake GPU", capability=capability, total_memory_bytes=16 * 2**30,
         free_memory_bytes=15 * 2**30, multiprocessor_count=40,
         native_formats=tuple(d2lgpu.native_tensor_core_formats(capability)),
-        torch_says_bf16=torch_says_bf16, uuid="GPU-0", pycuda_attributes=pycuda_attributes,
+        uuid="GPU-0", pycuda_attributes=pycuda_attributes,
     )
 
 
@@ -431,8 +428,7 @@ def _report_with(gpu: GpuInfo) -> EnvironmentReport:
 
 
 def test_format_report_warns_about_emulated_bf16_on_a_turing_gpu():
-    gpu = _fake_gpu((7, 5), torch_says_bf16=True, pycuda_attributes={"WARP_SIZE": 32, "X": 1})
-    assert gpu.bf16_emulated
+    gpu = _fake_gpu((7, 5), pycuda_attributes={"WARP_SIZE": 32, "X": 1})
     text = d2lgpu.format_report(_report_with(gpu))
     assert "compute capability 7.5, 40 SMs" in text
     assert "Tensor Core formats (native): fp16" in text
@@ -443,17 +439,15 @@ def test_format_report_warns_about_emulated_bf16_on_a_turing_gpu():
     assert "CUDA is usable: 1 GPU(s) visible." in text
 
 
-def test_format_report_warns_about_bf16_on_a_volta_gpu_even_if_torch_says_no():
-    gpu = _fake_gpu((7, 0), torch_says_bf16=False)
-    assert not gpu.bf16_emulated
+def test_format_report_warns_about_bf16_on_a_volta_gpu():
+    gpu = _fake_gpu((7, 0))
     text = d2lgpu.format_report(_report_with(gpu))
     assert "no bf16 Tensor Cores on this GPU" in text
     assert "is_bf16_supported() counts emulation as support" in text
 
 
 def test_format_report_no_warning_on_an_ampere_gpu():
-    gpu = _fake_gpu((8, 0), torch_says_bf16=True)
-    assert not gpu.bf16_emulated
+    gpu = _fake_gpu((8, 0))
     text = d2lgpu.format_report(_report_with(gpu))
     assert "fp16, bf16, tf32" in text
     assert "emulated" not in text and "no bf16 Tensor Cores" not in text
@@ -622,18 +616,18 @@ def _fake_props(name: str, major: int, minor: int, **extra):
                                  total_memory=16 * 10**9, uuid=f"uuid-{name}", **extra)
 
 
-def _two_fake_gpus(monkeypatch, props, nvml=None, bf16=lambda *a, **k: True):
+def _two_fake_gpus(monkeypatch, props, nvml=None):
     """Two GPUs with properties ``props(i)``; NVML's view ``nvml`` (by default, none).
-    Creating a CUDA context (``mem_get_info``) fails the test: the report reads without."""
+    Creating a CUDA context fails the test: the report reads without."""
     def mem_get_info(*args, **kwargs):
-        raise AssertionError("environment_report created a CUDA context to read free memory")
+        raise AssertionError("environment_report created a CUDA context")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16)
-    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "device", mem_get_info)
     monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
     monkeypatch.setattr(report, "read_nvml",
                         lambda: nvml or NvmlView(None, (), "NVML cannot start: faked"))
@@ -649,17 +643,10 @@ def test_environment_report_reads_free_memory_from_nvml_without_a_cuda_context(m
     # NVML lists the GPUs in its own order, with the GPU- prefix; torch's UUIDs match them.
     nvml = NvmlView("580.1", (_nvml_reading(0, "GPU-uuid-GPU1", 4),
                               _nvml_reading(1, "GPU-uuid-GPU0", 1)), None)
-    asked_bf16 = []
-
-    def bf16(*args, **kwargs):
-        asked_bf16.append(True)  # torch creates a bf16 tensor, and a context, to answer
-        return True
-
-    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0), nvml, bf16)
+    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 7, 5), nvml)
     first, second = d2lgpu.environment_report().gpus
     assert first.free_memory_bytes == 15 * 2**30 and first.total_memory_bytes == 16 * 2**30
     assert second.free_memory_bytes == 12 * 2**30
-    assert first.torch_says_bf16 and not asked_bf16  # from 8.0 on, from the properties
     assert first.error is None and second.error is None
 
 
@@ -669,36 +656,6 @@ def test_environment_report_without_nvml_knows_the_total_but_not_the_free_memory
     assert gpu.free_memory_bytes is None and gpu.total_memory_bytes == 16 * 10**9
     assert "memory: free unknown, 14.90 GiB in all" in d2lgpu.format_report(
         d2lgpu.environment_report())
-
-
-def test_environment_report_reports_a_busy_gpu_and_reads_the_other(monkeypatch):
-    # Below 8.0 torch answers is_bf16_supported with a tensor on the GPU; a GPU that
-    # another process holds in exclusive mode fails there.
-    current = []
-
-    def device(i):
-        current[:] = [i]
-        return contextlib.nullcontext()
-
-    def bf16(*args, **kwargs):
-        if current == [1]:
-            raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
-        return True
-
-    nvml = NvmlView("580.1", (_nvml_reading(0, "GPU-uuid-GPU0", 1),
-                              _nvml_reading(1, "GPU-uuid-GPU1", 2)), None)
-    _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 7, 5), nvml, bf16)
-    monkeypatch.setattr(torch.cuda, "device", device)
-    env = d2lgpu.environment_report()
-    ok, busy = env.gpus
-    assert ok.error is None and ok.free_memory_bytes == 15 * 2**30 and ok.torch_says_bf16
-    assert busy.name == "GPU1" and busy.torch_says_bf16 is None
-    assert busy.free_memory_bytes == 14 * 2**30  # NVML reads it all the same
-    assert busy.error.startswith("is_bf16_supported: RuntimeError: CUDA error: CUDA-capable")
-    text = d2lgpu.format_report(env)
-    assert "cuda:0  GPU0" in text and "15.00 GiB free of 16.00 GiB" in text
-    assert "cuda:1  GPU1" in text and "failed: is_bf16_supported: RuntimeError" in text
-    assert "nvidia-smi" in text
 
 
 def test_environment_report_reports_a_lost_gpu_and_reads_the_other(monkeypatch):
@@ -878,8 +835,6 @@ def _fake_gpus_with_kernels(monkeypatch, capabilities, arch_list, cuda_build="13
                         lambda i=0: _fake_props(f"GPU{i}", *capabilities[i]))
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
     monkeypatch.setattr(torch.version, "cuda", cuda_build)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
     monkeypatch.setattr(report, "_pycuda_attributes", lambda count: ("no pycuda", [None] * count))
     monkeypatch.setattr(report, "read_nvml", lambda: NvmlView("580.1", (), None, "13.0"))
     monkeypatch.setattr(report, "nccl_version", lambda: None)

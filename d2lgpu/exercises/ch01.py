@@ -9,21 +9,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from d2lgpu.chips import GPU_DATASHEETS
-from d2lgpu.exercises import (
-    attempt,
-    expect,
-    expect_close,
-    expect_value_error,
-    passed,
-)
+from d2lgpu.exercises import attempt, expect, expect_close, expect_value_error, passed
 
 MiB = 2**20
 
 
 def _kernel_image(capability: tuple[int, int], arch_list: Sequence[str]) -> str | None:
-    """The entry of ``arch_list`` a GPU of ``capability`` runs: the newest machine code
-    ``sm_XY`` of its major version X with a minor Y no higher than its own, else the newest
-    PTX ``compute_XY`` no newer than the GPU (the driver compiles it)."""
+    """The entry of ``arch_list`` a GPU of ``capability`` runs: the newest ``sm_XY`` of its
+    major X with a minor Y no higher than its own, else the newest PTX no newer than it."""
     mine = tuple(capability)
     machine, ptx = [], []
     for entry in arch_list:
@@ -46,20 +39,13 @@ def kernel_image(fn: Callable[[tuple[int, int], list[str]], str | None]) -> None
     cuda13 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
     cases = [
         ((9, 0), cuda13, "an H100 (9.0) finds machine code built for it"),
-        ((8, 9), cuda13, "an L4 (8.9) has no sm_89, but sm_86 is the same generation (8) "
-                         "with a lower minor version, and the newest such entry"),
-        ((7, 0), cuda13, "a V100 (7.0): sm_75 needs minor version 5 or higher, sm_80 and "
-                         "above are another generation, and there is no PTX"),
-        ((10, 3), ["sm_90", "sm_100"], "sm_100 is compute capability 10.0 (the last digit "
-                                       "is the minor version), the same generation as 10.3"),
-        ((12, 0), ["sm_90", "sm_100", "compute_100"], "no 12.x machine code: the driver "
-                                                     "compiles the PTX of compute_100"),
-        ((8, 6), ["sm_80", "sm_86", "compute_86"], "machine code that fits wins over PTX, "
-                                                   "which would have to be compiled first"),
-        ((8, 0), ["sm_86", "compute_86"], "an A100 (8.0) runs neither: sm_86 needs 8.6 or "
-                                          "higher, and PTX compute_86 too"),
-        ((9, 0), ["sm_80", "compute_70", "compute_80"], "sm_80 is another generation; of the "
-                                                         "PTX entries, the newest that fits"),
+        ((8, 9), cuda13, "an L4 (8.9) runs sm_86: its generation (8), a lower minor version"),
+        ((7, 0), cuda13, "a V100 (7.0): sm_75 needs 7.5, sm_80 is another generation, no PTX"),
+        ((10, 3), ["sm_90", "sm_100"], "sm_100 is 10.0 (the last digit is the minor version)"),
+        ((12, 0), ["sm_90", "sm_100", "compute_100"], "the driver compiles compute_100's PTX"),
+        ((8, 6), ["sm_80", "sm_86", "compute_86"], "machine code that fits wins over PTX"),
+        ((8, 0), ["sm_86", "compute_86"], "an A100 (8.0) runs neither: both need 8.6"),
+        ((9, 0), ["sm_80", "compute_70", "compute_80"], "of the PTX, the newest that fits"),
         ((7, 5), [], "an empty list (a CPU-only build) has nothing to run"),
     ]
     @functools.wraps(fn)  # keeps fn's name for the "not done yet" message
@@ -125,6 +111,11 @@ def _footprint(nbytes: int) -> tuple[int, int]:
     return (rounded if split else segment), segment
 
 
+_FOOTPRINT_RULE = ("0 bytes ask for nothing; else round up to 512 bytes; up to 1 MiB, cut from a "
+                   "2 MiB segment; below 10 MiB a 20 MiB segment, else one rounded up to 2 MiB, "
+                   "taken whole unless more than 1 MiB would stay free.")
+
+
 def allocator_footprint(fn: Callable[[int], tuple[int, int]]) -> None:
     """Exercise 1.4: ``fn(nbytes)``, (memory_allocated, memory_reserved) after one tensor of
     ``nbytes`` bytes on an empty caching allocator."""
@@ -144,24 +135,10 @@ def allocator_footprint(fn: Callable[[int], tuple[int, int]]) -> None:
         allocated, reserved = got
         expect(ex, (allocated, reserved) == want,
                f"{tensor}: got allocated {allocated:,}, reserved {reserved:,}; expected "
-               f"allocated {want[0]:,}, reserved {want[1]:,}. " + _footprint_hint(nbytes, want))
+               f"allocated {want[0]:,}, reserved {want[1]:,}. {_FOOTPRINT_RULE}")
     expect_value_error(ex, fn, (-1,), "a tensor cannot have -1 bytes")
     passed(ex, "one float32 on the GPU: 512 bytes allocated in a 2 MiB segment; 3 MiB "
                "reserve 20 MiB, and 11 MiB take a whole 12 MiB segment")
-
-
-def _footprint_hint(nbytes: int, want: tuple[int, int]) -> str:
-    if nbytes == 0:
-        return "A tensor of 0 bytes asks the allocator for nothing."
-    rounded = max(512, 512 * math.ceil(nbytes / 512))
-    if rounded <= MiB:
-        return f"It rounds up to {rounded:,} bytes, cut from a 2 MiB segment."
-    if want[0] != rounded:
-        return (f"It rounds up to {rounded:,} bytes; its segment would keep only "
-                f"{want[1] - rounded:,} bytes free, not more than 1 MiB, so the tensor "
-                "takes the whole segment.")
-    return (f"It rounds up to {rounded:,} bytes, in a segment of {want[1] // MiB} MiB "
-            "(20 MiB below 10 MiB, else rounded up to 2 MiB).")
 
 
 def warp_waves(fn: Callable[[int, int, str], float]) -> None:

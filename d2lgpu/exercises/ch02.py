@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -78,11 +79,11 @@ def timed_median(fn: Callable[..., float]) -> None:
                      f"(each call also costs the host {_FakeDevice.LAUNCH} s to launch), the "
                      "median (statistics.median of the timed calls only)", rel_tol=1e-9)
     noop = _FakeDevice([0.0] * 5)
-    expect_value_error(ex, fn, (noop.fn, noop.synchronize),
-                       "repeats=0 leaves nothing to take the median of",
-                       dict(warmup=1, repeats=0, clock=noop.clock))
-    expect_value_error(ex, fn, (noop.fn, noop.synchronize), "warmup=-1 is no number of calls",
-                       dict(warmup=-1, repeats=3, clock=noop.clock))
+    for warmup, repeats, why in [(1, 0, "repeats=0 leaves nothing to take the median of"),
+                                 (-1, 3, "warmup=-1 is no number of calls")]:
+        counts = functools.wraps(fn)(functools.partial(fn, warmup=warmup, repeats=repeats,
+                                                       clock=noop.clock))
+        expect_value_error(ex, counts, (noop.fn, noop.synchronize), why)
     passed(ex, "the clock is read only after the device has finished, and the warm-up calls' "
                "5 s stay out of a median of 13 ms")
 
