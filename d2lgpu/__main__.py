@@ -21,11 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"d2lgpu {d2lgpu.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    info = commands.add_parser(
-        "info",
-        help="print versions, GPUs, driver readings and why CUDA is unusable if it is",
-        description="Print the environment report of this machine.",
-    )
+    info = commands.add_parser("info", description="Print the environment report of this machine.",
+                               help="print versions, GPUs, driver readings, why CUDA is unusable")
     info.add_argument("--json", action="store_true", help="print the report as JSON")
     info.add_argument("--require-gpu", action="store_true",
                       help="exit with status 1 when CUDA is not usable (for scripts)")
@@ -33,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (1: ``--require-gpu`` found no usable
-    GPU; 2: a usage error)."""
+    """Run the command line; return the exit status (1: ``--require-gpu`` found no usable GPU)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

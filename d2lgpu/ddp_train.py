@@ -247,9 +247,9 @@ def _check_resumable(snapshot: dict, cfg: DDPConfig, path: Path) -> None:
     done = snapshot["epochs_done"]
     if done > cfg.epochs:
         raise SnapshotError(
-            f"snapshot {path} already holds {done} epochs, more than --epochs {cfg.epochs}: "
-            f"--epochs is the total number of epochs, not the number to add: pass "
-            f"--epochs {done + 1} or more to train on; or, {_start_fresh(path)}"
+            f"snapshot {path} already holds {done} epochs, more than --epochs {cfg.epochs} (the "
+            f"total, not the number to add): pass --epochs {done + 1} or more; or, "
+            f"{_start_fresh(path)}"
         )
 
 
@@ -319,9 +319,8 @@ def _train_epoch(
     return loss_sum.item(), correct.item(), seen, first_loss.item()
 
 
-def _count_correct(
-    net: nn.Module, loader: DataLoader, device: torch.device, policy: PrecisionPolicy
-) -> tuple[int, int]:
+def _count_correct(net: nn.Module, loader: DataLoader, device: torch.device,
+                   policy: PrecisionPolicy) -> tuple[int, int]:
     net.eval()
     correct = seen = 0
     with torch.no_grad():
@@ -373,13 +372,11 @@ def _record_epoch(
 
 def _epoch_line(history: dict[str, list[float]], epoch: int, cfg: DDPConfig,
                 ctx: DistContext | None) -> str:
-    return (
-        f"epoch {epoch + 1}/{cfg.epochs}: loss {history['train_loss'][-1]:.3f}, "
-        f"train acc {history['train_acc'][-1]:.3f}, test acc {history['test_acc'][-1]:.3f}, "
-        f"{history['epoch_seconds'][-1]:.1f} s, "
-        f"{history['examples_per_second'][-1]:.0f} examples/s "
-        f"({ctx.world_size if ctx else 1} rank(s), {ctx.backend if ctx else 'no process group'})"
-    )
+    last = {key: values[-1] for key, values in history.items()}
+    return (f"epoch {epoch + 1}/{cfg.epochs}: loss {last['train_loss']:.3f}, train acc "
+            f"{last['train_acc']:.3f}, test acc {last['test_acc']:.3f}, {last['epoch_seconds']:.1f}"
+            f" s, {last['examples_per_second']:.0f} examples/s ({ctx.world_size if ctx else 1} "
+            f"rank(s), {ctx.backend if ctx else 'no process group'})")
 
 
 def train_ddp(
@@ -395,10 +392,8 @@ def train_ddp(
     if data is not None:
         _check_data(data)
     if cfg.batch_size % world_size:
-        raise ValueError(
-            f"batch_size={cfg.batch_size} is the global batch and must be divisible by the "
-            f"{world_size} ranks: use a multiple of {world_size}"
-        )
+        raise ValueError(f"batch_size={cfg.batch_size} is the global batch and must be divisible "
+                         f"by the {world_size} ranks: use a multiple of {world_size}")
     device = device or (ctx.device if ctx is not None else torch.device("cpu"))
     # The snapshot first: a run that cannot continue from it fails before loading any data.
     path = Path(cfg.snapshot) if cfg.snapshot else None
@@ -463,10 +458,8 @@ def ddp_worker(
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
-    parser = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node=N -m d2lgpu.ddp_train",
-        description="Train on Fashion-MNIST with DistributedDataParallel.",
-    )
+    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m d2lgpu.ddp_train",
+                                     description=__doc__.split("::")[0])
     parser.add_argument("--epochs", type=positive_int_flag, default=DDPConfig.epochs,
                         help="total epochs, including those a snapshot already holds")
     parser.add_argument("--batch-size", type=positive_int_flag, default=DDPConfig.batch_size,
@@ -483,13 +476,9 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, float]:
     add_job_flags(parser, crash_point="this epoch")
     args = parser.parse_args(argv)
     quick = small_data() if args.quick is None else args.quick
-    cfg = DDPConfig(
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-        model=args.model or ("small_cnn" if quick else "resnet18"), data_root=args.data_root,
-        snapshot=args.snapshot, seed=args.seed, quick=quick,
-        fail_after_epoch=args.fail_after_epoch, precision=args.precision,
-    )
-    return cfg, args.timeout
+    model = args.model or ("small_cnn" if quick else "resnet18")
+    settings = {k: v for k, v in vars(args).items() if k not in ("timeout", "model", "quick")}
+    return DDPConfig(model=model, quick=quick, **settings), args.timeout
 
 
 def main(argv: Sequence[str] | None = None) -> DDPResult:

@@ -1,11 +1,7 @@
 """Is the distributed setup healthy? Every rank all-reduces, waits at a barrier, and reports.
-
-Run it before a long job with the same torchrun flags the job will use::
+Run it before a long job with the job's torchrun flags (chapter 5)::
 
     torchrun --standalone --nproc_per_node=2 -m d2lgpu.healthcheck
-
-The all-reduce of ``rank + 1`` must give ``W (W + 1) / 2`` on every rank. A rank that
-never arrives makes the others fail after ``--timeout`` seconds; the exit status is 1.
 """
 
 from __future__ import annotations
@@ -42,22 +38,14 @@ def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     got = total.item()
     dist.barrier()
-    mine = {
-        "rank": ctx.rank,
-        "local_rank": ctx.local_rank,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": _device_name(ctx.device),
-        "all_reduce": got,
-    }
+    mine = {"rank": ctx.rank, "local_rank": ctx.local_rank, "host": socket.gethostname(),
+            "pid": os.getpid(), "device": _device_name(ctx.device), "all_reduce": got}
     everyone: list[dict | None] = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
 
-    # None on CPU-only builds and on CUDA builds without NCCL (Windows, macOS).
-    nccl = nccl_version() or "n/a"
     lines = [
         f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"CUDA {torch.version.cuda or 'n/a'}, NCCL {nccl}",
+        f"CUDA {torch.version.cuda or 'n/a'}, NCCL {nccl_version() or 'n/a'}",
         f"backend {ctx.backend}, world size {ctx.world_size}, "
         f"all_reduce of rank+1 must give {expected:g}",
     ]
@@ -66,18 +54,15 @@ def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
         ok = info["all_reduce"] == expected
         healthy &= ok
         verdict = "OK" if ok else f"WRONG: all_reduce gave {info['all_reduce']:g}"
-        lines.append(
-            f"rank {info['rank']} (local {info['local_rank']}) on {info['host']} "
-            f"pid {info['pid']}, {info['device']}: all_reduce {verdict}, barrier OK"
-        )
+        lines.append(f"rank {info['rank']} (local {info['local_rank']}) on {info['host']} "
+                     f"pid {info['pid']}, {info['device']}: all_reduce {verdict}, barrier OK")
     return healthy, lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line for torchrun; returns the exit status (0 healthy, 1 not)."""
-    parser = argparse.ArgumentParser(
-        prog="torchrun --nproc_per_node=N -m d2lgpu.healthcheck", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m d2lgpu.healthcheck",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--timeout", type=positive_number_flag, default=60.0,
                         help="seconds to wait for the other ranks (default %(default)s)")
     args = parser.parse_args(argv)

@@ -95,7 +95,7 @@ def test_loaders_and_batches():
     assert check_batch("train_iter", (X, y), 0)[0] is X
     with pytest.raises(TypeError, match=r"batch 4 of train_iter is Tensor"):
         check_batch("train_iter", X, 4)
-    with pytest.raises(TypeError, match=r"holds \(list, Tensor\)"):
+    with pytest.raises(TypeError, match=r"batch 0 of train_iter is tuple \(\[1, 2\], tensor"):
         check_batch("train_iter", ([1, 2], y), 0)
     with pytest.raises(ValueError, match=r"X of shape \(2, 3\) and y of shape \(3,\)"):
         check_batch("train_iter", (X, torch.zeros(3)), 0)

@@ -20,6 +20,7 @@ from d2lgpu.exercises import (
     attempt,
     expect,
     expect_close,
+    expect_value_error,
     passed,
     refuse_stub_early,
 )
@@ -40,7 +41,7 @@ def shard_indices(fn: Callable[..., list[int]]) -> None:
                     want = list(sampler)
                     got = attempt(ex, fn, n, world, rank, shuffle=shuffle, seed=seed,
                                   epoch=epoch, drop_last=drop_last)
-                    call = (f"shard_indices(n={n}, world={world}, rank={rank}, shuffle={shuffle}, "
+                    call = (f"shard_indices({n}, {world}, {rank}, shuffle={shuffle}, "
                             f"seed={seed}, epoch={epoch}, drop_last={drop_last})")
                     expect(ex, isinstance(got, (list, tuple)),
                            f"{call} returned a {type(got).__name__}; return a list of ints")
@@ -54,22 +55,10 @@ def shard_indices(fn: Callable[..., list[int]]) -> None:
                                  "every rank")
                     expect(ex, got == want, f"{call} gave {got}, DistributedSampler gives "
                                             f"{want}: {hint}")
-    try:
-        attempt(ex, fn, 4, 2, 2, shuffle=False, seed=0, epoch=0, drop_last=False)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        pass
-    else:
-        raise ExerciseWrong(f"Exercise {ex}: rank 2 does not exist among 2 ranks (they are 0 "
-                            "and 1); raise a ValueError that says so, as DistributedSampler does")
+    expect_value_error(ex, fn, (4, 2, 2, False, 0, 0, False), "rank 2 does not exist among 2 "
+                       "ranks (they are 0 and 1), as DistributedSampler says")
     passed(ex, "10 examples on 4 ranks: rank 3 gets [3, 7, 1], padded with example 1; with "
                "drop_last, [3, 7]")
-
-
-def _small_classifier() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
 def _examples(n: int, features: int = 6, classes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +86,8 @@ def ddp_gradient(fn: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], torc
     """Exercise 5.2: ``fn(model, features, labels, world)``, the gradient DDP's ranks agree
     on: the mean of the ranks' gradients, each of its ``DistributedSampler`` share."""
     ex = "5.2"
-    model = _small_classifier()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
     before = [p.detach().clone() for p in model.parameters()]
     size = sum(p.numel() for p in model.parameters())
     differs = {}
@@ -143,13 +133,13 @@ def _count_all_reduces(state, bucket):
 
 @contextlib.contextmanager
 def _one_rank_group(ex: str) -> Iterator[None]:
-    """A gloo process group of world size 1 in this process, destroyed afterwards."""
+    """A gloo process group of world size 1 in this process, destroyed afterwards (a learner's
+    own group of one rank is used, and left as it is)."""
     if dist.is_initialized():
         world = dist.get_world_size()
-        expect(ex, world == 1,
-               f"this kernel already has a process group of world size {world}; call "
-               "torch.distributed.destroy_process_group() first (or restart the kernel)")
-        yield  # the learner's own group of one rank: used, and left as it is
+        expect(ex, world == 1, f"this kernel already has a process group of world size {world}; "
+               "call torch.distributed.destroy_process_group() first (or restart the kernel)")
+        yield
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -185,8 +175,7 @@ def accumulate(fn: Callable[[DDP, Sequence[tuple[torch.Tensor, torch.Tensor]]], 
     passed(ex, "4 micro-batches, 1 all-reduce, and the gradient of the whole batch")
 
 
-def _check_accumulation(ex: str, fn: Callable[[DDP, Sequence[tuple[torch.Tensor,
-                                                                  torch.Tensor]]], float]) -> None:
+def _check_accumulation(ex: str, fn: Callable[..., float]) -> None:
     """The checks of exercise 5.3, on the group of one rank that ``accumulate`` holds."""
     plain = DDP(_accumulation_model())
     counted = {"calls": 0}
@@ -212,14 +201,12 @@ def _check_accumulation(ex: str, fn: Callable[[DDP, Sequence[tuple[torch.Tensor,
         sizes = [len(rows) for rows, _ in micro_batches]
         expect(ex, forwards == sizes,
                f"{batches} of {sizes} rows: the model's forward passes saw {forwards} rows. "
-               "Run the model once on each micro-batch, in turn: one forward over the "
-               "concatenated micro-batches computes the same gradient, but holds the "
-               "activations of the whole batch at once, which accumulation exists to avoid")
+               "Run the model once on each micro-batch, in turn: one forward over the whole "
+               "batch holds all its activations at once, which accumulation exists to avoid")
         expect(ex, len(backwards) == k,
-               f"{batches}: backward ran {len(backwards)} time(s) through the model, "
-               f"expected {k}: call backward on each micro-batch's loss right after its "
-               "forward (a single backward of the summed losses keeps every micro-batch's "
-               "graph and activations alive until the end)")
+               f"{batches}: backward ran {len(backwards)} time(s) through the model, expected "
+               f"{k}: call backward on each micro-batch's loss right after its forward (one "
+               "backward of the summed losses keeps every micro-batch's activations alive)")
         calls = counted["calls"] // per_backward
         expect(ex, calls != k or k == 1,
                f"{k} micro-batches made {k} all-reduces, one per backward: run forward "
@@ -259,15 +246,7 @@ def ring_all_reduce_seconds(fn: Callable[[float, int, float, float], float]) -> 
                              f"ring_all_reduce_seconds(nbytes={nbytes:g}, n={n}, "
                              f"bandwidth={bandwidth:g}, latency={latency:g})", rel_tol=1e-9,
                              abs_tol=1e-15)
-    try:
-        attempt(ex, fn, 1e6, 0, 25e9, 1e-5)
-    except ExerciseWrong:
-        raise
-    except ValueError:
-        pass
-    else:
-        raise ExerciseWrong(f"Exercise {ex}: a ring of 0 ranks does not exist; raise a "
-                            "ValueError that says so")
+    expect_value_error(ex, fn, (1e6, 0, 25e9, 1e-5), "a ring of 0 ranks does not exist")
     mib = 1 << 20
     small = 2 * 63 * (10e-6 + mib / 64 / 25e9)
     big = 2 * 63 * (10e-6 + 25 * mib / 64 / 25e9)

@@ -124,10 +124,8 @@ def check_tensor(
     import torch
 
     if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor, got {_given(value)}: pass a tensor "
-            "(torch.as_tensor converts lists and NumPy arrays)"
-        )
+        raise TypeError(f"{name} must be a torch.Tensor, got {_given(value)}: pass a tensor "
+                        "(torch.as_tensor converts lists and NumPy arrays)")
     if isinstance(dtype, str):
         floating = value.dtype.is_floating_point
         integer = not floating and not value.dtype.is_complex and value.dtype != torch.bool
@@ -142,10 +140,8 @@ def check_tensor(
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
     if min_ndim is not None and value.dim() < min_ndim:
-        raise ValueError(
-            f"{name} must have at least {min_ndim} dimension(s) (a batch dimension first), "
-            f"got shape {tuple(value.shape)}"
-        )
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s) (a batch dimension "
+                         f"first), got shape {tuple(value.shape)}")
     if device is not None and value.device != torch.device(device):
         raise ValueError(f"{name} is on {value.device}, expected {device}: move it with .to()")
     if finite:
@@ -180,15 +176,12 @@ def check_loader(name: str, value: object) -> object:
     not known to be empty."""
     import torch
 
-    fix = ("pass a DataLoader (e.g. from d2lgpu.load_data_fashion_mnist) or a list of "
-           "(X, y) batches")
     if isinstance(value, (str, bytes, torch.Tensor)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must yield batches (X, y), got {_given(value)}: {fix}")
+        raise TypeError(f"{name} must yield batches (X, y), got {_given(value)}: pass a "
+                        "DataLoader (e.g. d2lgpu.load_data_fashion_mnist's) or a list of batches")
     if hasattr(value, "__len__") and len(value) == 0:  # type: ignore[arg-type]
-        raise ValueError(
-            f"{name} is empty (length 0): it has no batches, so no examples. Check the data "
-            "set's size against the batch size (drop_last=True drops a last partial batch)"
-        )
+        raise ValueError(f"{name} is empty (length 0): it has no batches. Check the data set's "
+                         "size against the batch size (drop_last=True drops a last partial batch)")
     return value
 
 
@@ -197,23 +190,14 @@ def check_batch(name: str, batch: object, index: int):
     error naming the loader and the batch number, not an unpacking error in the loop."""
     import torch
 
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        shape = f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-        raise TypeError(
-            f"batch {index} of {name} is {type(batch).__name__}{shape}: every batch must be "
-            "a pair (X, y) of an input tensor and a label tensor"
-        )
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise TypeError(f"batch {index} of {name} is {_given(batch)}: every batch must be a pair "
+                        "(X, y) of an input tensor and a label tensor")
     X, y = batch
-    if not isinstance(X, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise TypeError(
-            f"batch {index} of {name} holds ({type(X).__name__}, {type(y).__name__}): "
-            "both X and y must be tensors (a DataLoader over a Dataset of tensors makes them)"
-        )
     if X.dim() == 0 or y.dim() == 0 or X.shape[0] != y.shape[0]:
-        raise ValueError(
-            f"batch {index} of {name} has X of shape {tuple(X.shape)} and y of shape "
-            f"{tuple(y.shape)}: both need the batch dimension first, of one size"
-        )
+        raise ValueError(f"batch {index} of {name} has X of shape {tuple(X.shape)} and y of shape "
+                         f"{tuple(y.shape)}: both need the batch dimension first, of one size")
     return X, y
 
 

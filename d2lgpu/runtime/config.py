@@ -38,14 +38,10 @@ def _env_flag(name: str) -> bool:
     """A yes/no variable (1/0, true/false, yes/no, on/off; unset: no); anything else is
     an error, so that a typo never silently picks a workload."""
     raw = os.environ.get(name, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(
-        f"{name}={os.environ[name]!r} is not understood: set it to 1 (yes) or 0 (no), "
-        f"or unset it"
-    )
+    if raw not in _TRUE | _FALSE:
+        raise ValueError(f"{name}={os.environ[name]!r} is not understood: set it to 1 (yes) or 0 "
+                         "(no), or unset it")
+    return raw in _TRUE
 
 
 def quick_mode() -> bool:
@@ -91,26 +87,17 @@ _SAME_AS_FULL = object()
 
 def _is_amount(value: object) -> bool:
     """Whether a pick()ed value sizes work (numbers, or containers of them), not a choice."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, (int, float)):
-        return True
-    if isinstance(value, (list, tuple)) and value:
-        return all(_is_amount(v) for v in value)
-    if isinstance(value, dict) and value:
-        return all(_is_amount(v) for v in value.values())
-    return False
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(map(_is_amount, value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def pick(
-    full: T, quick: T, cpu: T = _SAME_AS_FULL, smoke: T = _SAME_AS_FULL  # type: ignore[assignment]
-) -> T:
-    """The value for this process's workload, e.g. ``pick(full=10, quick=1, cpu=3)``;
-    ``cpu`` defaults to ``full``.
-
-    Smoke mode takes amounts (numbers, and containers of them) from ``quick`` and every
-    other choice from ``full``, unless ``smoke`` is given.
-    """
+def pick(full: T, quick: T, cpu: T = _SAME_AS_FULL, smoke: T = _SAME_AS_FULL) -> T:  # type: ignore[assignment]
+    """The value for this process's workload, e.g. ``pick(full=10, quick=1, cpu=3)``; ``cpu``
+    defaults to ``full``. Smoke mode takes amounts (numbers, and containers of them) from
+    ``quick`` and every other choice from ``full``, unless ``smoke`` is given."""
     chosen = workload()
     if chosen == "quick":
         return quick
@@ -146,15 +133,11 @@ def describe_mode() -> str:
     """One line saying which workload this process runs, for notebooks to print."""
     chosen = workload()
     if chosen == "quick":
-        return (
-            f"quick mode ({QUICK_ENV}=1): tiny data, few steps; "
-            "numbers are for checking, not for quoting"
-        )
+        return (f"quick mode ({QUICK_ENV}=1): tiny data, few steps; numbers are for checking, "
+                "not for quoting")
     if chosen == "cpu":
-        return (
-            "CPU mode (no CUDA GPU): workloads cut to finish in minutes; "
-            f"{FULL_ENV}=1 runs the real ones"
-        )
+        return (f"CPU mode (no CUDA GPU): workloads cut to finish in minutes; {FULL_ENV}=1 runs "
+                "the real ones")
     if smoke_mode():
         return (f"smoke mode ({SMOKE_ENV}=1): full mode's code path with the work cut to a few "
                 "steps; the numbers are for checking that it runs")

@@ -118,11 +118,9 @@ def _plural(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-NCCL_ADVICE = (
-    "On GPUs, run with NCCL_DEBUG=INFO to see what every rank's NCCL does; "
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING (torchrun sets 1; 0 turns it off) is what ends the "
-    "waiting ranks after the timeout (by SIGABRT) instead of letting them wait forever"
-)
+NCCL_ADVICE = ("On GPUs, run with NCCL_DEBUG=INFO to see what every rank's NCCL does; "
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun's default) ends the waiting ranks "
+               "after the timeout (by SIGABRT) instead of letting them wait forever")
 
 
 class CollectiveTimeout(TimeoutError):
@@ -269,9 +267,8 @@ def _env_int(name: str) -> int:
     return int(raw)
 
 
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:200]
 
 
 def _this_process() -> str:
@@ -345,28 +342,20 @@ def _open_store(
 
 def _shut_down_connections_to(host: str, port: int) -> None:
     """Shut down every TCP connection of this process to ``host:port`` (POSIX only)."""
-    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        fds = [int(name) for name in os.listdir(fd_dir)]
-    except OSError:
+    fd_dir = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)
+    if fd_dir is None:
         return
     # TCPStore connects over IPv6 where it can: 127.0.0.1 appears as ::ffff:127.0.0.1.
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     addresses = {info[4][0].removeprefix("::ffff:") for info in infos}
-    for fd in fds:
-        try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                continue
-            sock = socket.socket(fileno=os.dup(fd))  # shutdown() acts on the shared connection
-        except OSError:
-            continue
-        with sock:
-            try:
-                peer = sock.getpeername()
-                if peer[1] == port and peer[0].removeprefix("::ffff:") in addresses:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except (OSError, TypeError):
-                pass  # not connected, or not an internet socket
+    for fd in map(int, os.listdir(fd_dir)):
+        # Not connected, not an internet socket, or closed meanwhile: not the one.
+        with suppress(OSError, TypeError):
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                with socket.socket(fileno=os.dup(fd)) as sock:  # shutdown() acts on the original
+                    peer = sock.getpeername()
+                    if peer[1] == port and peer[0].removeprefix("::ffff:") in addresses:
+                        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _rendezvous(
@@ -581,10 +570,8 @@ class RankError(RuntimeError):
 
 def _where(exc: BaseException) -> str:
     """``file:line in function`` of the innermost frame an exception passed through."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "unknown place"
-    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}"
+    frame = (traceback.extract_tb(exc.__traceback__) or [None])[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}" if frame else "unknown"
 
 
 def _run_rank(
@@ -647,16 +634,12 @@ _LIKELY_CAUSES = {
 
 
 def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return ""
+    return signal.Signals(-code).name if -code in signal.valid_signals() else "an unknown signal"
 
 
 def _how_it_ended(code: int) -> str:
-    if code >= 0:
-        return f"exited with code {code}"
-    return f"was killed by signal {_signal_name(code) or 'an unknown signal'} ({-code})"
+    return f"exited with code {code}" if code >= 0 else (
+        f"was killed by signal {_signal_name(code)} ({-code})")
 
 
 @dataclass(frozen=True)
@@ -686,27 +669,16 @@ class _Outcome:
 
     def hang_summary(self) -> str:
         """Which ranks were still running at launch's timeout, and where each one was."""
-        finished = [r for r, code in enumerate(self.exitcodes)
-                    if code == 0 and r not in self.stopped]
-        parts = []
-        if self.stopped:
-            parts.append(f"still running: {_plural(self.stopped)}")
+        finished = [r for r, code in enumerate(self.exitcodes) if code == 0]
+        parts = [f"still running: {_plural(self.stopped)}"] if self.stopped else []
         if finished:
             parts.append(f"finished: {', '.join(map(str, finished))}")
+        progress = {r: self.progress.get(r, (0, "nothing yet")) for r in range(len(self.exitcodes))}
         if self.progress:
-            progress = {r: self.progress.get(r, (0, "nothing yet"))
-                        for r in range(len(self.exitcodes))}
-            laggards = _laggards(progress)
-            parts.append(
-                f"{_plural(laggards)} never arrived where the others were "
-                f"({_progress_lines(progress)})" if laggards
-                else f"all at the same step ({_progress_lines(progress)})"
-            )
-        else:
-            parts.append("no rank reported its progress (call d2lgpu.runtime.distributed."
-                         "mark_progress before each collective to see where each rank was)")
+            parts.append(f"last steps: {_progress_lines(progress)}")
         return "; ".join(parts) + (". Give them more time, or look for a rank that never "
-                                   "reached a collective the others wait in")
+                                   "reached a collective the others wait in (mark_progress "
+                                   "before each collective shows where each rank was)")
 
     def aborted(self, rank: int) -> bool:
         return self.exitcodes[rank] == -getattr(signal, "SIGABRT", 6)
@@ -729,12 +701,9 @@ class _Outcome:
         return min(self.records.values(), key=lambda record: record["time"])["rank"]
 
     def early_exit_lines(self) -> list[str]:
-        return [
-            f"rank {rank} had already ended with sys.exit(0) ({where}) while the others were "
-            "still running: a rank that leaves early makes its peers fail in their next "
-            "collective (or wait in it until the timeout)"
-            for rank, where in sorted(self.early_exits.items())
-        ]
+        return [f"rank {rank} had already ended with sys.exit(0) ({where}) while the others were "
+                "still running: its peers then fail in (or wait in) their next collective"
+                for rank, where in sorted(self.early_exits.items())]
 
     def aftermath(self, cause: int) -> list[str]:
         """One line for each thing that happened to the other ranks."""
@@ -744,8 +713,7 @@ class _Outcome:
                   for rank, record in sorted(self.records.items()) if rank != cause]
         lines += [f"then rank {rank} {_how_it_ended(code)}"
                   for rank, code in enumerate(self.exitcodes)
-                  if code and rank != cause and rank not in self.records
-                  and rank not in self.stopped]
+                  if code and rank not in (cause, *self.records, *self.stopped)]
         if self.stopped:
             was = "was" if len(self.stopped) == 1 else "were"
             lines.append(f"launch stopped {_plural(self.stopped)}, which {was} still running")
@@ -760,33 +728,24 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
     record = outcome.records.get(cause)
     if outcome.aborted_waiting():
         waiting = [r for r in outcome.first_seen if r not in outcome.records]
-        lines = [
+        raise RankError(
             f"rank {cause} of {nprocs} never arrived: {_plural(waiting)} timed out in a "
-            f"collective waiting for it and {'were' if len(waiting) > 1 else 'was'} killed by "
-            "SIGABRT, which is how NCCL's watchdog ends a rank after a collective timeout, "
-            f"while rank {cause} was still running (stopped by launch). {NCCL_ADVICE}",
-        ]
-        if outcome.progress:
-            lines.append(f"last steps reported: {_progress_lines(outcome.progress)}")
-        raise RankError("\n  ".join(lines), cause, outcome.exitcodes[cause])
+            "collective waiting for it, killed by SIGABRT (NCCL's watchdog), while rank "
+            f"{cause} was still running (stopped by launch). {NCCL_ADVICE}\n  last steps "
+            f"reported: {_progress_lines(outcome.progress)}", cause, outcome.exitcodes[cause])
     if record is None:
         code = outcome.exitcodes[cause]
         likely = ("os._exit() or a native library ending the process" if code >= 0 else
                   _LIKELY_CAUSES.get(_signal_name(code), "a signal sent from outside the process"))
-        raise RankError(
-            "\n  ".join([f"rank {cause} of {nprocs} {_how_it_ended(code)} without raising a "
-                         f"Python exception; the usual cause is {likely}. Its output above "
-                         "may say more.", *aftermath]),
-            cause, code,
-        )
+        raise RankError("\n  ".join([
+            f"rank {cause} of {nprocs} {_how_it_ended(code)} without raising a Python exception; "
+            f"the usual cause is {likely}. Its output above may say more.", *aftermath]),
+            cause, code)
     remote = RemoteTraceback(record["traceback"])
     if record["sys_exit"] is not None:
-        raise RankError(
-            "\n  ".join([f"rank {cause} of {nprocs} called sys.exit({record['sys_exit']}) "
-                         f"({record['where']}): launch takes any status but 0 or None as a "
-                         "failure", *aftermath]),
-            cause,
-        ) from remote
+        raise RankError("\n  ".join([
+            f"rank {cause} of {nprocs} called sys.exit({record['sys_exit']}) ({record['where']}): "
+            "launch takes any status but 0 or None as a failure", *aftermath]), cause) from remote
     notes = [f"raised by rank {cause} of {nprocs} started by d2lgpu.runtime.distributed.launch",
              *aftermath]
     exc = pickle.loads(record["exception"]) if record["exception"] is not None else None

@@ -40,9 +40,7 @@ def _arch_number(entry: str) -> tuple[str, int] | None:
     """("sm", 86) for "sm_86", ("compute", 90) for "compute_90"; "sm_90a" counts as sm_90."""
     kind, _, number = entry.partition("_")
     digits = "".join(ch for ch in number if ch.isdigit())
-    if kind not in ("sm", "compute") or not digits:
-        return None
-    return kind, int(digits)
+    return (kind, int(digits)) if kind in ("sm", "compute") and digits else None
 
 
 def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
@@ -68,10 +66,9 @@ def cuda_arch_list() -> list[str] | None:
     if torch.version.cuda is None:
         return None
     try:
-        arch_list = list(torch.cuda.get_arch_list())
+        return list(torch.cuda.get_arch_list()) or None
     except Exception:  # noqa: BLE001 - without the list there is nothing to compare
         return None
-    return arch_list or None
 
 
 def capability_or_none(index: int) -> tuple[int, int] | None:
@@ -84,17 +81,11 @@ def capability_or_none(index: int) -> tuple[int, int] | None:
 
 def gpus_without_kernels() -> list[int]:
     """The visible GPUs this torch build has no kernels for ("no kernel image is available")."""
-    if not torch.cuda.is_available():
-        return []
-    arch_list = cuda_arch_list()
+    arch_list = cuda_arch_list() if torch.cuda.is_available() else None
     if arch_list is None:
         return []
-    missing = []
-    for index in range(torch.cuda.device_count()):
-        capability = capability_or_none(index)
-        if capability is not None and not build_runs_on(capability, arch_list):
-            missing.append(index)
-    return missing
+    capabilities = [capability_or_none(i) for i in range(torch.cuda.device_count())]
+    return [i for i, c in enumerate(capabilities) if c and not build_runs_on(c, arch_list)]
 
 
 def cuda_usable() -> bool:
@@ -112,7 +103,7 @@ def num_gpus() -> int:
 @dataclass(frozen=True)
 class P2PDecision:
     """Whether NCCL should copy between GPUs through host memory (``NCCL_P2P_DISABLE=1``),
-    why, and whether the user had already set the variable (then kept)."""
+    why, and whether the user had set the variable (then kept)."""
 
     disable: bool
     reason: str
@@ -167,13 +158,11 @@ def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
     if lines and lines[0].startswith("CANNOT START"):
         return None, ("the peer copy check could not prepare its GPUs "
                       f"({lines[0].removeprefix('CANNOT START').strip()})")
-    tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+    tail = f"exit {run.returncode}: {(run.stderr.strip().splitlines() or ['no output'])[-1]}"
     if "STARTED" not in lines:
-        return None, (f"the peer copy check failed before its first copy "
-                      f"(exit {run.returncode}: {tail})")
+        return None, f"the peer copy check failed before its first copy ({tail})"
     if run.returncode != 0 or lines[-1] == "STARTED":
-        return False, (f"the peer copy check crashed during the copies "
-                       f"(exit {run.returncode}: {tail})")
+        return False, f"the peer copy check crashed during the copies ({tail})"
     if lines[-1] != "OK":
         return False, f"peer copies arrived wrong ({lines[-1][4:]})"
     return True, ""
@@ -237,12 +226,9 @@ def require_cuda_device(device: torch.device | str | int, what: str) -> torch.de
         return device
     count = num_gpus()
     if count == 0:
-        if torch.version.cuda is None:
-            cause = "this PyTorch is a CPU-only build"
-        elif torch.cuda.is_available():
-            cause = "this PyTorch has no kernels for a GPU here"
-        else:
-            cause = "this PyTorch finds no usable GPU"
+        cause = ("this PyTorch is a CPU-only build" if torch.version.cuda is None
+                 else "this PyTorch has no kernels for a GPU here" if torch.cuda.is_available()
+                 else "this PyTorch finds no usable GPU")
         raise RuntimeError(
             f"{what} was given {device}, but this process cannot use CUDA: {cause}.\n"
             "Run `python -m d2lgpu info` (or print(d2lgpu.diagnose_this_machine())) to see "

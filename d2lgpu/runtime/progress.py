@@ -14,8 +14,6 @@ def elapsed_bar(desc: str) -> Iterator[None]:
     """A bar that counts the seconds while its body waits (``torchrun``, ``launch``)."""
     from tqdm.auto import tqdm
 
-    if not isinstance(desc, str) or not desc:
-        raise TypeError(f"desc must be a non-empty str naming what runs, got {desc!r}")
     done = threading.Event()
     # tqdm keeps the elapsed time; the thread only redraws, once a second.
     with tqdm(desc=desc, bar_format="{desc}: {elapsed}") as bar:
