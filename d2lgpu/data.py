@@ -1,10 +1,6 @@
 """Data for the course: Fashion-MNIST (loaders, whole-set tensors, batches cut on the device),
-synthetic regression and Tiny Shakespeare, under :func:`d2lgpu.data_root`.
-
-Fashion-MNIST's raw files are checked before they are read: their size, and once their MD5,
-recorded by a stamp in the user cache keyed by path, size, inode, modification and
-status-change times (which no program sets back). Quick mode takes the first images of each
-class: a small subset, balanced and identical everywhere.
+synthetic regression and Tiny Shakespeare, under :func:`d2lgpu.data_root`. Fashion-MNIST's raw
+files are checked (size, and once their MD5) before they are read.
 """
 
 from __future__ import annotations
@@ -32,18 +28,12 @@ from d2lgpu.runtime.config import (
 from d2lgpu.runtime.gpus import num_gpus, require_cuda_device
 
 __all__ = [
-    "FASHION_MNIST_FILES", "FASHION_MNIST_LABELS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD",
+    "FASHION_MNIST_FILES", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD",
     "DeviceLoader", "QUICK_TEST_SIZE", "QUICK_TRAIN_SIZE", "TINY_SHAKESPEARE_SHA256",
     "TINY_SHAKESPEARE_URL", "default_num_workers", "fashion_mnist_on_device",
     "fashion_mnist_tensors", "load_data_fashion_mnist", "synthetic_regression", "tiny_shakespeare",
     "verify_fashion_mnist_file",
 ]
-
-#: Text labels of the ten Fashion-MNIST classes, indexed by class number.
-FASHION_MNIST_LABELS: tuple[str, ...] = (
-    "t-shirt", "trouser", "pullover", "dress", "coat",
-    "sandal", "shirt", "sneaker", "bag", "ankle boot",
-)
 
 #: Images in the quick-mode subsets (multiples of 10: balanced classes); ResNet-18 trains one
 #: epoch of them on two CPU cores in about ten seconds.
@@ -67,14 +57,13 @@ FASHION_MNIST_STD = 0.3530
 
 
 def _balanced_indices(targets: torch.Tensor, train: bool) -> torch.Tensor:
-    """The first images of every class, in file order: the smoke or quick subset."""
+    """The first images of every class, in file order: the smoke or quick subset, balanced and
+    identical everywhere."""
     if smoke_mode():
         size = SMOKE_TRAIN_SIZE if train else SMOKE_TEST_SIZE
     else:
         size = QUICK_TRAIN_SIZE if train else QUICK_TEST_SIZE
-    per_class = size // len(FASHION_MNIST_LABELS)
-    chosen = [torch.nonzero(targets == c).flatten()[:per_class]
-              for c in range(len(FASHION_MNIST_LABELS))]
+    chosen = [torch.nonzero(targets == c).flatten()[:size // 10] for c in range(10)]
     return torch.sort(torch.cat(chosen)).values
 
 
@@ -100,34 +89,24 @@ def _misnamed(path: Path, size: int, md5: str | None = None) -> RuntimeError | N
 
 
 def verify_fashion_mnist_file(path: str | Path) -> None:
-    """Check one raw Fashion-MNIST file's size, and once its MD5: an error naming the cause and
-    the fix if it is off (chapter 3)."""
+    """Check one raw Fashion-MNIST file's size, and once its MD5 (a stamp in the user cache
+    keyed by path, size, inode and times): an error naming the cause and the fix (chapter 3)."""
     path = Path(path)
     size, md5 = FASHION_MNIST_FILES[path.name]
     fix = ("Delete it and run again to download it afresh, or copy the official file there "
            "(https://github.com/zalandoresearch/fashion-mnist, unpacked).")
-    # A directory's size is its block (4096), which would read as a truncated download.
-    if path.is_dir():
-        raise RuntimeError(f"{path} is a directory, not the raw file {path.name} ({size} bytes): "
-                           "remove the directory and put the file there, or run again")
     if not path.exists():
         broken = " (a broken symbolic link)" if path.is_symlink() else ""
         raise FileNotFoundError(f"{path} does not exist{broken}: run again to download it, or "
                                 "copy the official file there")
-    if not path.is_file():
-        raise RuntimeError(f"{path} is not a regular file (a device, socket or pipe): put the "
+    if not path.is_file():  # a directory's size (4096) would read as a truncated download
+        raise RuntimeError(f"{path} is not a regular file (a directory, device or pipe): put the "
                            f"raw file {path.name} ({size} bytes) there, or run again")
     stat = path.stat()
-    if stat.st_size == 0:
-        raise RuntimeError(f"{path} is empty (0 of {size} bytes). {fix}")
-    if stat.st_size != size and (error := _misnamed(path, stat.st_size)):
-        raise error
-    if stat.st_size < size:
-        raise RuntimeError(f"{path} is truncated ({stat.st_size} of {size} bytes): an "
-                           f"interrupted download or copy. {fix}")
-    if stat.st_size > size:
-        raise RuntimeError(f"{path} is corrupt: it has {stat.st_size} bytes, the official file "
-                           f"{size}. {fix}")
+    if stat.st_size != size:
+        raise _misnamed(path, stat.st_size) or RuntimeError(
+            f"{path} is truncated or corrupt: it has {stat.st_size} of the official file's "
+            f"{size} bytes (an interrupted download or copy?). {fix}")
     key = (f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|"
            f"{stat.st_dev}:{stat.st_ino}|{md5}")
     stamp = _stamp_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -163,21 +142,19 @@ def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None,
     root = Path(root).expanduser() if root is not None else data_root()
     raw = root / "FashionMNIST" / "raw"
     missing = [name for name in FASHION_MNIST_FILES if not (raw / name).exists()]
-    where = f"Fashion-MNIST is not under {raw} (missing: {', '.join(missing)})"
-    copy = f"or copy the four raw files (train-images-idx3-ubyte, ...) into {raw}"
-    dataset = None
     if missing:  # torchvision downloads all four unless all four are there
+        where = f"Fashion-MNIST is not under {raw} (missing: {', '.join(missing)})"
+        copy = f"or copy the four raw files (train-images-idx3-ubyte, ...) into {raw}"
         try:
             check_writable_path("the data directory", raw, kind="directory")
         except (ValueError, PermissionError) as err:
             raise RuntimeError(f"{where}, and it cannot be downloaded there: {err}. Set "
                                f"{DATA_ENV} (or pass root=) to a writable directory, {copy}."
                                ) from None
-        import torchvision
+        from torchvision.datasets import FashionMNIST
 
         try:
-            dataset = torchvision.datasets.FashionMNIST(
-                root=str(root), train=train, transform=transform, download=True)
+            FashionMNIST(root=str(root), train=train, download=True)
         except (OSError, RuntimeError) as err:  # offline, or every mirror failed
             raise RuntimeError(
                 f"{where} and could not be downloaded ({type(err).__name__}: {err}). Connect "
@@ -189,12 +166,9 @@ def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None,
         verify_fashion_mnist_file(raw / name)
     if tensors:
         return _read_idx(raw / names[0]), _read_idx(raw / names[1]).long()
-    if dataset is None:
-        import torchvision
+    from torchvision.datasets import FashionMNIST
 
-        dataset = torchvision.datasets.FashionMNIST(
-            root=str(root), train=train, transform=transform, download=False)
-    return dataset
+    return FashionMNIST(root=str(root), train=train, transform=transform, download=False)
 
 
 def _usable_cores() -> int:
@@ -285,7 +259,7 @@ class DeviceLoader:
             got = (f"{images.dtype} of shape {tuple(images.shape)}"
                    if isinstance(images, torch.Tensor) else type(images).__name__)
             raise ValueError(f"images must be a uint8 tensor [N, C, H, W], got {got}; d2lgpu."
-                             "fashion_mnist_tensors() returns one (add a channel dim with "
+                             "fashion_mnist_tensors() returns one (or add a channel with "
                              "unsqueeze(1))")
         if (not isinstance(labels, torch.Tensor) or labels.dim() != 1
                 or labels.dtype.is_floating_point or labels.dtype == torch.bool):
@@ -298,17 +272,15 @@ class DeviceLoader:
                             ("channels_last", channels_last)):
             check_bool(name, value)
         channels = images.shape[1]
-        mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
-        std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
+        mean_t, std_t = (torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in (mean, std))
         for name, given, values in (("mean", mean, mean_t), ("std", std, std_t)):
             if values.numel() not in (1, channels):
                 raise ValueError(f"{name} has {values.numel()} values, but the images have "
                                  f"{channels} channel{'s' if channels != 1 else ''}: give one "
                                  "value for all channels or one per channel")
-            if not bool(values.isfinite().all()):
-                raise ValueError(f"{name} must be finite numbers, got {given!r}")
-        if not bool((std_t > 0).all()):
-            raise ValueError(f"std must be positive, got {std!r}")
+            if not values.isfinite().all() or (name == "std" and not (values > 0).all()):
+                rule = "finite and positive" if name == "std" else "finite"
+                raise ValueError(f"{name} must be {rule}, got {given!r}")
         self.device = try_gpu() if device is None else require_cuda_device(device, "DeviceLoader")
         self.images = images.to(self.device).contiguous()  # stays uint8 on the device
         self.labels = labels.to(self.device, torch.int64)
@@ -355,11 +327,9 @@ class DeviceLoader:
             yield self.normalize(self.images[idx]), self.labels[idx]
 
     def __repr__(self) -> str:
-        return (
-            f"DeviceLoader({self.images.shape[0]} examples {tuple(self.images.shape[1:])} "
-            f"on {self.device}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
-            f"drop_last={self.drop_last})"
-        )
+        return (f"DeviceLoader({self.images.shape[0]} examples {tuple(self.images.shape[1:])} "
+                f"on {self.device}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
+                f"drop_last={self.drop_last})")
 
 
 def fashion_mnist_on_device(batch_size: int, device: torch.device | str | None = None, *,
@@ -409,9 +379,7 @@ def tiny_shakespeare(root: str | Path | None = None) -> str:
     raw = path.read_bytes()
     digest = hashlib.sha256(raw).hexdigest()
     if digest != TINY_SHAKESPEARE_SHA256:
-        raise RuntimeError(
-            f"{path} is not the published Tiny Shakespeare: {len(raw):,} bytes with sha256 "
-            f"{digest[:16]}..., expected 1,115,394 bytes with sha256 "
-            f"{TINY_SHAKESPEARE_SHA256[:16]}.... Delete it to download it again, or copy the "
-            f"file from {TINY_SHAKESPEARE_URL}.")
+        raise RuntimeError(f"{path} is not the published Tiny Shakespeare ({len(raw):,} bytes, "
+                           "not 1,115,394 with its sha256). Delete it to download it again, or "
+                           f"copy the file from {TINY_SHAKESPEARE_URL}.")
     return raw.decode("utf-8")

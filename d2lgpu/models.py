@@ -1,9 +1,5 @@
 """Models of the course: d2l's ResNet-18 for small images, a small CNN for quick runs, and
 a residual MLP whose size is set by a few numbers (chapter 8's model for memory and sharding).
-
-:func:`resnet18` is d2l 13.6's, layer for layer, so numbers compare with the book: a 3x3
-stride-1 stem (a 7x7 conv and max-pool would shrink 28x28 images to nothing useful), biases
-in convolutions that feed batch norm, no batch norm on the 1x1 shortcut.
 """
 
 from __future__ import annotations
@@ -19,15 +15,12 @@ class Residual(nn.Module):
     """Two 3x3 conv + batch-norm layers with a skip connection: ``relu(F(x) + shortcut(x))``
     (chapter 4); the shortcut is a strided 1x1 convolution with ``use_1x1conv=True``."""
 
-    def __init__(
-        self, in_channels: int, out_channels: int, use_1x1conv: bool = False, strides: int = 1
-    ) -> None:
+    def __init__(self, in_channels: int, out_channels: int, use_1x1conv: bool = False,
+                 strides: int = 1) -> None:
         super().__init__()
         if not use_1x1conv and (in_channels != out_channels or strides != 1):
-            raise ValueError(
-                f"an identity shortcut cannot map {in_channels} channels at stride {strides} "
-                f"to {out_channels} channels: pass use_1x1conv=True"
-            )
+            raise ValueError(f"an identity shortcut cannot map {in_channels} channels at stride "
+                             f"{strides} to {out_channels} channels: pass use_1x1conv=True")
         self.conv1 = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, stride=strides)
         self.conv2 = nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1)
         self.conv3 = (nn.Conv2d(in_channels, out_channels, kernel_size=1, stride=strides)
@@ -42,31 +35,17 @@ class Residual(nn.Module):
         return F.relu(Y + shortcut)
 
 
-def _resnet_stage(in_channels: int, out_channels: int, first_stage: bool) -> nn.Sequential:
-    # Every stage but the first halves the resolution and changes the width in its
-    # first block; the first stage follows a stem that already has 64 channels.
-    if first_stage:
-        return nn.Sequential(
-            Residual(in_channels, out_channels), Residual(out_channels, out_channels)
-        )
-    return nn.Sequential(
-        Residual(in_channels, out_channels, use_1x1conv=True, strides=2),
-        Residual(out_channels, out_channels),
-    )
-
-
 def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
-    """ResNet-18 for small images, as in d2l 13.6 (11.2 M parameters for 10 classes) (chapter 4);
-    any input of 8x8 or more."""
-    net = nn.Sequential(
-        nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1),
-        nn.BatchNorm2d(64),
-        nn.ReLU(),
-    )
-    net.add_module("resnet_block1", _resnet_stage(64, 64, first_stage=True))
-    net.add_module("resnet_block2", _resnet_stage(64, 128, first_stage=False))
-    net.add_module("resnet_block3", _resnet_stage(128, 256, first_stage=False))
-    net.add_module("resnet_block4", _resnet_stage(256, 512, first_stage=False))
+    """ResNet-18 for small images, d2l 13.6's layer for layer (11.2 M parameters for 10 classes)
+    (chapter 4): a 3x3 stride-1 stem, as a 7x7 conv and max-pool would shrink 28x28 images to
+    nothing useful; any input of 8x8 or more."""
+    net = nn.Sequential(nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1),
+                        nn.BatchNorm2d(64), nn.ReLU())
+    for i, (c_in, c_out) in enumerate([(64, 64), (64, 128), (128, 256), (256, 512)], start=1):
+        # Every stage but the first halves the resolution and changes the width.
+        first = (Residual(c_in, c_out) if i == 1
+                 else Residual(c_in, c_out, use_1x1conv=True, strides=2))
+        net.add_module(f"resnet_block{i}", nn.Sequential(first, Residual(c_out, c_out)))
     net.add_module("global_avg_pool", nn.AdaptiveAvgPool2d((1, 1)))
     net.add_module("fc", nn.Sequential(nn.Flatten(), nn.Linear(512, num_classes)))
     return net
@@ -105,9 +84,6 @@ def residual_mlp(width: int = 256, hidden: int = 1024, depth: int = 4, in_featur
     """``depth`` :class:`MLPBlock` s between input and output layers, images flattened first
     (chapter 8): width and depth set its size, and without batch norm its gradients do not
     depend on how a batch is split (accumulation, DDP and FSDP compare with one process)."""
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(in_features, width),
-        *(MLPBlock(width, hidden) for _ in range(depth)),
-        nn.Linear(width, num_classes),
-    )
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, width),
+                         *(MLPBlock(width, hidden) for _ in range(depth)),
+                         nn.Linear(width, num_classes))

@@ -1,9 +1,5 @@
-"""Data parallelism by hand (chapter 3): split a batch, copy the parameters, sum the gradients.
-
-The pieces of d2l's section 13.5, made to run anywhere: every function takes a list of
-devices that may repeat (``[cpu, cpu]`` simulates two devices on one), :func:`allreduce`
-writes the sum *into* every tensor, and :func:`data_parallel_step` divides each shard's
-summed loss by the whole batch's size, which is right for uneven shards too.
+"""Data parallelism by hand (chapter 3), d2l's section 13.5 made to run anywhere: a list of
+devices may repeat (``[cpu, cpu]`` simulates two devices on one).
 """
 
 from __future__ import annotations
@@ -15,19 +11,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from d2lgpu.runtime.checks import check_training_loss
+from d2lgpu.runtime.checks import check_positive_float, check_training_loss
 from d2lgpu.runtime.gpus import require_cuda_device
 
 __all__ = [
     "allreduce", "choose_cpu_threads", "data_parallel_step", "max_abs_difference",
     "nn_parallel_on_devices", "replicate_params", "split_batch",
 ]
-
-#: A functional network: ``forward(X, params) -> outputs``.
-Forward = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
-#: A loss that returns one value per example (``reduction="none"``).
-PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device | str],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -81,8 +71,7 @@ def max_abs_difference(tensors_a: Sequence[torch.Tensor], tensors_b: Sequence[to
     worst = 0.0
     for i, (a, b) in enumerate(zip(tensors_a, tensors_b, strict=True)):
         if a.shape != b.shape:  # a - b would broadcast
-            raise ValueError(f"tensor {i} has shape {tuple(a.shape)} in one list, "
-                             f"{tuple(b.shape)} in the other")
+            raise ValueError(f"tensor {i} has shape {tuple(a.shape)} and {tuple(b.shape)}")
         gap = (a.detach() - b.detach().to(a.device)).abs().max().item()
         if math.isnan(gap):  # Python's max(0.0, nan) would keep 0.0
             return math.inf
@@ -91,32 +80,23 @@ def max_abs_difference(tensors_a: Sequence[torch.Tensor], tensors_b: Sequence[to
 
 
 def data_parallel_step(
-    forward: Forward,
-    replicas: Sequence[Sequence[torch.Tensor]],
-    X: torch.Tensor,
-    y: torch.Tensor,
-    lr: float,
-    loss_fn: PerExampleLoss = lambda logits, y: F.cross_entropy(logits, y, reduction="none"),
+    forward: Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor],
+    replicas: Sequence[Sequence[torch.Tensor]], X: torch.Tensor, y: torch.Tensor, lr: float,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda logits, y:
+        F.cross_entropy(logits, y, reduction="none"),
 ) -> float:
-    """One SGD step, data parallel over the devices of ``replicas`` (chapter 3); returns the
-    batch's mean loss.
-
-    Split the batch (:func:`split_batch`); on every device backpropagate the shard's summed
-    per-example loss over the whole batch's size; :func:`allreduce` the gradients; apply the
-    same update everywhere. Before the update one host read checks the replicas agree and the
-    inputs, loss and update are sane; on an error no replica has changed.
-    """
-    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < math.inf):
-        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    """One SGD step, data parallel over the devices of ``replicas`` (chapter 3): each shard's
+    summed per-example loss over the whole batch's size (right for uneven shards too), the
+    gradients all-reduced; returns the batch's mean loss. On an error no replica changes."""
+    check_positive_float("lr", lr)
     devices = [r[0].device for r in replicas]
     X_shards, y_shards = split_batch(X, y, devices)
     shard_losses = []
     for params, X_shard, y_shard in zip(replicas, X_shards, y_shards, strict=True):
         losses = loss_fn(forward(X_shard, params), y_shard)
         if losses.shape != (X_shard.shape[0],):
-            raise ValueError(f"loss_fn must return one loss per example (shape "
-                             f"({X_shard.shape[0]},)), got shape {tuple(losses.shape)}; "
-                             "use reduction='none'")
+            raise ValueError(f"loss_fn must return one loss per example, got shape "
+                             f"{tuple(losses.shape)}; use reduction='none'")
         shard_loss = losses.sum() / X.shape[0]
         shard_loss.backward()  # queued on the shard's device: the devices work side by side
         shard_losses.append(shard_loss.detach())
@@ -141,8 +121,7 @@ def data_parallel_step(
 def _check_step(replicas: Sequence[Sequence[torch.Tensor]], X: torch.Tensor, lr: float,
                 loss: torch.Tensor, device: torch.device) -> float:
     """The loss, read with one host read, after checks for NaN in ``X``, replicas that differ,
-    broken weights or loss, and an update of more than 1000 times the weights' size (SGD that
-    learns moves them by a fraction)."""
+    broken weights or loss, and an update of over 1000 times the weights' size."""
     with torch.no_grad():
         first = replicas[0]
         bad = (~torch.isfinite(X)).sum() if X.is_floating_point() else torch.zeros(())
@@ -156,17 +135,14 @@ def _check_step(replicas: Sequence[Sequence[torch.Tensor]], X: torch.Tensor, lr:
         numbers = [t.float().to(device) for t in (loss, bad, gap, update, size)]
         value, bad, gap, update, size = torch.stack(numbers).tolist()
     if not math.isfinite(size):
-        raise ValueError("the parameters of replica 0 hold NaN or inf: an earlier step "
-                         "diverged, or they were made from broken weights. Start again from "
-                         "fresh parameters (with a smaller lr if a step diverged)")
+        raise ValueError("the parameters of replica 0 hold NaN or inf: start again from fresh "
+                         "parameters (with a smaller lr if a step diverged)")
     if not gap <= 1e-6 * (size + 1):
-        raise ValueError(f"the replicas hold different values (largest gap {gap:.3g}): every "
-                         "replica must start equal. Make them with d2lgpu.replicate_params "
-                         "from one set of parameters, and update them only through "
-                         "data_parallel_step")
+        raise ValueError(f"the replicas hold different values (largest gap {gap:.3g}): make "
+                         "them with d2lgpu.replicate_params from one set of parameters")
     if bad:
         raise ValueError(f"X holds {int(bad)} NaN or inf value(s): the data are broken, not "
-                         "the training. Clean or drop those examples (e.g. torch.nan_to_num)")
+                         "the training. Clean or drop those examples")
     unchanged = "(the step was not applied: the replicas are unchanged)"
     check_training_loss(value, when="this step", lr=lr, advice=unchanged)
     if not update <= 1e3 * (size + 1):
@@ -180,16 +156,14 @@ def _check_step(replicas: Sequence[Sequence[torch.Tensor]], X: torch.Tensor, lr:
 def nn_parallel_on_devices(
     module: torch.nn.Module, X: torch.Tensor, devices: Sequence[torch.device | str]
 ) -> dict[str, Exception | None]:
-    """Try each piece of ``nn.DataParallel``'s forward pass on ``devices`` (chapter 3):
-    ``replicate``, ``scatter``, ``parallel_apply`` and ``gather``, each with inputs already
-    in place; the exception each raises, or None where it works."""
+    """Try each piece of ``nn.DataParallel``'s forward pass on ``devices`` (chapter 3), inputs
+    already in place: the exception each raises, or None where it works."""
     from torch.nn import parallel
 
     devices = [torch.device(d) for d in devices]
     if not 0 < len(devices) <= X.shape[0]:
-        raise ValueError(f"X must hold at least one example per device, and there must be at "
-                         f"least one device: {len(devices)} devices, X of shape "
-                         f"{tuple(X.shape)}")
+        raise ValueError(f"need at least one device and one example per device: "
+                         f"{len(devices)} devices, X of shape {tuple(X.shape)}")
     shards = [shard.to(d) for shard, d in zip(X.tensor_split(len(devices)), devices, strict=True)]
     replicas = [copy.deepcopy(module).to(d) for d in devices]
     attempts = {

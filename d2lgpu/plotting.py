@@ -1,7 +1,5 @@
-"""Plots for the course: lines, and the precision sweep.
-
-Everything draws on an explicit figure and axes (never pyplot's "current" ones), so plots do
-not leak into each other between cells.
+"""Plots for the course: lines, and the precision sweep, on explicit axes (never pyplot's
+"current" ones), so plots do not leak into each other between cells.
 """
 
 from __future__ import annotations
@@ -17,14 +15,7 @@ __all__ = ["plot_lines", "plot_precision_sweep"]
 
 def _label_axes(ax, xlabel=None, ylabel=None, title=None, xscale="linear",
                 yscale="linear") -> None:
-    ax.set_xscale(xscale)
-    ax.set_yscale(yscale)
-    if xlabel:
-        ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xscale=xscale, yscale=yscale)
     ax.grid(True, alpha=0.3)
 
 
@@ -52,9 +43,8 @@ def plot_lines(x: Sequence[float], ys: Sequence[float] | Sequence[Sequence[float
 
 
 def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
-    """Step time and memory against batch size, one line per mode (chapter 6): median step
-    times, the bytes saved for the backward pass, and peak GPU memory where rows have them.
-    Rows that did not run have no point. Returns the figure."""
+    """Median step time, bytes saved for backward and peak GPU memory (where rows have them)
+    against batch size, one line per mode that ran (chapter 6). Returns the figure."""
     import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
 
     # (what a panel shows, its y label, its title), each drawn only where some row has it.

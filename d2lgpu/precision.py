@@ -1,9 +1,7 @@
 """Which reduced precision a device runs fast, how to use it, and chapter 6's precision sweep.
 
 The policy goes by compute capability on a GPU (``torch.cuda.is_bf16_supported()`` says True
-on a T4, where bf16 is emulated and slow) and by the bf16 instructions the CPU reports on a
-CPU. The sweep trains the same model for a few steps in each mode over a range of batch sizes
-and records step time, memory and loss; a batch that does not fit is an ``"OOM"`` row.
+on a T4, where bf16 is emulated and slow) and by the bf16 instructions a CPU reports.
 """
 
 from __future__ import annotations
@@ -14,7 +12,8 @@ import statistics
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -64,7 +63,7 @@ def check_precision(precision: object, name: str = "precision") -> str:
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """How a training step runs: the autocast dtype (None: fp32), loss scaling, and TF32
-    (True on, False strict fp32, None PyTorch's settings as they are)."""
+    (None: PyTorch's settings as they are)."""
 
     device_type: str
     dtype: torch.dtype | None
@@ -98,10 +97,8 @@ class PrecisionPolicy:
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
     if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{device} was asked for, but this process sees no CUDA GPU: pass d2lgpu.try_gpu() "
-            "as the device to fall back to the CPU, or pass capability=(major, minor)"
-        )
+        raise RuntimeError(f"{device} was asked for, but this process sees no CUDA GPU: pass "
+                           "d2lgpu.try_gpu() to fall back to the CPU, or capability=(major, minor)")
     return torch.cuda.get_device_capability(device)
 
 
@@ -113,16 +110,12 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
     """The instruction-set flags the CPU advertises (Linux), or None where they cannot be read
     (chapter 6)."""
     try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+        lines = Path(cpuinfo).read_text(errors="replace").splitlines()
     except OSError:  # not Linux, or a sandbox without /proc
         return None
-    flags: set[str] = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):  # x86 says flags, Arm says Features
-            flags.update(value.split())
-    return frozenset(flags)
+    # x86 says flags, Arm says Features
+    return frozenset(flag for key, _, value in (line.partition(":") for line in lines)
+                     if key.strip().lower() in ("flags", "features") for flag in value.split())
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -143,36 +136,31 @@ def precision_policy(device: torch.device | str, precision: str = "auto",
     it has bf16 instructions. ``capability`` and ``cpu_native_bf16`` override this machine."""
     device = as_device(device)
     precision = check_precision(precision)
-    if precision in ("fp32", "tf32"):
-        return PrecisionPolicy(device.type, None, False, tf32=precision == "tf32")
     if precision == "auto":
-        fp32 = PrecisionPolicy(device.type, None, False)
+        precision = None
         if device.type == "cuda":
             formats = native_tensor_core_formats(capability or _cuda_capability(device))
-            if "bf16" in formats:
-                precision = "bf16"
-            elif "fp16" in formats:
-                precision = "fp16"
-            else:
-                return fp32
+            precision = "bf16" if "bf16" in formats else "fp16" if "fp16" in formats else None
         elif device.type == "cpu":
             native = cpu_has_native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
-            if not native:
-                return fp32
-            precision = "bf16"
-        else:
-            return fp32
-    # fp16's narrow range lets small gradients underflow without loss scaling; bf16 has
-    # fp32's range.
-    if precision == "fp16":
-        return PrecisionPolicy(device.type, torch.float16, use_scaler=True)
-    return PrecisionPolicy(device.type, torch.bfloat16, use_scaler=False)
+            precision = "bf16" if native else None
+        if precision is None:  # fp32, TF32 left as PyTorch has it
+            return PrecisionPolicy(device.type, None, False)
+    return _word_policy(device.type, precision)
+
+
+def _word_policy(device_type: str, word: str) -> PrecisionPolicy:
+    """The policy of a word other than "auto". fp16's narrow range lets small gradients
+    underflow without loss scaling; bf16 has fp32's range."""
+    if word in ("fp32", "tf32"):
+        return PrecisionPolicy(device_type, None, False, tf32=word == "tf32")
+    return PrecisionPolicy(device_type, torch.float16 if word == "fp16" else torch.bfloat16,
+                           use_scaler=word == "fp16")
 
 
 def has_fp32_precision_api() -> bool:
     """Whether this torch has the ``fp32_precision`` switches (torch 2.9 and newer) (chapter 6)."""
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
-        getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision")
 
 
 def set_tf32(matmul: str, conv: str, rnn: str | None = None) -> None:
@@ -227,22 +215,18 @@ def tf32_matmuls(enabled: bool) -> AbstractContextManager:
     return tf32_switches(word, word)
 
 
-class SavedActivations:
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
     """Counts the bytes autograd saves for backward inside a ``with`` block, each storage once
     and ``exclude`` (the parameters) not at all (chapter 6): the memory that grows with the
     batch, counted where a CPU has no peak-memory statistic."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        if isinstance(exclude, (str, bytes, torch.Tensor)) or not hasattr(exclude, "__iter__"):
-            raise TypeError(f"exclude must be an iterable of tensors, e.g. "
-                            f"list(model.parameters()), got {type(exclude).__name__} {exclude!r}")
         exclude = list(exclude)
-        for t in exclude:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"exclude must hold tensors only, got {type(t).__name__} {t!r}")
+        if not all(isinstance(t, torch.Tensor) for t in exclude):
+            raise TypeError("exclude must hold tensors only, e.g. model.parameters()")
         self._excluded = {_storage_key(t)[0] for t in exclude}
         self._seen: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        super().__init__(self._pack, lambda t: t)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key, nbytes = _storage_key(tensor)
@@ -251,11 +235,8 @@ class SavedActivations:
         return tensor
 
     def __enter__(self) -> SavedActivations:
-        self._hooks.__enter__()
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._hooks.__exit__(*exc_info)
 
     @property
     def nbytes(self) -> int:
@@ -272,28 +253,21 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
         return id(tensor), tensor.numel() * tensor.element_size()
 
 
-def saved_activation_bytes(
-    model: nn.Module,
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    policy: PrecisionPolicy,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
-) -> int:
-    """Bytes autograd saves for one forward pass and loss of ``model`` under ``policy``
-    (chapter 6); batch norm's statistics update as in a training step."""
-    counter = SavedActivations(exclude=list(model.parameters()))
-    with counter, policy.autocast():
-        loss = loss_fn(model(features), labels)
-    del loss  # frees the graph and what it saved
+def saved_activation_bytes(model: nn.Module, features: torch.Tensor, labels: torch.Tensor,
+                           policy: PrecisionPolicy) -> int:
+    """Bytes autograd saves for one forward pass and cross-entropy loss of ``model`` under
+    ``policy`` (chapter 6); batch norm's statistics update as in a training step."""
+    with SavedActivations(model.parameters()) as counter, policy.autocast():
+        nn.functional.cross_entropy(model(features), labels)  # the graph goes at once
     return counter.nbytes
 
 
-# ---------------------------------------------------------------------------
 # The precision sweep
-# ---------------------------------------------------------------------------
 
 #: The modes a sweep compares: strict fp32, fp32 with TF32, fp16 + GradScaler, bf16.
 PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16")
+#: ``make_batch(batch_size, device) -> (features, labels)``: one fixed batch per size.
+BatchMaker = Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -317,18 +291,13 @@ class SweepRow:
 
     @property
     def examples_per_second(self) -> float | None:
-        if self.median_seconds is None:
-            return None
-        return self.batch_size / self.median_seconds
+        return None if self.median_seconds is None else self.batch_size / self.median_seconds
 
 
-def mode_unavailable_reason(
-    mode: str, device: torch.device | str, capability: tuple[int, int] | None = None
-) -> str | None:
+def mode_unavailable_reason(mode: str, device: torch.device | str,
+                            capability: tuple[int, int] | None = None) -> str | None:
     """Why ``mode`` cannot run (usefully) on ``device``, or None: a CPU has fp32 and bf16,
     and below compute capability 8.0 TF32 does not exist and bf16 is emulated."""
-    if mode not in PRECISION_MODES:
-        raise ValueError(f"unknown precision mode {mode!r}; choose from {PRECISION_MODES}")
     device = as_device(device)
     if mode == "fp32":
         return None
@@ -351,18 +320,15 @@ def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | Non
     return "bf16" if dtype == torch.bfloat16 else "fp16"
 
 
-def _measure_one(model_fn: Callable[[], nn.Module],
-                 make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
-                 mode: str, batch_size: int, device: torch.device, steps: int, warmup: int,
-                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seed: int,
-) -> SweepRow:
+def _measure_one(model_fn: Callable[[], nn.Module], make_batch: BatchMaker, mode: str,
+                 batch_size: int, device: torch.device, steps: int, warmup: int,
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> SweepRow:
     """Train a fresh model for ``warmup + steps`` steps in one mode; time the last ``steps``."""
     on_cuda = device.type == "cuda"
     if on_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(seed)  # every mode starts from the same weights
+    torch.manual_seed(0)  # every mode starts from the same weights
     model = model_fn().to(device)
     if not all(torch.isfinite(p).all() for p in model.parameters()):
         raise ValueError("model_fn() returned a model whose weights hold NaN or inf: fix its "
@@ -372,50 +338,45 @@ def _measure_one(model_fn: Callable[[], nn.Module],
     if features.is_floating_point() and not torch.isfinite(features).all():
         raise ValueError(f"the batch of {batch_size} from make_batch holds NaN or inf: the data "
                          "is broken, not the precision; clean it before measuring")
-    policy = precision_policy(device, mode)
+    policy = _word_policy(device.type, mode)
     scaler = policy.make_scaler()  # a pass-through unless the mode is fp16
     losses: list[torch.Tensor] = []
 
     def train_step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with policy.autocast():
-            loss = loss_fn(model(features), labels)
+            loss = nn.functional.cross_entropy(model(features), labels)
         scaler.scale(loss).backward()
         scaler.step(optimizer)  # skipped when the unscaled gradients hold inf/nan
         scaler.update()
         losses.append(loss.detach())
 
-    counter = SavedActivations(exclude=list(model.parameters()))
+    counter = SavedActivations(model.parameters())
     with policy.matmul_precision():
         if warmup > 0:  # the first warm-up step also counts what the step saves
             with counter:
                 train_step()
         else:  # no step to spare: count in a forward pass of its own
             with counter, policy.autocast():
-                loss_fn(model(features), labels)
+                nn.functional.cross_entropy(model(features), labels)
         timing = time_fn(train_step, device, warmup=max(warmup - 1, 0), repeats=steps)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
-    last_loss = float(losses[-1])
-    if loss_diverged(last_loss, float(losses[0])):
-        other = ("or use bf16 or fp32: fp16 overflows above 65504" if mode == "fp16"
-                 else "or check that the model trains in fp32 at all")
+    first, last = float(losses[0]), float(losses[-1])
+    if loss_diverged(last, first):
+        other = "or use bf16 or fp32: fp16 overflows above 65504" if mode == "fp16" else (
+            "or check that the model trains in fp32 at all")
         raise FloatingPointError(
-            f"the {mode} run at batch {batch_size} ended with loss {last_loss:.4g} after "
-            f"{len(losses)} steps, from {float(losses[0]):.4g} at the first: training "
-            f"diverged. Try a smaller learning rate, {other}."
-        )
-    return SweepRow(mode, batch_size, timing.median, peak, last_loss, len(losses), "ok",
+            f"the {mode} run at batch {batch_size} ended with loss {last:.4g} after {len(losses)} "
+            f"steps, from {first:.4g} at the first: training diverged. Try a smaller learning "
+            f"rate, {other}.")
+    return SweepRow(mode, batch_size, timing.median, peak, last, len(losses), "ok",
                     (timing.median,), counter.nbytes)
 
 
 #: Running out of GPU memory where a library, not torch's allocator, failed first.
-_LIBRARY_OUT_OF_MEMORY = (
-    "CUBLAS_STATUS_ALLOC_FAILED",
-    "CUDNN_STATUS_ALLOC_FAILED",
-    "GET was unable to find an engine to execute this computation",
-    "Unable to find a valid cuDNN algorithm to run convolution",
-    "CUDA error: out of memory",
-)
+_LIBRARY_OUT_OF_MEMORY = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                          "GET was unable to find an engine", "Unable to find a valid cuDNN "
+                          "algorithm", "CUDA error: out of memory")
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
@@ -423,21 +384,21 @@ def _is_out_of_memory(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and any(s in str(exc) for s in _LIBRARY_OUT_OF_MEMORY))
 
 
+def _merge_repeats(rows: list[SweepRow]) -> SweepRow:
+    """One row from a cell's repeats: their step times pooled, the highest peak."""
+    if not rows[-1].ok:
+        return rows[-1]
+    times = tuple(t for r in rows for t in r.repeat_seconds)
+    peaks = [r.peak_memory_bytes for r in rows if r.peak_memory_bytes is not None]
+    return replace(rows[-1], median_seconds=statistics.median(times),
+                   peak_memory_bytes=max(peaks, default=None), repeat_seconds=times)
+
+
 def precision_sweep(
-    model_fn: Callable[[], nn.Module],
-    make_batch: Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]],
-    modes: Sequence[str],
-    batch_sizes: Sequence[int],
-    device: torch.device | str,
-    *,
-    steps: int = 10,
-    warmup: int = 3,
-    lr: float = 0.01,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy,
-    seed: int = 0,
-    repeats: int = 1,
+    model_fn: Callable[[], nn.Module], make_batch: BatchMaker, modes: Sequence[str],
+    batch_sizes: Sequence[int], device: torch.device | str, *, steps: int = 10, warmup: int = 3,
+    lr: float = 0.01, repeats: int = 1, progress: bool = False,
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-    progress: bool = False,
 ) -> list[SweepRow]:
     """Train a fresh ``model_fn()`` (same seed) on one fixed batch for ``warmup`` untimed and
     ``steps`` timed steps in each mode at each batch size (chapter 6). With ``repeats`` > 1
@@ -448,17 +409,15 @@ def precision_sweep(
         raise ValueError(f"modes must be a non-empty list; unknown: {unknown}; choose from "
                          f"{PRECISION_MODES}")
     if not batch_sizes or not all(isinstance(b, int) and b > 0 for b in batch_sizes):
-        raise ValueError(f"batch_sizes must be a non-empty list of positive ints, "
-                         f"got {batch_sizes!r}")
+        raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got "
+                         f"{batch_sizes!r}")
     if steps < 1:
         raise ValueError(f"need steps >= 1, got steps={steps}")
-    if make_optimizer is None:
-        def make_optimizer(parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
-            return torch.optim.SGD(parameters, lr=lr)
+    make_optimizer = make_optimizer or (lambda parameters: torch.optim.SGD(parameters, lr=lr))
     device = as_device(device)
     reasons = {mode: mode_unavailable_reason(mode, device) for mode in modes}
     runnable = [mode for mode in modes if reasons[mode] is None]
-    measured: dict[tuple[str, int], SweepRow] = {}
+    runs: dict[tuple[str, int], list[SweepRow]] = {}
     with warnings.catch_warnings():  # without ipywidgets tqdm.auto warns, then draws text
         warnings.simplefilter("ignore")
         from tqdm.auto import tqdm
@@ -469,31 +428,23 @@ def precision_sweep(
         for _ in range(repeats):
             for mode in runnable:
                 bar.update()
-                previous = measured.get((mode, batch_size))
-                if previous is not None and not previous.ok:
+                done = runs.setdefault((mode, batch_size), [])
+                if done and not done[-1].ok:
                     continue  # out of memory once: it will not fit the next time either
                 try:
-                    row = _measure_one(model_fn, make_batch, mode, batch_size, device, steps,
-                                       warmup, make_optimizer, loss_fn, seed)
+                    done.append(_measure_one(model_fn, make_batch, mode, batch_size, device,
+                                             steps, warmup, make_optimizer))
                 except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
                     if not _is_out_of_memory(exc):
                         raise
-                    row = SweepRow(mode, batch_size, None, None, None, 0, "OOM")
+                    done.append(SweepRow(mode, batch_size, None, None, None, 0, "OOM"))
                 # Outside the except block, so the traceback's tensors are gone; reference
                 # cycles can keep GPU tensors alive, so they are collected first.
                 if device.type == "cuda":
                     gc.collect()
                     torch.cuda.empty_cache()
-                if previous is not None and row.ok:
-                    times = previous.repeat_seconds + row.repeat_seconds
-                    peak = row.peak_memory_bytes
-                    if previous.peak_memory_bytes is not None and peak is not None:
-                        peak = max(peak, previous.peak_memory_bytes)
-                    row = SweepRow(mode, batch_size, statistics.median(times), peak, row.loss,
-                                   row.steps_run, "ok", times, row.saved_activation_bytes)
-                measured[(mode, batch_size)] = row
     bar.close()
-    return [measured[(mode, b)] if reasons[mode] is None
+    return [_merge_repeats(runs[(mode, b)]) if reasons[mode] is None
             else SweepRow(mode, b, None, None, None, 0, reasons[mode])
             for mode in modes for b in batch_sizes]
 
@@ -514,15 +465,11 @@ class SweepComparison:
     @property
     def paired_speedup(self) -> float:
         """The median of the paired ratios (the row medians' ratio without repeats)."""
-        if not self.repeat_speedups:
-            return self.speedup
-        return statistics.median(self.repeat_speedups)
+        return statistics.median(self.repeat_speedups) if self.repeat_speedups else self.speedup
 
     def describe(self) -> str:
-        text = (
-            f"{self.candidate} vs {self.baseline} at batch {self.batch_size}: "
-            f"{self.speedup:.2f}x speed-up"
-        )
+        text = (f"{self.candidate} vs {self.baseline} at batch {self.batch_size}: "
+                f"{self.speedup:.2f}x speed-up")
         if self.repeat_speedups:
             text += f" (repeats {min(self.repeat_speedups):.2f}x-{max(self.repeat_speedups):.2f}x)"
         if self.saved_ratio is not None:
@@ -546,15 +493,15 @@ def compare_sweep_modes(rows: Sequence[SweepRow], baseline: str = "fp32", candid
     if not shared:
         return None
     base, cand = ran[baseline][shared[-1]], ran[candidate][shared[-1]]
-    memory_ratio = saved_ratio = None
-    if base.peak_memory_bytes and cand.peak_memory_bytes is not None:
-        memory_ratio = cand.peak_memory_bytes / base.peak_memory_bytes
-    if base.saved_activation_bytes and cand.saved_activation_bytes is not None:
-        saved_ratio = cand.saved_activation_bytes / base.saved_activation_bytes
+
+    def ratio(field: str) -> float | None:
+        b, c = getattr(base, field), getattr(cand, field)
+        return c / b if b and c is not None else None
+
     paired = tuple(b / c for b, c in zip(base.repeat_seconds, cand.repeat_seconds, strict=False))
     return SweepComparison(baseline, candidate, shared[-1],
-                           base.median_seconds / cand.median_seconds, memory_ratio, paired,
-                           saved_ratio)
+                           base.median_seconds / cand.median_seconds, ratio("peak_memory_bytes"),
+                           paired, ratio("saved_activation_bytes"))
 
 
 def format_sweep_table(rows: Sequence[SweepRow]) -> str:
@@ -563,15 +510,13 @@ def format_sweep_table(rows: Sequence[SweepRow]) -> str:
     header = ("mode", "batch", "step ms", "examples/s", "saved MiB", "peak MiB", "loss")
     lines = ["{:<5} {:>6} {:>9} {:>11} {:>10} {:>9} {:>8}  status".format(*header)]
     for r in rows:
-        seconds, peak, eps = r.median_seconds, r.peak_memory_bytes, r.examples_per_second
-        ms = f"{1000 * seconds:9.2f}" if seconds is not None else f"{'-':>9}"
-        rate = f"{eps:11.0f}" if eps is not None else f"{'-':>11}"
-        saved = r.saved_activation_bytes
-        saved_mib = f"{saved / 2**20:10.2f}" if saved is not None else f"{'-':>10}"
-        mib = f"{peak / 2**20:9.1f}" if peak is not None else f"{'-':>9}"
-        loss = f"{r.loss:8.4f}" if r.loss is not None else f"{'-':>8}"  # inf and nan show
-        lines.append(f"{r.mode:<5} {r.batch_size:>6} {ms} {rate} {saved_mib} {mib} {loss}  "
-                     f"{r.status}")
+        ms = None if r.median_seconds is None else 1000 * r.median_seconds
+        saved, peak = (None if b is None else b / 2**20
+                       for b in (r.saved_activation_bytes, r.peak_memory_bytes))
+        cells = [format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
+                 for v, spec in ((ms, "9.2f"), (r.examples_per_second, "11.0f"), (saved, "10.2f"),
+                                 (peak, "9.1f"), (r.loss, "8.4f"))]  # inf and nan show
+        lines.append(f"{r.mode:<5} {r.batch_size:>6} {' '.join(cells)}  {r.status}")
     return "\n".join(lines)
 
 
@@ -602,7 +547,7 @@ def sweep_cnn(in_channels: int = 1, widths: Sequence[int] = (32, 64, 128),
 
 
 def random_batch_maker(input_shape: Sequence[int], num_classes: int = 10, seed: int = 0,
-) -> Callable[[int, torch.device], tuple[torch.Tensor, torch.Tensor]]:
+                       ) -> BatchMaker:
     """A ``make_batch(batch_size, device)`` for the sweep: one fixed random batch per size,
     drawn on the CPU so every mode and device sees the same data (chapter 6)."""
 

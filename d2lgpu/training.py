@@ -1,9 +1,6 @@
 """Chapter 4's training loop, :func:`train`: d2l's ``train_ch13`` with a seed, a fresh start,
-sums kept on the device and a stop with the fix when the loss diverges.
-
-Chapter 7's fast path (:func:`d2lgpu.train_fast`) reuses :class:`History`,
-:func:`evaluate_accuracy`, :func:`start_run`, :func:`progress_bar` and
-:func:`check_epoch_loss`.
+sums kept on the device and a stop with the fix when the loss diverges. Chapter 7's fast path
+(:func:`d2lgpu.train_fast`) reuses its parts.
 """
 
 from __future__ import annotations
@@ -173,10 +170,7 @@ def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs:
     if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     devices = _devices(devices)
-    if seed is not None:
-        set_seed(seed)
-    if init:
-        init_weights(net)
+    start_run(net, seed, init)
     net.to(devices[0])
     model = nn.DataParallel(net, device_ids=devices) if len(devices) > 1 else net
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)

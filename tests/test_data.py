@@ -12,7 +12,6 @@ import torchvision
 import d2lgpu
 from d2lgpu import data as data_module
 from d2lgpu.data import (
-    FASHION_MNIST_LABELS,
     QUICK_TEST_SIZE,
     QUICK_TRAIN_SIZE,
     default_num_workers,
@@ -34,10 +33,6 @@ needs_data = pytest.mark.skipif(
     not (d2lgpu.data_root() / "FashionMNIST" / "raw").is_dir(),
     reason="Fashion-MNIST raw files are not under D2LGPU_DATA (set it to a directory holding them)",
 )
-
-
-def test_labels_are_the_ten_classes():
-    assert len(FASHION_MNIST_LABELS) == 10 == len(set(FASHION_MNIST_LABELS))
 
 
 def test_quick_sizes_are_balanced_multiples_of_ten():
@@ -264,7 +259,8 @@ def test_verified_files_are_hashed_once_and_nothing_is_written_next_to_them(
 @needs_data
 def test_a_truncated_file_says_how_much_is_missing(data_copy):
     path = _damage(data_copy, "t10k-labels-idx1-ubyte", lambda b: b[:5000])
-    with pytest.raises(RuntimeError, match=r"is truncated \(5000 of 10008 bytes\)") as info:
+    with pytest.raises(RuntimeError, match=r"is truncated or corrupt: it has 5000 of the "
+                                           r"official file's 10008 bytes") as info:
         fashion_mnist_tensors(train=False)
     assert str(path) in str(info.value) and "Delete it" in str(info.value)
 
@@ -274,8 +270,8 @@ def test_what_is_not_a_regular_file_is_named_for_what_it_is(data_copy):
     path = data_copy / "t10k-labels-idx1-ubyte"
     path.unlink()
     path.mkdir()  # a directory where the file should be: its size reads 4096
-    with pytest.raises(RuntimeError, match=r"t10k-labels-idx1-ubyte is a directory, not the "
-                                           r"raw file t10k-labels-idx1-ubyte \(10008 bytes\)"):
+    with pytest.raises(RuntimeError, match=r"t10k-labels-idx1-ubyte is not a regular file \(a "
+                                           r"directory.*raw file t10k-labels-idx1-ubyte \(10008"):
         fashion_mnist_tensors(train=False)
     path.rmdir()
     path.symlink_to(data_copy / "nowhere")
@@ -286,7 +282,8 @@ def test_what_is_not_a_regular_file_is_named_for_what_it_is(data_copy):
 @needs_data
 def test_an_empty_labels_file_is_named_not_blamed_on_the_network(data_copy):
     _damage(data_copy, "t10k-labels-idx1-ubyte", lambda b: b"")
-    with pytest.raises(RuntimeError, match=r"t10k-labels-idx1-ubyte is empty") as info:
+    with pytest.raises(RuntimeError, match=r"t10k-labels-idx1-ubyte is truncated or corrupt: "
+                                           r"it has 0 of") as info:
         fashion_mnist_tensors(train=False)
     assert "internet" not in str(info.value)
 
@@ -309,7 +306,7 @@ def _shuffle_labels(content: bytearray) -> bytearray:
 )
 def test_a_damaged_file_is_called_corrupt(data_copy, name, change):
     path = _damage(data_copy, name, change)
-    with pytest.raises(RuntimeError, match="is corrupt") as info:
+    with pytest.raises(RuntimeError, match="corrupt") as info:
         fashion_mnist_tensors(train=False)
     assert str(path) in str(info.value) and "official" in str(info.value)
 

@@ -24,8 +24,8 @@ def test_a_damaged_copy_is_named_with_its_path_and_the_fix(tmp_path):
     folder.mkdir()
     good = (SHARED / "tinyshakespeare" / "input.txt").read_bytes()
     (folder / "input.txt").write_bytes(good[:-100])  # a truncated download
-    with pytest.raises(RuntimeError, match=r"input.txt is not the published Tiny Shakespeare: "
-                                           r"1,115,294 bytes.*Delete it to download it again"):
+    with pytest.raises(RuntimeError, match=r"input.txt is not the published Tiny Shakespeare "
+                                           r"\(1,115,294 bytes.*Delete it to download it again"):
         tiny_shakespeare(tmp_path)
 
 

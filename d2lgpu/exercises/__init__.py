@@ -1,9 +1,6 @@
 """Checks for the exercises at the end of every chapter: ``check.bubble_fraction(fn)`` calls
-the learner's function on small inputs and compares it with the chapter's reference.
-
-An unchanged stub raises :class:`ExerciseNotDone`, a wrong answer :class:`ExerciseWrong`
-(what differed, for which input); a right one prints "Exercise N.K passed". ``chNN`` imports
-only what chapter NN and those before it teach.
+the learner's function on small inputs and compares it with the chapter's reference; an
+unchanged stub raises :class:`ExerciseNotDone`, a wrong answer :class:`ExerciseWrong`.
 """
 
 from __future__ import annotations
@@ -45,22 +42,18 @@ def attempt(exercise: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     """Call the learner's ``fn(*args, **kwargs)`` for exercise ``exercise`` ("9.2"): a stub
     becomes :class:`ExerciseNotDone`, and a forgotten ``return`` is named."""
     if not callable(fn):
-        raise ExerciseWrong(
-            f"Exercise {exercise}: the check takes your function itself, got a "
-            f"{type(fn).__name__}; pass the name without calling it, e.g. check.x(my_function)."
-        )
+        raise ExerciseWrong(f"Exercise {exercise}: the check takes your function itself, got a "
+                            f"{type(fn).__name__}; pass the name without calling it, e.g. "
+                            "check.x(my_function).")
     try:
         result = fn(*args, **kwargs)
     except NotImplementedError:
-        raise ExerciseNotDone(
-            f"Exercise {exercise} is not done yet: `{_name(fn)}` still raises "
-            "NotImplementedError. Write its body in the cell above, run that cell, "
-            "then run this check again."
-        ) from None
+        raise ExerciseNotDone(f"Exercise {exercise} is not done yet: `{_name(fn)}` still raises "
+                              "NotImplementedError. Write its body in the cell above, run that "
+                              "cell, then run this check again.") from None
     if result is None:
-        raise ExerciseWrong(
-            f"Exercise {exercise}: `{_name(fn)}` returned None; does it end with `return`?"
-        )
+        raise ExerciseWrong(f"Exercise {exercise}: `{_name(fn)}` returned None; does it end with "
+                            "`return`?")
     return result
 
 
@@ -115,15 +108,11 @@ def expect_value_error(exercise: str, fn: Callable[..., Any], args: tuple, why: 
     raise ExerciseWrong(f"Exercise {exercise}: {why}; raise a ValueError that says so")
 
 
-class _StandInTouched(Exception):
-    """A learner's function used one of the stand-ins: it is no longer the stub."""
-
-
 class _StandIn:
     """An argument that stops any function that uses it (see :func:`refuse_stub_early`)."""
 
     def _touched(self, *args: object, **kwargs: object) -> object:
-        raise _StandInTouched()
+        raise LookupError("a stand-in was used: the function is no longer the stub")
 
     __getattr__ = __call__ = __iter__ = __len__ = __getitem__ = _touched
 

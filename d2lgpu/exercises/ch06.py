@@ -19,25 +19,19 @@ from d2lgpu.exercises import (
     passed,
     refuse_stub_early,
 )
+from d2lgpu.parallel import max_abs_difference
 from d2lgpu.precision import sweep_cnn
 
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _is_exact(value: int, dtype: torch.dtype) -> bool:
-    """Whether the integer ``value`` survives a round trip through ``dtype`` unchanged."""
-    rounded = torch.tensor(float(value), dtype=torch.float64).to(dtype).to(torch.float64)
-    return rounded.item() == value
-
-
 def _first_power_with_a_gap(dtype: torch.dtype) -> int:
     """The power of two m such that m + 1 is the first integer ``dtype`` cannot hold."""
-    for exponent in range(1, 64):
-        m = 2**exponent
-        if not _is_exact(m + 1, dtype):
-            return m
-    raise AssertionError(f"internal: no gap found for {dtype}")
+    def exact(n: int) -> bool:
+        return torch.tensor(float(n), dtype=torch.float64).to(dtype).double().item() == n
+
+    return next(2**e for e in range(1, 64) if not exact(2**e + 1))
 
 
 def largest_exact_integer(fn: Callable[[torch.dtype], int]) -> None:
@@ -61,9 +55,6 @@ def largest_exact_integer(fn: Callable[[torch.dtype], int]) -> None:
         expect_value_error(ex, fn, (dtype,), f"{dtype} is not a floating-point type (every "
                            "integer in its range is exact, the question does not apply)")
     passed(ex, "fp16 counts exactly to 2048, bf16 only to 256, fp32 to 16,777,216")
-
-
-_SMALLEST_FP16 = 2.0**-24  # the smallest subnormal
 
 
 def _safe_exponents(gradients: torch.Tensor) -> tuple[int, int] | None:
@@ -180,8 +171,10 @@ def _run_steps(step: Callable[..., object], dtype: torch.dtype, use_scaler: bool
     return params, losses, scales
 
 
-def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+_SLIPS = {"the gradients were not clipped: clip_grad_norm_(net.parameters(), max_norm) after "
+          "unscale_": "no clip",
+          "the gradients were clipped while still scaled: call scaler.unscale_(optimizer) "
+          "before clip_grad_norm_": "clip scaled"}
 
 
 def amp_step(fn: Callable[..., float]) -> None:
@@ -196,18 +189,12 @@ def amp_step(fn: Callable[..., float]) -> None:
         want = _run_steps(_reference_step, dtype, use_scaler, input_scale, max_norm, steps)
         got = _run_steps(fn, dtype, use_scaler, input_scale, max_norm, steps, ex=ex)
         for s in range(steps):
-            err = _max_difference(got[0][s], want[0][s])
+            err = max_abs_difference(got[0][s], want[0][s])
             if not err <= 1e-6:  # NaN parameters count as different
-                slips = {
-                    "the gradients were not clipped: clip_grad_norm_(net.parameters(), "
-                    "max_norm) after unscale_": "no clip",
-                    "the gradients were clipped while still scaled: call "
-                    "scaler.unscale_(optimizer) before clip_grad_norm_": "clip scaled",
-                }
-                for message, variant in slips.items():
+                for message, variant in _SLIPS.items():
                     slipped = _run_steps(_reference_step, dtype, use_scaler, input_scale,
                                          max_norm, steps, variant=variant)
-                    expect(ex, not _max_difference(got[0][s], slipped[0][s]) <= 1e-6,
+                    expect(ex, not max_abs_difference(got[0][s], slipped[0][s]) <= 1e-6,
                            f"{label}, step {s + 1}: {message}")
                 if input_scale > 1:
                     expect(ex, False,

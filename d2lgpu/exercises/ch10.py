@@ -13,8 +13,7 @@ from torch import nn
 from d2lgpu.exercises import attempt, expect, expect_close, expect_tensor_close, passed
 
 
-def causal_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-                     ) -> None:
+def causal_attention(fn: Callable[..., torch.Tensor]) -> None:
     """Exercise 10.1: ``fn(q, k, v)`` is causal attention written out, SDPA's answer."""
     ex = "10.1"
     generator = torch.Generator().manual_seed(0)
@@ -22,20 +21,17 @@ def causal_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], to
         q, k, v = (torch.randn(B, H, T, hd, generator=generator) for _ in range(3))
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         got = attempt(ex, fn, q, k, v)
-        expect_tensor_close(
-            ex, got, want, f"with {T} positions of {hd} numbers per head", atol=1e-5,
-            hint="each position attends to itself and the positions before it (not after), "
-                 "scores scaled by 1/sqrt(size of one head), softmax over the keys")
+        expect_tensor_close(ex, got, want, f"with {T} positions of {hd} numbers per head", 1e-5,
+                            "each position attends to itself and the positions before it (not "
+                            "after), scores scaled by 1/sqrt(size of one head), softmax over "
+                            "the keys")
     passed(ex, "your attention equals F.scaled_dot_product_attention(..., is_causal=True)")
 
 
-def _reference_count(vocab: int, context: int, layers: int, width: int, tied: bool,
-                     bias: bool) -> int:
-    d = width
+def _reference_count(vocab: int, context: int, layers: int, d: int, tied: bool, bias: bool) -> int:
     per_block = 12 * d * d + (13 * d if bias else 2 * d)  # biases: 9d in Linears, 2d in norms
-    final_norm = 2 * d if bias else d
     head = 0 if tied else vocab * d
-    return vocab * d + context * d + layers * per_block + final_norm + head
+    return vocab * d + context * d + layers * per_block + (2 * d if bias else d) + head
 
 
 def param_count(fn: Callable[..., int]) -> None:
@@ -60,16 +56,15 @@ class _ToyLanguageModel(nn.Module):
     def __init__(self, vocab: int = 11, context: int = 4) -> None:
         super().__init__()
         self.cfg = SimpleNamespace(context=context, vocab=vocab)
-        generator = torch.Generator().manual_seed(0)
-        self.table = nn.Parameter(torch.randn(vocab, vocab, generator=generator))
+        self.table = nn.Parameter(torch.randn(vocab, vocab,
+                                              generator=torch.Generator().manual_seed(0)))
 
     def forward(self, idx, targets=None):
         T = idx.shape[1]
         assert T <= self.cfg.context, f"{T} tokens, but the context is {self.cfg.context}"
         # position t's logits mix all tokens up to t, weighted by how recent they are
         weights = torch.tril(torch.ones(T, T)) * torch.arange(1, T + 1).float()
-        logits = weights @ self.table[idx]
-        return logits, None
+        return weights @ self.table[idx], None
 
 
 def _greedy_reference(model, idx, new_tokens):
