@@ -14,7 +14,6 @@ import pickle
 import statistics
 import tempfile
 import time
-import zlib
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from d2lgpu import precision
+from d2lgpu import models, precision
 from d2lgpu.benchmarking import measure_copy_bandwidth
 from d2lgpu.chips import peak_format
-from d2lgpu.data import DeviceLoader
+from d2lgpu.data import DeviceLoader, fashion_mnist_tensors, load_data_fashion_mnist
 from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason, train_fast
 from d2lgpu.runtime.config import small_data, smoke_mode, workload
 from d2lgpu.runtime.gpus import as_device, cuda_usable
@@ -63,9 +62,6 @@ def runs_dir(name: str) -> Path:
     return path
 
 
-# Profiling and reading traces
-
-
 def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
     """What ``torch.profiler.profile`` should record for work on ``device``: host operators,
     and on a GPU its kernels and copies too (chapter 7)."""
@@ -86,18 +82,15 @@ def op_table(prof: torch.profiler.profile, top: int = 10) -> str:
         raise ValueError("the profile recorded no operators: was anything run inside it?")
     on_device = any(avg.self_device_time_total > 0 for avg in averages)
     key = "self_device_time_total" if on_device else "self_cpu_time_total"
-    headers = ["operator", "calls", "self CPU ms", "CPU total ms"]
+    columns = {"self CPU ms": "self_cpu_time_total", "CPU total ms": "cpu_time_total"}
     if on_device:
-        headers.append("self GPU ms")
+        columns["self GPU ms"] = key
     rows = []
     for avg in sorted(averages, key=lambda avg: getattr(avg, key), reverse=True)[:top]:
         name = avg.key if len(avg.key) <= 44 else avg.key[:41] + "..."
-        row = [name, str(avg.count), f"{avg.self_cpu_time_total / 1e3:.2f}",
-               f"{avg.cpu_time_total / 1e3:.2f}"]
-        if on_device:
-            row.append(f"{avg.self_device_time_total / 1e3:.2f}")
-        rows.append(row)
-    return format_table(headers, rows)
+        times = [f"{getattr(avg, attr) / 1e3:.2f}" for attr in columns.values()]
+        rows.append([name, str(avg.count), *times])
+    return format_table(["operator", "calls", *columns], rows)
 
 
 @dataclass(frozen=True)
@@ -115,10 +108,6 @@ class TraceEvent:
     @property
     def end_us(self) -> float:
         return self.start_us + self.duration_us
-
-    @property
-    def on_device(self) -> bool:
-        return self.category in ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def read_trace(path: str | Path) -> list[TraceEvent]:
@@ -141,8 +130,7 @@ def read_trace(path: str | Path) -> list[TraceEvent]:
                 int(tid) if tid.lstrip("-").isdigit() else 0, e.get("args") or {}))
     except FileNotFoundError:
         raise FileNotFoundError(f"no trace at {path}: {fix} first") from None
-    except (OSError, EOFError, zlib.error, ValueError, TypeError, KeyError,
-            AttributeError) as e:
+    except Exception as e:  # unreadable, not gzip, not JSON, not a trace's events
         raise ValueError(f"{path} is not a Chrome trace (JSON with a 'traceEvents' list, "
                          f"gzipped if named .gz) [{type(e).__name__}: {e}]: {fix}") from None
     events.sort(key=lambda ev: (ev.start_us, -ev.duration_us))
@@ -240,7 +228,8 @@ def timeline_lanes(events: Sequence[TraceEvent]) -> dict[str, list[tuple[float, 
         ".item() in steps": merge_intervals(
             (e.start_us, e.end_us) for e in _syncs_in_steps(events, steps) if e.duration_us > 0),
     }
-    kernels = merge_intervals((e.start_us, e.end_us) for e in events if e.on_device)
+    kernels = merge_intervals((e.start_us, e.end_us) for e in events
+                              if e.category in ("kernel", "gpu_memcpy", "gpu_memset"))
     if kernels:
         lanes["host ops"] = merge_intervals(
             (e.start_us, e.end_us) for e in events
@@ -289,9 +278,6 @@ def plot_timeline(events: Sequence[TraceEvent], ax=None, *, title: str | None = 
     ax.set_title(title or "")
     ax.grid(True, axis="x", alpha=0.3)
     return ax
-
-
-# Memory timelines
 
 
 def memory_timeline_from_trace(
@@ -377,9 +363,6 @@ def plot_memory_timeline(timeline: Sequence[tuple[float, int]], ax=None, *,
     ax.set_title(title or "")
     ax.grid(True, alpha=0.3)
     return ax
-
-
-# The roofline
 
 
 @dataclass(frozen=True)
@@ -572,8 +555,6 @@ def plot_roofline(roofline: Roofline, points: Sequence[RooflinePoint], ax=None, 
     return ax
 
 
-# The fast path as an ablation
-
 #: The row labels of the ablation, in order: the baseline, then one per technique.
 ABLATION_LABELS: dict[str | None, str] = {
     None: "d2l-style baseline",
@@ -698,8 +679,6 @@ class AblationSettings:
     repeats: int = 1
 
     def make_model(self) -> nn.Module:
-        from d2lgpu import models
-
         return getattr(models, self.model)()
 
     def describe(self) -> str:
@@ -737,20 +716,16 @@ def ablation_data(
     """The first ``train_size``/``test_size`` Fashion-MNIST examples (None: all) as DataLoaders
     and as :class:`d2lgpu.DeviceLoader` s on ``device``, for :func:`run_ablation` (chapter 7),
     from the quick subsets when ``quick`` (None: in quick and smoke mode)."""
-    from torch.utils import data as tud
-
-    from d2lgpu.data import fashion_mnist_tensors, load_data_fashion_mnist
-
     device = as_device(device)
     quick = small_data() if quick is None else quick
     loaders, resident = [], []
     for loader, size, train in zip(load_data_fashion_mnist(batch_size, quick=quick),
                                    (train_size, test_size), (True, False), strict=True):
         if size is not None:
-            loader = tud.DataLoader(
-                tud.Subset(loader.dataset, range(min(size, len(loader.dataset)))), batch_size,
-                shuffle=train, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                persistent_workers=loader.num_workers > 0)
+            subset = torch.utils.data.Subset(loader.dataset, range(min(size, len(loader.dataset))))
+            loader = torch.utils.data.DataLoader(
+                subset, batch_size, shuffle=train, num_workers=loader.num_workers,
+                pin_memory=loader.pin_memory, persistent_workers=loader.num_workers > 0)
         loaders.append(loader)
         images, labels = fashion_mnist_tensors(train=train, quick=quick)
         resident.append(DeviceLoader(images[:size], labels[:size],
@@ -836,8 +811,7 @@ def run_ablation(
             if step.skip_reason is None:
                 loaders = device_loaders if step.techniques.device_data else dataloaders
                 if step.techniques.compile or step.techniques.cuda_graphs:
-                    # A fresh model each run: without a reset, dynamo's recompile limit (8
-                    # entries) would be reached, and compile_model's fullgraph=True raise.
+                    # a fresh model each run: past dynamo's recompile limit, fullgraph raises
                     torch._dynamo.reset()
                 histories[i].append(train_fast(
                     make_model(), *loaders, num_epochs, lr, device, seed=seed,
@@ -864,7 +838,7 @@ def run_ablation(
 #: One row of the ablation in numbers that agree (chapter 7): ``x_prev``, the median of the
 #: paired ratios against the row that ran before, ``low`` and ``high`` their range,
 #: ``images_per_second`` the baseline's median times every ``x_prev`` down to this row.
-AblationNumbers = namedtuple("AblationNumbers", "row x_prev low high images_per_second x_base mfu")
+AblationNumbers = namedtuple("AblationNumbers", "x_prev low high images_per_second x_base mfu")
 
 
 def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None]:
@@ -884,7 +858,7 @@ def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None
             ratios = speed_ratios(r, before)
             speed *= statistics.median(ratios)
         mfu = None if r.mfu is None else r.mfu * speed / r.images_per_second
-        numbers.append(AblationNumbers(r, statistics.median(ratios), min(ratios), max(ratios),
+        numbers.append(AblationNumbers(statistics.median(ratios), min(ratios), max(ratios),
                                        speed, speed / base_speed, mfu))
     return numbers
 
@@ -903,9 +877,6 @@ class SlowStorage(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         time.sleep(self.latency)
         return self.dataset[index]
-
-
-# torch.compile: graph breaks and modes
 
 
 #: Where ``torch.compile`` had to end a graph: the line, dynamo's reason, its explanation.
