@@ -170,9 +170,8 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 class _SavedPeak(torch.autograd.graph.saved_tensors_hooks):
-    """Activation bytes autograd holds for backward inside ``with``, now (``live``) and at the
-    ``peak``: unlike :class:`d2lgpu.precision.SavedActivations`, a tensor is counted off when
-    autograd drops it."""
+    """Activation bytes autograd holds inside ``with``, now (``live``) and at the ``peak``: unlike
+    precision's SavedActivations, a tensor is counted off when autograd drops it."""
 
     def __init__(self, params) -> None:
         self.live = self.peak = 0
@@ -627,9 +626,8 @@ class TensorParallelRun:
 @dataclass(frozen=True)
 class TwoDRun:
     """FSDP2 over ``dp`` and tensor parallel over ``tp`` of ``mesh_shape = (dp, tp)``, the batch
-    split over ``dp`` (chapter 9). ``extra["bytes_per_rank"]``: each rank's parameter and
-    optimizer bytes. ``run``'s ``checkpoints`` (:mod:`d2lgpu.model_parallel_train`'s) resumes
-    the run and is called after every forward and every step."""
+    split over ``dp`` (chapter 9); ``extra["bytes_per_rank"]``: each rank's parameter and
+    optimizer bytes. ``checkpoints``: the entry point's hooks to resume and save."""
 
     spec: ModelSpec = ModelSpec()
     mesh_shape: tuple[int, int] = (2, 2)
@@ -641,54 +639,58 @@ class TwoDRun:
     param_dtype: torch.dtype | None = None
 
     def run(self, ctx: DistContext, checkpoints: Any = None) -> TrainResult:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        from torch.distributed.tensor.parallel import parallelize_module
+        return _train_2d(self, ctx, checkpoints)
 
-        dp, tp = check_2d(self.spec, self.mesh_shape, ctx.world_size, self.batch_size)
-        mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-        model = self.spec.build(self.seed).to(ctx.device)
-        # Tensor parallel first, then FSDP2 shards the DTensors it made; the blocks compute in
-        # param_dtype and reduce gradients in fp32.
-        parallelize_module(model, mesh["tp"], tp_plan(self.spec))
-        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
-        for module in (*model, model):
-            fully_shard(module, mesh=mesh["dp"], mp_policy=policy)
-        opt = _optimizer(model.parameters(), self.lr)
-        # fp16: the scaler agrees over all ranks whether any gradient overflowed.
-        scaler = ShardedGradScaler(ctx.device.type, enabled=self.param_dtype == torch.float16)
-        start, losses = 0, []
+
+def _train_2d(run: TwoDRun, ctx: DistContext, checkpoints: Any) -> TrainResult:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    dp, tp = check_2d(run.spec, run.mesh_shape, ctx.world_size, run.batch_size)
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = run.spec.build(run.seed).to(ctx.device)
+    # Tensor parallel first, then FSDP2 shards the DTensors it made; the blocks compute in
+    # param_dtype and reduce gradients in fp32.
+    parallelize_module(model, mesh["tp"], tp_plan(run.spec))
+    policy = MixedPrecisionPolicy(param_dtype=run.param_dtype, reduce_dtype=torch.float32)
+    for module in (*model, model):
+        fully_shard(module, mesh=mesh["dp"], mp_policy=policy)
+    opt = _optimizer(model.parameters(), run.lr)
+    # fp16: the scaler agrees over all ranks whether any gradient overflowed.
+    scaler = ShardedGradScaler(ctx.device.type, enabled=run.param_dtype == torch.float16)
+    start, losses = 0, []
+    if checkpoints is not None:
+        start, losses = checkpoints.resume(model, opt, scaler, ctx)
+    dp_rank, local = mesh["dp"].get_local_rank(), run.batch_size // dp
+    rows = slice(dp_rank * local, (dp_rank + 1) * local)  # this dp group's share of a batch
+    for step in range(start, run.steps):
+        mark_progress(f"step {step + 1}")
+        X, Y = run.spec.data(run.batch_size, run.seq_len, step, run.seed, ctx.device)
+        loss = F.mse_loss(model(X[rows]).float(), Y[rows])
         if checkpoints is not None:
-            start, losses = checkpoints.resume(model, opt, scaler, ctx)
-        dp_rank, local = mesh["dp"].get_local_rank(), self.batch_size // dp
-        rows = slice(dp_rank * local, (dp_rank + 1) * local)  # this dp group's share of a batch
-        for step in range(start, self.steps):
-            mark_progress(f"step {step + 1}")
-            X, Y = self.spec.data(self.batch_size, self.seq_len, step, self.seed, ctx.device)
-            loss = F.mse_loss(model(X[rows]).float(), Y[rows])
-            if checkpoints is not None:
-                checkpoints.after_forward(step, ctx)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / ctx.world_size)
-            # The course's one divergence rule: not finite, or ten times the first loss.
-            check_training_loss(losses[-1], when=f"step {step + 1}", lr=self.lr,
-                                first_loss=losses[0] if len(losses) > 1 else None,
-                                advice=f"try {self.lr / 10:g}")
-            if checkpoints is not None:
-                checkpoints.after_step(step + 1, model, opt, scaler, losses, ctx)
-        sizes: list[Any] = [None] * ctx.world_size
-        optim = (v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        dist.all_gather_object(sizes, (_local_bytes(model.parameters()), _local_bytes(optim)))
-        # Gathering a tensor split over both dimensions takes two all-gathers, and torch >= 2.10
-        # warns about it on every rank; for one gather at the end that is fine.
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        return TrainResult(_full_state(model), losses, {"bytes_per_rank": sizes})
+            checkpoints.after_forward(step, ctx)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / ctx.world_size)
+        # The course's one divergence rule: not finite, or ten times the first loss.
+        check_training_loss(losses[-1], when=f"step {step + 1}", lr=run.lr,
+                            first_loss=losses[0] if len(losses) > 1 else None,
+                            advice=f"try {run.lr / 10:g}")
+        if checkpoints is not None:
+            checkpoints.after_step(step + 1, model, opt, scaler, losses, ctx)
+    sizes: list[Any] = [None] * ctx.world_size
+    optim = (v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    dist.all_gather_object(sizes, (_local_bytes(model.parameters()), _local_bytes(optim)))
+    # Gathering a tensor split over both dimensions takes two all-gathers, and torch >= 2.10
+    # warns about it on every rank; for one gather at the end that is fine.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return TrainResult(_full_state(model), losses, {"bytes_per_rank": sizes})
 
 
 def check_2d(spec: ModelSpec, mesh_shape: Sequence[int], world_size: int,

@@ -119,15 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--hidden", type=positive_int_flag, default=ModelSpec.hidden, help="MLP hidden units")
     add("--depth", type=positive_int_flag, default=ModelSpec.depth)
     add("--heads", type=positive_int_flag, default=ModelSpec.heads)
-    add("--batch-size", type=positive_int_flag, default=16,
-        help="global batch size, split evenly over the dp groups (default %(default)s)")
+    add("--batch-size", type=positive_int_flag, default=16, help="split over the dp groups")
     add("--seq-len", type=positive_int_flag, default=16)
     add("--lr", type=positive_number_flag, default=0.05, help="SGD's learning rate (momentum 0.9)")
     add("--seed", type=seed_flag, default=0)
     add("--precision", choices=PRECISIONS, default="auto", help="bf16/fp16: FSDP2 computes in "
         "it, reducing gradients in fp32; auto: the device's fast format (default %(default)s)")
-    add("--checkpoint-dir",
-        help="resume from the latest checkpoint here, and write one every --save-every steps")
+    add("--checkpoint-dir", help="resume from its latest checkpoint; save every --save-every steps")
     add_job_flags(parser, data=False,
                   crash_point="this epoch's checkpoint (an epoch here is --save-every steps)")
     return parser
