@@ -35,9 +35,8 @@ def _needs_device(device: DeviceLike, what: str) -> torch.device:
     return dev
 
 
-def time_naive(
-    fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
-) -> Timing:
+def time_naive(fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2,
+               repeats: int = 10) -> Timing:
     """The WRONG way to time GPU work (chapter 2): like :func:`time_fn`, but the clock stops
     when ``fn()`` returns, which for GPU work is when its kernels are queued."""
     check_warmup_repeats(warmup, repeats)
@@ -68,10 +67,7 @@ def _usable_cpus() -> int:
 def _parse_cache_size(text: str) -> int:
     """sysfs spells sizes "32K", "1024K", "32M" (binary units) or plain bytes."""
     text = text.strip().upper()
-    units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    if text and text[-1] in units:
-        return int(text[:-1]) * units[text[-1]]
-    return int(text)
+    return int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
 
 
 def _count_cpus(cpu_list: str) -> int:
@@ -114,10 +110,8 @@ def copy_buffer_bytes(device: DeviceLike) -> tuple[int, str]:
     if dev.type == "cpu":
         cache = last_level_cache_bytes()
         if cache is None:
-            return _DEFAULT_COPY_BYTES, (
-                f"{_DEFAULT_COPY_BYTES // _MIB} MiB: the size of this CPU's last-level cache "
-                "is unknown, so a size beyond the caches of common CPUs"
-            )
+            return _DEFAULT_COPY_BYTES, (f"{_DEFAULT_COPY_BYTES // _MIB} MiB: this CPU's cache "
+                                         "size is unknown, so one beyond common CPUs' caches")
         size, where = cache
         nbytes = max(64 * _MIB, math.ceil(2 * size / _MIB) * _MIB)
         return nbytes, f"{nbytes // _MIB} MiB: at least twice the {size / _MIB:g} MiB {where}"
@@ -134,9 +128,8 @@ def _copies_per_timing(seconds_per_copy: float) -> int:
     return max(1, min(10_000, math.ceil(0.05 / seconds_per_copy)))
 
 
-def _cuda_seconds_per_copy(
-    dst: torch.Tensor, src: torch.Tensor, device: torch.device, warmup: int, repeats: int
-) -> float:
+def _cuda_seconds_per_copy(dst: torch.Tensor, src: torch.Tensor, device: torch.device, warmup: int,
+                           repeats: int) -> float:
     """Best time of one ``dst.copy_(src)`` on a GPU, from CUDA events around many copies."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -156,9 +149,8 @@ def _cuda_seconds_per_copy(
         return min(timed(copies) for _ in range(repeats))
 
 
-def measure_copy_bandwidth(
-    device: DeviceLike, nbytes: int | None = None, *, warmup: int = 2, repeats: int = 10
-) -> float:
+def measure_copy_bandwidth(device: DeviceLike, nbytes: int | None = None, *, warmup: int = 2,
+                           repeats: int = 10) -> float:
     """Measured peak copy bandwidth of ``device``'s memory in GB/s, the best of ``repeats``
     timings of ``dst.copy_(src)``, counting the bytes read plus written (chapter 2)."""
     dev = _needs_device(device, "measure_copy_bandwidth")
@@ -314,9 +306,8 @@ def is_compiled(step: object) -> bool:
     return getattr(step, "_torchdynamo_orig_callable", None) is not None
 
 
-def compile_or_reason(
-    step: StepFn, device: DeviceLike, *, backend: str = "inductor"
-) -> tuple[StepFn | None, str]:
+def compile_or_reason(step: StepFn, device: DeviceLike, *,
+                      backend: str = "inductor") -> tuple[StepFn | None, str]:
     """``torch.compile(step, fullgraph=True)`` if it works on ``device`` here, else why not
     (chapter 2): run once and checked against eager mode, as compilation is lazy."""
     dev = timing_device(device)
@@ -332,9 +323,8 @@ def compile_or_reason(
     return compiled, f"torch.compile (backend={backend!r}) works here"
 
 
-def compile_on_devices(
-    step: StepFn, devices: Sequence[DeviceLike], *, backend: str = "inductor"
-) -> tuple[StepFn | None, list[str]]:
+def compile_on_devices(step: StepFn, devices: Sequence[DeviceLike], *,
+                       backend: str = "inductor") -> tuple[StepFn | None, list[str]]:
     """:func:`compile_or_reason` on each device in turn, with dynamo reset before each (its
     recompile limit, 8, would fail the ninth device); stops at the first failure."""
     compiled: StepFn | None = None
@@ -359,9 +349,8 @@ class TransferRow:
     non_blocking_call_seconds: float  # median time until .to(non_blocking=True) returned
 
 
-def measure_host_to_device(
-    device: DeviceLike, sizes: Sequence[int], *, warmup: int = 2, repeats: int = 10
-) -> list[TransferRow]:
+def measure_host_to_device(device: DeviceLike, sizes: Sequence[int], *, warmup: int = 2,
+                           repeats: int = 10) -> list[TransferRow]:
     """Host-to-device bandwidth for each byte count in ``sizes``, from pageable and from pinned
     memory (only from pinned memory does ``non_blocking=True`` return at once) (chapter 2)."""
     dev = timing_device(device)
@@ -375,9 +364,8 @@ def measure_host_to_device(
         pinned = pageable.pin_memory()
         pageable_t = time_fn(partial(pageable.to, dev), dev, warmup=warmup, repeats=repeats)
         pinned_t = time_fn(partial(pinned.to, dev), dev, warmup=warmup, repeats=repeats)
-        call_t = time_naive(
-            partial(pinned.to, dev, non_blocking=True), dev, warmup=warmup, repeats=repeats
-        )
+        call = partial(pinned.to, dev, non_blocking=True)
+        call_t = time_naive(call, dev, warmup=warmup, repeats=repeats)
         rows.append(TransferRow(nbytes, gbps(nbytes, pageable_t.median),
                                 gbps(nbytes, pinned_t.median), pinned_t.median, call_t.median))
     return rows
@@ -396,9 +384,8 @@ class TimerComparison:
         return self.naive.median / self.synchronised.median
 
 
-def compare_timers(
-    fn: Callable[[], object], device: DeviceLike, *, warmup: int = 1, repeats: int = 5
-) -> TimerComparison:
+def compare_timers(fn: Callable[[], object], device: DeviceLike, *, warmup: int = 1,
+                   repeats: int = 5) -> TimerComparison:
     """Time ``fn()`` with :func:`time_naive` and :func:`time_fn`, alternating run by run, so
     that a burst of load from another program lands on both (chapter 2)."""
     check_warmup_repeats(warmup, repeats)
@@ -489,9 +476,8 @@ def count_traffic(fn: Callable[[], object]) -> Traffic:
     return Traffic(**totals)
 
 
-def fusion_study_loops(
-    a: torch.Tensor, b: torch.Tensor, steps: int
-) -> dict[str, Callable[[], torch.Tensor]]:
+def fusion_study_loops(a: torch.Tensor, b: torch.Tensor,
+                       steps: int) -> dict[str, Callable[[], torch.Tensor]]:
     """The fusion study's loops of ``steps`` steps: two yardsticks and three ways to write
     ``result += a * b``; the buffers are allocated here, once (chapter 2)."""
     dst = torch.empty_like(a)
@@ -630,17 +616,15 @@ def fusion_study_traffic(numel: int, *, device: DeviceLike = "cpu") -> dict[str,
     ones = torch.ones(1024, device=dev)
     traffic = {}
     for name in fusion_study_loops(ones, ones, 1):
-        one, two = (count_traffic(fusion_study_loops(ones, ones, steps)[name])
-                    for steps in (1, 2))
+        one, two = (count_traffic(fusion_study_loops(ones, ones, n)[name]) for n in (1, 2))
         traffic[name] = Traffic(
             (two.read - one.read) * numel // 1024, (two.written - one.written) * numel // 1024,
             two.fresh - one.fresh, two.ops - one.ops)
     return traffic
 
 
-def fusion_study(
-    device: DeviceLike, numel: int, *, steps: int, rounds: int, progress: bool = False
-) -> FusionStudy:
+def fusion_study(device: DeviceLike, numel: int, *, steps: int, rounds: int,
+                 progress: bool = False) -> FusionStudy:
     """Count and time :func:`fusion_study_loops` on float32 tensors of ``numel`` elements,
     in ``rounds`` interleaved rounds (chapter 2)."""
     dev = _needs_device(device, "fusion_study")
@@ -681,9 +665,6 @@ def trace_spans(events: Sequence[Any]) -> TraceSpans:
     if not host:
         raise ValueError(f"no host event named one of {list(_HOST_NAMES)} in the trace")
     origin = min(e.time_range.start for e in host)
-    return TraceSpans(
-        host_ops=len(host),
-        host_end=max(e.time_range.end for e in host) - origin,
-        kernels=len(device),
-        device_end=(max(e.time_range.end for e in device) - origin) if device else None,
-    )
+    device_end = max(e.time_range.end for e in device) - origin if device else None
+    return TraceSpans(len(host), max(e.time_range.end for e in host) - origin, len(device),
+                      device_end)

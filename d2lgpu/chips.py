@@ -73,9 +73,8 @@ GPU_DATASHEETS: dict[str, dict[str, object]] = {
         "registers per SM (32-bit)": 65536,  # programming guide, cc 7.5: 64 K registers
         "shared memory per SM, max": "64 KiB",  # programming guide, cc 7.5
         "L1 + shared memory per SM": "96 KiB",  # Turing whitepaper: 96 KB per SM
-        # Turing whitepaper, TU104 table: 4,096 KB of L2 (the T4 is a TU104 with 40 of its
-        # 48 SMs on); Jia et al., "Dissecting the NVidia Turing T4 GPU via
-        # Microbenchmarking" (2019), measure the same 4 MiB.
+        # Turing whitepaper, TU104 table: 4,096 KB of L2 (a T4 is a TU104 with 40 of 48 SMs);
+        # Jia et al., "Dissecting the NVidia Turing T4 GPU via Microbenchmarking" (2019), agree.
         "L2 cache": "4 MB",
         "memory": "16 GB GDDR6",  # datasheet
         "memory bandwidth": "320 GB/s",  # datasheet: "320+ GB/s"
@@ -84,9 +83,8 @@ GPU_DATASHEETS: dict[str, dict[str, object]] = {
 }
 
 
-def training_flops_per_example(
-    net: nn.Module, example_shape: Sequence[int] = (1, 28, 28), batch_size: int = 8
-) -> float:
+def training_flops_per_example(net: nn.Module, example_shape: Sequence[int] = (1, 28, 28),
+                               batch_size: int = 8) -> float:
     """FLOPs of one training step per example, counted by ``FlopCounterMode`` on a CPU copy
     of ``net`` (chapter 4): matrix products and convolutions only, as Tensor Core peaks."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -13,16 +13,11 @@ __all__ = ["cpu", "gpu", "try_gpu", "try_all_gpus"]
 
 
 def _check_index(i: object) -> int:
-    # bool is a subclass of int, and operator.index takes numpy integers but no floats or strings.
-    try:
-        if isinstance(i, bool):
-            raise TypeError
-        index = operator.index(i)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"a GPU index must be an int, got {type(i).__name__} {i!r}"
-            + (f"; write {int(i)} instead" if isinstance(i, str) and i.strip().isdigit() else "")
-        ) from None
+    # bool is a subclass of int; __index__ takes numpy integers but no floats or strings.
+    if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+        hint = f"; write {int(i)} instead" if isinstance(i, str) and i.strip().isdigit() else ""
+        raise TypeError(f"a GPU index must be an int, got {type(i).__name__} {i!r}{hint}")
+    index = operator.index(i)  # type: ignore[arg-type]
     if index < 0:
         raise ValueError(f"a GPU index must be 0 or more, got {index}; GPUs are numbered 0, 1, ...")
     return index

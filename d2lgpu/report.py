@@ -36,7 +36,6 @@ __all__ = [
     "NvmlGpuReading", "NvmlView", "diagnose_cuda", "diagnose_this_machine",
     "environment_report", "device_numbers", "format_report", "gpu_in_numbers", "gpu_memory",
     "nccl_version", "parse_cuda_visible_devices", "print_report", "print_setup", "read_nvml",
-    "setup_summary",
 ]
 
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
@@ -44,9 +43,9 @@ _MIB = 2**20
 _GIB = 2**30
 
 
-def setup_summary() -> str:
-    """Versions, what runs where and, without a GPU, why; then the workload (chapter 1; every
-    chapter's first cell prints it)."""
+def print_setup() -> None:
+    """Print the versions, what runs where and, without a GPU, why; then the workload (chapter 1;
+    every chapter's first cell calls it)."""
     import d2lgpu
     from d2lgpu.runtime.config import workload
 
@@ -71,18 +70,7 @@ def setup_summary() -> str:
         lines += [f"{head}: everything runs on the CPU, in {mode}; {why}.",
                   "  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1)."]
     lines.append(describe_mode())
-    return "\n".join(lines)
-
-
-def print_setup() -> None:
-    """Print :func:`setup_summary` (chapter 1)."""
-    print(setup_summary())
-
-
-def _leading_int(entry: str) -> int | None:
-    """The integer an entry starts with, as C's ``strtoul`` reads it; None if none."""
-    match = re.match(r"[+-]?\d+", entry)
-    return int(match.group()) if match else None
+    print("\n".join(lines))
 
 
 def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
@@ -97,7 +85,8 @@ def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | Non
     prefix = value[:4] if value.startswith(("GPU-", "MIG-")) else None
     visible: list = []
     for entry in value.split(","):
-        item = entry if prefix else _leading_int(entry.strip())
+        number = re.match(r"[+-]?\d+", entry.strip())  # what C's strtoul reads
+        item = entry if prefix else int(number.group()) if number else None
         if item in visible:
             return []
         valid = entry.startswith(prefix) if prefix else item is not None and item >= 0
@@ -143,11 +132,10 @@ class CudaDiagnosis:
 
 
 _FIX_CPU_BUILD = (
-    "install a CUDA build of torch: `pip uninstall -y torch torchvision`, then "
-    "`pip install torch torchvision --index-url https://download.pytorch.org/whl/cu126` "
-    "(choose the CUDA version your driver supports with the selector at "
-    "https://pytorch.org/get-started/locally/; on Linux the default `pip install torch` "
-    "from PyPI is already a CUDA build), then restart the Python process or kernel."
+    "install a CUDA build of torch (on Linux PyPI's default is one): `pip uninstall -y torch "
+    "torchvision`, then `pip install torch torchvision --index-url https://download.pytorch.org/"
+    "whl/cu126` (https://pytorch.org/get-started/locally/ names the CUDA versions), then restart "
+    "the Python process or kernel."
 )
 _FIX_VISIBLE_DEVICES = (
     f"unset it (`unset {VISIBLE_DEVICES_ENV}` in the shell; in Python "
@@ -163,9 +151,8 @@ _FIX_NO_DRIVER = (
 )
 
 
-def _visible_devices_problems(
-    visible_devices_env: str | None, physical_gpu_count: int | None
-) -> list[CudaProblem]:
+def _visible_devices_problems(visible_devices_env: str | None,
+                              physical_gpu_count: int | None) -> list[CudaProblem]:
     """What is wrong with ``CUDA_VISIBLE_DEVICES``: it hides every GPU, or it is malformed."""
     visible = parse_cuda_visible_devices(visible_devices_env)
     shown = f"{VISIBLE_DEVICES_ENV}={visible_devices_env!r}"
@@ -252,15 +239,13 @@ def diagnose_cuda(
     (chapter 1)."""
     env_problems = _visible_devices_problems(visible_devices_env, physical_gpu_count)
     if device_count > 0:
-        arch_problems = []
-        if arch_list is not None:
-            arch_problems = [
-                _arch_missing(i, tuple(capability), list(arch_list), cuda_build)
-                for i, capability in enumerate(gpu_capabilities)
-                if capability is not None and not build_runs_on(tuple(capability), list(arch_list))
-            ]
-        return CudaDiagnosis(not arch_problems, device_count,
-                             tuple(arch_problems + env_problems))
+        arch_problems = [
+            _arch_missing(i, tuple(capability), list(arch_list), cuda_build)
+            for i, capability in enumerate(gpu_capabilities)
+            if arch_list is not None and capability is not None
+            and not build_runs_on(tuple(capability), list(arch_list))
+        ]
+        return CudaDiagnosis(not arch_problems, device_count, tuple(arch_problems + env_problems))
 
     # Most fundamental first: the build, then the driver, then the variable.
     problems = []
@@ -336,8 +321,7 @@ class NvmlGpuReading:
 
 @dataclass(frozen=True)
 class NvmlView:
-    """The driver's version and every physical GPU (in NVML's order, regardless of
-    ``CUDA_VISIBLE_DEVICES``), or why NVML is unavailable (``error``)."""
+    """The driver's version and every physical GPU in NVML's order, or why NVML is unavailable."""
 
     driver_version: str | None
     gpus: tuple[NvmlGpuReading, ...]
@@ -347,12 +331,9 @@ class NvmlView:
 
 
 def read_nvml() -> NvmlView:
-    """The driver's version and live per-GPU readings through NVML (chapter 1); never raises,
-    and one GPU that fails does not hide the others."""
-    try:
-        import pynvml
-    except ImportError:
-        return NvmlView(None, (), "pynvml is not installed (pip install nvidia-ml-py)")
+    """The driver's version and live per-GPU readings through NVML; never raises (chapter 1)."""
+    import pynvml  # nvidia-ml-py, a dependency; loading NVML itself is what can fail
+
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
@@ -363,27 +344,22 @@ def read_nvml() -> NvmlView:
     try:
         driver = pynvml.nvmlSystemGetDriverVersion()
         count = pynvml.nvmlDeviceGetCount()
+        try:
+            version = pynvml.nvmlSystemGetCudaDriverVersion()  # 12040 for CUDA 12.4
+            cuda_driver = f"{version // 1000}.{version % 1000 // 10}"
+        except (pynvml.NVMLError, AttributeError, TypeError):
+            cuda_driver = None  # an old NVML or nvidia-ml-py without the call
+        gpus = tuple(_read_nvml_gpu(pynvml, i) for i in range(count))
+        return NvmlView(driver, gpus, None, cuda_driver)
     except pynvml.NVMLError as exc:
-        return _shut_down(pynvml, NvmlView(None, (), f"NVML query failed: {exc}"))
-    try:
-        version = pynvml.nvmlSystemGetCudaDriverVersion()  # 12040 for CUDA 12.4
-        cuda_driver = f"{version // 1000}.{version % 1000 // 10}"
-    except (pynvml.NVMLError, AttributeError, TypeError):
-        cuda_driver = None  # an old NVML or nvidia-ml-py without the call
-    gpus = tuple(_read_nvml_gpu(pynvml, i) for i in range(count))
-    return _shut_down(pynvml, NvmlView(driver, gpus, None, cuda_driver))
-
-
-def _shut_down(pynvml, view: NvmlView) -> NvmlView:  # type: ignore[no-untyped-def]
-    """``nvmlShutdown``, which can fail too (a GPU lost meanwhile), keeping the view."""
-    with contextlib.suppress(pynvml.NVMLError):
-        pynvml.nvmlShutdown()
-    return view
+        return NvmlView(None, (), f"NVML query failed: {exc}")
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):  # a GPU lost meanwhile fails this too
+            pynvml.nvmlShutdown()
 
 
 def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-untyped-def]
-    """One GPU's readings: None for a query it does not support, and for one that fails,
-    noted in ``error``."""
+    """One GPU's readings: None for a query it refuses, noted in ``error`` unless unsupported."""
     errors: list[str] = []
 
     def read(what: str, call, *args):  # type: ignore[no-untyped-def]
@@ -481,10 +457,9 @@ def nccl_version() -> str | None:
     if torch.version.cuda is None:
         return None
     try:
-        version = torch.cuda.nccl.version()
+        return ".".join(str(part) for part in torch.cuda.nccl.version())
     except (RuntimeError, AttributeError):  # builds without NCCL (Windows, macOS)
         return None
-    return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
 
 
 def _pycuda_attributes(count: int) -> tuple[str, list[dict[str, int] | None]]:
@@ -494,8 +469,6 @@ def _pycuda_attributes(count: int) -> tuple[str, list[dict[str, int] | None]]:
     except ImportError:
         return ("pycuda is not installed (optional: `pip install pycuda` or `pip install "
                 "'d2lgpu[pycuda]'`; building it needs the CUDA toolkit)", [None] * count)
-    if count == 0:
-        return "pycuda is installed; no GPU to query", []
     try:
         pycuda_driver.init()
         attributes = []
@@ -524,8 +497,8 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
         return GpuInfo(index, "?", (0, 0), None, None, 0, (), "", pycuda_attributes,
                        error=f"properties: {_first_line(exc)}")
     free, total = None, int(getattr(props, "total_memory", 0)) or None
-    reading = next((r for r in nvml.gpus if uuid and r.uuid.lower().endswith(uuid.lower())),
-                   None)
+    matches = (r for r in nvml.gpus if uuid and r.uuid.lower().endswith(uuid.lower()))
+    reading = next(matches, None)
     if reading is not None and reading.memory_free_bytes is not None:
         free, total = reading.memory_free_bytes, reading.memory_total_bytes
     return GpuInfo(index, name, capability, total, free, sms,
@@ -622,11 +595,9 @@ class GpuMemory:
     total: int
 
     def __str__(self) -> str:
-        return (
-            f"allocated {self.allocated / _MIB:8.1f} MiB | reserved {self.reserved / _MIB:8.1f} MiB"
-            f" | peak {self.peak_allocated / _MIB:8.1f} MiB | driver: free "
-            f"{self.free / _MIB:8.0f} of {self.total / _MIB:.0f} MiB"
-        )
+        return (f"allocated {self.allocated / _MIB:8.1f} MiB | reserved "
+                f"{self.reserved / _MIB:8.1f} MiB | peak {self.peak_allocated / _MIB:8.1f} MiB | "
+                f"driver: free {self.free / _MIB:8.0f} of {self.total / _MIB:.0f} MiB")
 
 
 def _gpu_only(device: torch.device | str | int, what: str, why: str) -> torch.device:
@@ -645,9 +616,8 @@ def gpu_memory(device: torch.device | str | int = 0) -> GpuMemory:
                      torch.cuda.max_memory_allocated(device), int(free), int(total))
 
 
-def format_nvml_view(
-    view: NvmlView, mark_uuid: str | None = None, mark: str = "<- this GPU"
-) -> str:
+def format_nvml_view(view: NvmlView, mark_uuid: str | None = None,
+                     mark: str = "<- this GPU") -> str:
     """NVML's readings as text, one line per physical GPU (chapter 1); ``mark`` follows the
     GPU whose UUID ends with ``mark_uuid`` (torch's, which lacks NVML's ``GPU-``)."""
     if view.error is not None:
@@ -692,8 +662,7 @@ def read_nvml_while_busy(device: torch.device | str | int) -> NvmlView:
 
 
 def wrapped(text: str, width: int = 100) -> str:
-    """``text`` with lines longer than ``width`` wrapped at spaces, continuations indented
-    four more (chapter 1)."""
+    """``text`` with long lines wrapped at spaces, continuations indented four more (chapter 1)."""
     out = []
     for line in text.splitlines():
         indent = line[: len(line) - len(line.lstrip())]

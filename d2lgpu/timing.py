@@ -116,9 +116,8 @@ def synchronize(device: torch.device | None) -> None:
         torch.mps.synchronize()
 
 
-def time_fn(
-    fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2, repeats: int = 10
-) -> Timing:
+def time_fn(fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2,
+            repeats: int = 10) -> Timing:
     """Time ``fn()`` correctly: ``warmup`` untimed calls absorb one-off costs, then ``repeats``
     timed ones, each bracketed by a synchronisation of ``device`` (chapter 2)."""
     check_warmup_repeats(warmup, repeats)

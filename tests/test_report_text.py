@@ -6,14 +6,14 @@ from d2lgpu.report import (
     NvmlGpuReading,
     NvmlView,
     format_nvml_view,
+    print_setup,
     read_nvml_while_busy,
-    setup_summary,
 )
 from d2lgpu.runtime.config import describe_mode
 
 
-def _summary(monkeypatch, gpus, cuda_build="12.4", listed=None, workload="cpu"):
-    """setup_summary on a made-up machine: ``gpus`` usable, ``listed`` seen by CUDA."""
+def _summary(monkeypatch, capsys, gpus, cuda_build="12.4", listed=None, workload="cpu"):
+    """print_setup's lines on a made-up machine: ``gpus`` usable, ``listed`` seen by CUDA."""
     from d2lgpu import report
     from d2lgpu.runtime import config
 
@@ -24,35 +24,37 @@ def _summary(monkeypatch, gpus, cuda_build="12.4", listed=None, workload="cpu"):
     monkeypatch.setattr(report.torch.cuda, "get_device_name", lambda i: gpus[i][0])
     monkeypatch.setattr(report.torch.cuda, "get_device_capability", lambda i: gpus[i][1])
     monkeypatch.setattr(config, "workload", lambda: workload)
-    return setup_summary().splitlines()
+    print_setup()
+    return capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.parametrize(("facts", "reason"), [
     (dict(cuda_build=None), "this torch is a CPU-only build."),
     ({}, "CUDA finds no usable GPU."),
 ])
-def test_header_without_gpu_says_everything_runs_on_the_cpu_and_why(monkeypatch, facts, reason):
-    lines = _summary(monkeypatch, [], **facts)
+def test_header_without_gpu_says_everything_runs_on_the_cpu_and_why(monkeypatch, capsys, facts,
+                                                                     reason):
+    lines = _summary(monkeypatch, capsys, [], **facts)
     assert lines[0].startswith("d2lgpu ") and ", torch " in lines[0]
     assert lines[1] == f"No CUDA GPU here: everything runs on the CPU, in CPU mode; {reason}"
     assert "python -m d2lgpu info" in lines[2]
     assert lines[-1] == describe_mode()
 
 
-def test_header_names_gpus_it_cannot_use(monkeypatch):
-    lines = _summary(monkeypatch, [], listed=2, workload="quick")
+def test_header_names_gpus_it_cannot_use(monkeypatch, capsys):
+    lines = _summary(monkeypatch, capsys, [], listed=2, workload="quick")
     assert lines[1].startswith("CUDA lists 2 GPU(s), but this torch cannot use them")
     assert "in quick mode; this torch has no kernels" in lines[1]
 
 
-def test_header_with_gpus_counts_and_names_them(monkeypatch):
-    lines = _summary(monkeypatch, [("NVIDIA T4", (7, 5)), ("NVIDIA T4", (7, 5))],
+def test_header_with_gpus_counts_and_names_them(monkeypatch, capsys):
+    lines = _summary(monkeypatch, capsys, [("NVIDIA T4", (7, 5)), ("NVIDIA T4", (7, 5))],
                      workload="full")
     assert lines[1] == "2 CUDA GPUs here: the chapters run on them, in full mode."
     assert lines[2] == "  cuda:0  NVIDIA T4  (compute capability 7.5)"
     assert lines[3] == "  cuda:1  NVIDIA T4  (compute capability 7.5)"
     assert "No CUDA GPU" not in "\n".join(lines)
-    one = _summary(monkeypatch, [("NVIDIA H100 80GB HBM3", (9, 0))], workload="full")
+    one = _summary(monkeypatch, capsys, [("NVIDIA H100 80GB HBM3", (9, 0))], workload="full")
     assert one[1] == "1 CUDA GPU here: the chapters run on them, in full mode."
 
 

@@ -94,8 +94,7 @@ def storage_bytes(fn: Callable[[Sequence[torch.Tensor]], int]) -> None:
                f"{what}: {got:,} bytes, expected {want:,}. Count each tensor's whole storage "
                "(t.untyped_storage().nbytes()), not its elements, and a storage shared by "
                "several tensors once (t.untyped_storage().data_ptr() tells storages apart)")
-    passed(ex, "x[:10] keeps all 4,000 bytes of a 1,000-float x alive; x[:10].clone() "
-               "lets them go")
+    passed(ex, "x[:10] keeps all 4,000 bytes of a 1,000-float x alive; x[:10].clone() lets them go")
 
 
 def _footprint(nbytes: int) -> tuple[int, int]:
@@ -160,8 +159,7 @@ def warp_waves(fn: Callable[[int, int, str], float]) -> None:
                      f"block of {threads} thread{'' if threads == 1 else 's'} takes {warps} "
                      f"whole warp{'' if warps == 1 else 's'})")
     for blocks, threads, why in [(10, 0, "a block has at least 1 thread"),
-                                 (10, 1025, "a block has at most 1,024 threads on every "
-                                            "CUDA GPU"),
+                                 (10, 1025, "a block has at most 1,024 threads"),
                                  (0, 256, "a kernel launches at least one block")]:
         expect_value_error(ex, fn, (blocks, threads, "T4"),
                             f"warp_waves({blocks}, {threads}, 'T4'): {why}")

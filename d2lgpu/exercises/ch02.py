@@ -135,8 +135,7 @@ def matmul_intensity(fn: Callable[[int, int, int, int], float]) -> None:
                      f"counts {flops.get_total_flops():,} FLOPs, the chapter's counter "
                      f"{moved:,} bytes)", rel_tol=1e-9)
     for args in ((0, 4, 4, 2), (4, 4, -1, 2), (4, 4, 4, 0)):
-        expect_value_error(ex, fn, args, f"matmul_intensity{args} has a size that is not "
-                                         "positive")
+        expect_value_error(ex, fn, args, f"matmul_intensity{args} has a size that is not positive")
     passed(ex, "a 4096-cubed bf16 product does 1,365 FLOPs per byte, a matrix-vector product "
                "about 1, the fused multiply-add 1/8")
 
@@ -160,8 +159,7 @@ def timeline(fn: Callable[[float, list[float]], tuple[float, float]]) -> None:
         expect(ex, isinstance(got, (tuple, list)) and len(got) == 2,
                f"return a pair (host done, device done), got {got!r}")
         host, device = _timeline(launch, kernels)
-        shown = (f"{len(kernels)} x {kernels[0]:g} s" if len(set(kernels)) == 1
-                 else str(kernels))
+        shown = f"{len(kernels)} x {kernels[0]:g} s" if len(set(kernels)) == 1 else str(kernels)
         expect_close(ex, got[0], host,
                      f"launches of {launch:g} s, kernels {shown}: the host's time", rel_tol=1e-9)
         expect_close(ex, got[1], device,
