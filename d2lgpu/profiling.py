@@ -34,15 +34,14 @@ from d2lgpu.timing import format_table, gbps, tflops, time_fn
 from d2lgpu.training import History
 
 __all__ = [
-    "ABLATION_LABELS", "COUNT_UNITS", "AblationRow", "AblationStep", "Roofline",
-    "RooflinePoint", "SlowStorage", "TraceEvent", "TraceSummary", "ablation_data",
-    "ablation_numbers", "ablation_plan", "ablation_settings",
-    "compare_compile_modes", "explain_graph_breaks", "fresh_compile",
-    "idle_gaps", "measure_roofline", "measure_stream_bandwidth", "memory_timeline_from_snapshot",
-    "memory_timeline_from_trace", "merge_intervals", "mfu_note", "op_table",
-    "paired_multiply_add_ratio", "plot_memory_timeline", "plot_roofline", "plot_timeline",
-    "previous_ran", "profiler_activities", "read_trace", "roofline_points", "run_ablation",
-    "runs_dir", "speed_ratios", "summarize_trace", "timeline_lanes",
+    "ABLATION_LABELS", "COUNT_UNITS", "AblationRow", "AblationStep", "Roofline", "RooflinePoint",
+    "SlowStorage", "TraceEvent", "TraceSummary", "ablation_data", "ablation_numbers",
+    "ablation_plan", "ablation_settings", "compare_compile_modes", "explain_graph_breaks",
+    "fresh_compile", "idle_gaps", "measure_roofline", "measure_stream_bandwidth",
+    "memory_timeline_from_snapshot", "memory_timeline_from_trace", "merge_intervals", "mfu_note",
+    "op_table", "paired_multiply_add_ratio", "plot_memory_timeline", "plot_roofline",
+    "plot_timeline", "previous_ran", "profiler_activities", "read_trace", "roofline_points",
+    "run_ablation", "runs_dir", "speed_ratios", "summarize_trace", "timeline_lanes",
 ]
 
 
@@ -327,13 +326,10 @@ def memory_timeline_from_snapshot(
     signs = {"alloc": 1, "free_completed": -1}
     changes = [(float(entry.get("time_us", i)), signs[entry["action"]] * int(entry["size"]))
                for i, entry in enumerate(traces[device_index]) if entry.get("action") in signs]
-    allocated_at_end = sum(
-        block["size"]
-        for segment in snapshot.get("segments", [])
-        if segment.get("device", device_index) == device_index
-        for block in segment.get("blocks", [])
-        if block.get("state") == "active_allocated"
-    )
+    allocated_at_end = sum(block["size"] for segment in snapshot.get("segments", [])
+                           if segment.get("device", device_index) == device_index
+                           for block in segment.get("blocks", [])
+                           if block.get("state") == "active_allocated")
     level = allocated_at_end - sum(change for _, change in changes)
     timeline = []
     for t, change in changes:
