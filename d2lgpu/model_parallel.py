@@ -145,9 +145,8 @@ def _optimizer(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-def train_reference(
-    spec: ModelSpec, batch_size: int, seq_len: int, steps: int, lr: float
-) -> TrainResult:
+def train_reference(spec: ModelSpec, batch_size: int, seq_len: int, steps: int,
+                    lr: float) -> TrainResult:
     """One process, the whole model and batch: what every parallel run must equal (chapter 9)."""
     model = spec.build()
     opt = _optimizer(model.parameters(), lr)
@@ -197,8 +196,7 @@ class _Held:
 
 
 class _FunctionalCollectiveCounter(CollectiveCounter):
-    """CollectiveCounter, also counting the functional collectives DTensor issues; sizes are
-    full (unsharded) payloads."""
+    """CollectiveCounter, also counting DTensor's functional collectives at their full size."""
 
     _KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
               "reduce_scatter_tensor": "reduce_scatter"}

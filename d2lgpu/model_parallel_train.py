@@ -112,8 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--tp", type=positive_int_flag, help="tensor-parallel ranks per data-parallel group "
         "(default: ranks / --dp, or 2 when neither is given and the ranks are even, else 1)")
     add("--steps", type=positive_int_flag, default=40)
-    add("--save-every", type=positive_int_flag, default=10,
-        help="steps between checkpoints; the last step is always saved (default %(default)s)")
+    add("--save-every", type=positive_int_flag, default=10, help="steps between checkpoints")
     add("--kind", choices=("mlp", "attention"), default=ModelSpec.kind)
     add("--width", type=positive_int_flag, default=ModelSpec.width)
     add("--hidden", type=positive_int_flag, default=ModelSpec.hidden, help="MLP hidden units")
