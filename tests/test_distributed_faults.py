@@ -388,6 +388,8 @@ def test_ranks_aborted_by_the_nccl_watchdog_blame_the_rank_that_never_arrived():
     message = str(info.value)
     assert info.value.rank == 1 and "rank 1 of 2 never arrived" in message, message
     assert "rank 0 timed out in a collective" in message and "SIGABRT" in message, message
+    # A rank that aborts of its own looks the same from outside: the message says where to look.
+    assert "Had rank 0 aborted on its own" in message, message
     assert "NCCL_DEBUG=INFO" in message and "TORCH_NCCL_ASYNC_ERROR_HANDLING" in message
 
 

@@ -731,7 +731,9 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
         raise RankError(
             f"rank {cause} of {nprocs} never arrived: {_plural(waiting)} timed out in a "
             "collective waiting for it, killed by SIGABRT (NCCL's watchdog), while rank "
-            f"{cause} was still running (stopped by launch). {NCCL_ADVICE}\n  last steps "
+            f"{cause} was still running (stopped by launch). (Had {_plural(waiting)} aborted "
+            "on its own, a failed assertion or a CUDA error, its output above shows it.) "
+            f"{NCCL_ADVICE}\n  last steps "
             f"reported: {_progress_lines(outcome.progress)}", cause, outcome.exitcodes[cause])
     if record is None:
         code = outcome.exitcodes[cause]
