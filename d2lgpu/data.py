@@ -1,7 +1,6 @@
 """Data for the course: Fashion-MNIST (loaders, whole-set tensors, batches cut on the device),
 synthetic regression and Tiny Shakespeare, under :func:`d2lgpu.data_root`. Fashion-MNIST's raw
-files are checked (size, and once their MD5) before they are read.
-"""
+files are checked (size, and once their MD5) before they are read."""
 
 from __future__ import annotations
 
@@ -247,8 +246,7 @@ def synthetic_regression(num_examples: int, num_features: int, noise: float = 0.
 
 class DeviceLoader:
     """Batches ``(X, y)`` cut from uint8 images that live on ``device``, normalised there to
-    ``(x / 255 - mean) / std`` (chapter 7); ``shuffle=True`` permutes on the device with a
-    seeded generator, ``drop_last=True`` skips a smaller last batch (for CUDA graphs)."""
+    ``(x / 255 - mean) / std`` (chapter 7), shuffled on the device by a seeded generator."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *,
                  device: torch.device | str | None = None, shuffle: bool = False, seed: int = 0,
@@ -337,8 +335,7 @@ def fashion_mnist_on_device(batch_size: int, device: torch.device | str | None =
                             seed: int = 0, test_batch_size: int | None = None,
 ) -> tuple[DeviceLoader, DeviceLoader]:
     """Fashion-MNIST held on ``device``: shuffled train batches, test in order (chapter 7).
-    Test batches are at least 1024 unless ``test_batch_size`` says otherwise: evaluation
-    keeps no activations, so larger batches fit and launch fewer kernels."""
+    Test batches are at least 1024 (no activations kept: larger batches fit, fewer launches)."""
     if test_batch_size is not None:
         check_positive_int("test_batch_size", test_batch_size)
     loaders = []
@@ -371,11 +368,10 @@ def tiny_shakespeare(root: str | Path | None = None) -> str:
                 partial.write_bytes(response.read())
             partial.replace(path)
         except OSError as err:  # URLError, timeouts and a read-only folder are all OSErrors
-            raise RuntimeError(
-                f"Tiny Shakespeare is not at {path} and could not be downloaded "
-                f"({type(err).__name__}: {err}). Connect to the internet, or put the file from "
-                f"{TINY_SHAKESPEARE_URL} there, or set {DATA_ENV} to a directory that holds "
-                "tinyshakespeare/input.txt.") from err
+            raise RuntimeError(f"Tiny Shakespeare is not at {path} and could not be downloaded "
+                               f"({type(err).__name__}: {err}). Connect to the internet, or put "
+                               f"the file from {TINY_SHAKESPEARE_URL} there, or set {DATA_ENV} "
+                               "to a directory that holds tinyshakespeare/input.txt.") from err
     raw = path.read_bytes()
     digest = hashlib.sha256(raw).hexdigest()
     if digest != TINY_SHAKESPEARE_SHA256:

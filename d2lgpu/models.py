@@ -1,6 +1,5 @@
 """Models of the course: d2l's ResNet-18 for small images, a small CNN for quick runs, and
-a residual MLP whose size is set by a few numbers (chapter 8's model for memory and sharding).
-"""
+a residual MLP whose size is set by a few numbers (chapter 8's model for memory and sharding)."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ class Residual(nn.Module):
 
 
 def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
-    """ResNet-18 for small images, d2l 13.6's layer for layer (11.2 M parameters for 10 classes)
-    (chapter 4): a 3x3 stride-1 stem, as a 7x7 conv and max-pool would shrink 28x28 images to
-    nothing useful; any input of 8x8 or more."""
+    """ResNet-18 for small images, d2l 13.6's layer for layer (chapter 4): a 3x3 stride-1 stem,
+    as a 7x7 conv and max-pool would shrink 28x28 images to nothing; any input of 8x8 or more."""
     net = nn.Sequential(nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1),
                         nn.BatchNorm2d(64), nn.ReLU())
     for i, (c_in, c_out) in enumerate([(64, 64), (64, 128), (128, 256), (256, 512)], start=1):
@@ -81,9 +79,8 @@ class MLPBlock(nn.Module):
 
 def residual_mlp(width: int = 256, hidden: int = 1024, depth: int = 4, in_features: int = 784,
                  num_classes: int = 10) -> nn.Sequential:
-    """``depth`` :class:`MLPBlock` s between input and output layers, images flattened first
-    (chapter 8): width and depth set its size, and without batch norm its gradients do not
-    depend on how a batch is split (accumulation, DDP and FSDP compare with one process)."""
+    """``depth`` :class:`MLPBlock` s between input and output layers (chapter 8): without batch
+    norm its gradients do not depend on how a batch is split (accumulation, DDP, FSDP)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(in_features, width),
                          *(MLPBlock(width, hidden) for _ in range(depth)),
                          nn.Linear(width, num_classes))

@@ -1,6 +1,5 @@
 """Data parallelism by hand (chapter 3), d2l's section 13.5 made to run anywhere: a list of
-devices may repeat (``[cpu, cpu]`` simulates two devices on one).
-"""
+devices may repeat (``[cpu, cpu]`` simulates two devices on one)."""
 
 from __future__ import annotations
 
@@ -128,10 +127,8 @@ def _check_step(replicas: Sequence[Sequence[torch.Tensor]], X: torch.Tensor, lr:
         gaps = [(p.to(device) - q.to(device)).abs().max() for other in replicas[1:]
                 for p, q in zip(first, other, strict=True) if p.numel()]
         gap = torch.stack(gaps).max() if gaps else torch.zeros(())
-        update = lr * torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(p.grad.float()) for p in first]))
-        size = torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(p.float()) for p in first]))
+        update = lr * torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in first]))
+        size = torch.linalg.vector_norm(torch.cat([p.float().flatten() for p in first]))
         numbers = [t.float().to(device) for t in (loss, bad, gap, update, size)]
         value, bad, gap, update, size = torch.stack(numbers).tolist()
     if not math.isfinite(size):

@@ -1,6 +1,5 @@
 """Plots for the course: lines, and the precision sweep, on explicit axes (never pyplot's
-"current" ones), so plots do not leak into each other between cells.
-"""
+"current" ones), so plots do not leak into each other between cells."""
 
 from __future__ import annotations
 
@@ -48,13 +47,12 @@ def plot_precision_sweep(rows: Sequence[SweepRow], title: str | None = None):
     import matplotlib.pyplot as plt  # imported here: pyplot costs a second at import
 
     # (what a panel shows, its y label, its title), each drawn only where some row has it.
-    panels = [
-        (lambda r: 1000 * r.median_seconds, "median step time (ms)", "time per training step"),
-        (lambda r: None if r.saved_activation_bytes is None else r.saved_activation_bytes / 2**20,
-         "MiB", "saved for the backward pass"),
-        (lambda r: None if r.peak_memory_bytes is None else r.peak_memory_bytes / 2**20,
-         "MiB", "peak GPU memory"),
-    ]
+    def mib(n: int | None) -> float | None:
+        return None if n is None else n / 2**20
+
+    panels = [(lambda r: 1e3 * r.median_seconds, "median step time (ms)", "time per training step"),
+              (lambda r: mib(r.saved_activation_bytes), "MiB", "saved for the backward pass"),
+              (lambda r: mib(r.peak_memory_bytes), "MiB", "peak GPU memory")]
     ran = [r for r in rows if r.ok]
     panels = [panel for i, panel in enumerate(panels)
               if i == 0 or any(panel[0](r) is not None for r in ran)]

@@ -1,8 +1,6 @@
 """Which reduced precision a device runs fast, how to use it, and chapter 6's precision sweep.
-
 The policy goes by compute capability on a GPU (``torch.cuda.is_bf16_supported()`` says True
-on a T4, where bf16 is emulated and slow) and by the bf16 instructions a CPU reports.
-"""
+on a T4, where bf16 is emulated and slow) and by the bf16 instructions a CPU reports."""
 
 from __future__ import annotations
 
@@ -38,8 +36,9 @@ PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16")
 
 # What people write instead, and the word of the vocabulary that means it.
 _SPELLINGS: dict[object, str] = {
-    True: "auto", False: "fp32", None: "fp32",
-    "off": "fp32", "float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+    True: "auto", False: "fp32", None: "fp32", torch.float32: "fp32", torch.float16: "fp16",
+    torch.bfloat16: "bf16", "off": "fp32", "float32": "fp32", "float16": "fp16", "half": "fp16",
+    "bfloat16": "bf16",
 }
 
 
@@ -47,14 +46,9 @@ def check_precision(precision: object, name: str = "precision") -> str:
     """``precision`` if it is a word of :data:`PRECISIONS`; else a ValueError naming the fix."""
     if isinstance(precision, str) and precision in PRECISIONS:
         return precision
-    if isinstance(precision, torch.dtype):
-        hint = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision)
-    elif isinstance(precision, str):
-        hint = _SPELLINGS.get(precision.lower(), precision.lower())
-    elif isinstance(precision, bool) or precision is None:
-        hint = _SPELLINGS[precision]
-    else:
-        hint = None
+    key = precision.lower() if isinstance(precision, str) else precision
+    spelt = isinstance(precision, (str, bool, torch.dtype)) or precision is None  # not 1 == True
+    hint = _SPELLINGS.get(key, key) if spelt else None
     fix = f": write {name}={hint!r}" if hint in PRECISIONS else ""
     choices = ", ".join(repr(p) for p in PRECISIONS)
     raise ValueError(f"{name}={precision!r} is not one of {choices}{fix}")
@@ -72,7 +66,7 @@ class PrecisionPolicy:
 
     @property
     def name(self) -> str:
-        """The policy's word of :data:`PRECISIONS` ("fp16 + GradScaler" for scaled fp16)."""
+        """The policy's word ("fp16 + GradScaler" for scaled fp16)."""
         if self.dtype is None:
             return "tf32" if self.tf32 else "fp32"
         name = "fp16" if self.dtype == torch.float16 else "bf16"
@@ -400,17 +394,14 @@ def precision_sweep(
     lr: float = 0.01, repeats: int = 1, progress: bool = False,
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> list[SweepRow]:
-    """Train a fresh ``model_fn()`` (same seed) on one fixed batch for ``warmup`` untimed and
-    ``steps`` timed steps in each mode at each batch size (chapter 6). With ``repeats`` > 1
-    the modes take turns, so a burst of other work hits them alike. A batch that does not fit
-    is an "OOM" row; a diverging loss stops the sweep, as in ``train``."""
+    """Train a fresh ``model_fn()`` (same seed) on one fixed batch, ``warmup`` untimed and
+    ``steps`` timed steps per mode and batch size (chapter 6); repeats take turns, so a burst of
+    other work hits the modes alike. A batch that does not fit is an "OOM" row."""
     unknown = [m for m in modes if m not in PRECISION_MODES]
     if isinstance(modes, str) or not modes or unknown:
-        raise ValueError(f"modes must be a non-empty list; unknown: {unknown}; choose from "
-                         f"{PRECISION_MODES}")
+        raise ValueError(f"modes must be a non-empty list of {PRECISION_MODES}; unknown: {unknown}")
     if not batch_sizes or not all(isinstance(b, int) and b > 0 for b in batch_sizes):
-        raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got "
-                         f"{batch_sizes!r}")
+        raise ValueError(f"batch_sizes must be a non-empty list of positive ints: {batch_sizes}")
     if steps < 1:
         raise ValueError(f"need steps >= 1, got steps={steps}")
     make_optimizer = make_optimizer or (lambda parameters: torch.optim.SGD(parameters, lr=lr))
@@ -535,14 +526,10 @@ def sweep_cnn(in_channels: int = 1, widths: Sequence[int] = (32, 64, 128),
     """A small CNN, conv + batch norm + ReLU per width with pooling between (chapter 6): its
     feature maps, not its weights, take the memory, so saved bytes grow with the batch."""
     layers: list[nn.Module] = []
-    channels = in_channels
-    for i, width in enumerate(widths):
-        if i > 0:
-            layers.append(nn.MaxPool2d(2))
-        layers += [nn.Conv2d(channels, width, kernel_size=3, padding=1), nn.BatchNorm2d(width),
-                   nn.ReLU()]
-        channels = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+    for i, (c_in, width) in enumerate(zip([in_channels, *widths], widths, strict=False)):
+        layers += [nn.MaxPool2d(2)] if i > 0 else []
+        layers += [nn.Conv2d(c_in, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(widths[-1], num_classes)]
     return nn.Sequential(*layers)
 
 

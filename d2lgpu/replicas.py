@@ -1,6 +1,5 @@
 """Chapter 4's helpers for ``nn.DataParallel``: k replicas on one device (``torch.nn.parallel``
-refuses CPU devices), the learning rate for k devices, and a comparison across seeds.
-"""
+refuses CPU devices), the learning rate for k devices, and a comparison across seeds."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Chapter 4's training loop, :func:`train`: d2l's ``train_ch13`` with a seed, a fresh start,
 sums kept on the device and a stop with the fix when the loss diverges. Chapter 7's fast path
-(:func:`d2lgpu.train_fast`) reuses its parts.
-"""
+(:func:`d2lgpu.train_fast`) reuses its parts."""
 
 from __future__ import annotations
 

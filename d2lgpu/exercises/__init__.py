@@ -1,7 +1,6 @@
 """Checks for the exercises at the end of every chapter: ``check.bubble_fraction(fn)`` calls
 the learner's function on small inputs and compares it with the chapter's reference; an
-unchanged stub raises :class:`ExerciseNotDone`, a wrong answer :class:`ExerciseWrong`.
-"""
+unchanged stub raises :class:`ExerciseNotDone`, a wrong answer :class:`ExerciseWrong`."""
 
 from __future__ import annotations
 

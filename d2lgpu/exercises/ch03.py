@@ -39,10 +39,8 @@ def _mlp(X: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _mlp_params(seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(4, 6, generator=generator, dtype=torch.float64) / 2,
-            torch.randn(6, generator=generator, dtype=torch.float64) / 10,
-            torch.randn(6, 3, generator=generator, dtype=torch.float64) / 2,
-            torch.randn(3, generator=generator, dtype=torch.float64) / 10]
+    return [torch.randn(shape, generator=generator, dtype=torch.float64) / (2 if len(shape) > 1
+            else 10) for shape in ((4, 6), (6,), (6, 3), (3,))]
 
 
 def _batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,25 +57,20 @@ def shard_bounds(fn: Callable[[int, int], list[tuple[int, int]]]) -> None:
         expect(ex, isinstance(got, (list, tuple)),
                f"return a list of (start, stop) pairs, got {type(got).__name__}")
         got = [tuple(pair) for pair in got]
-        rows = torch.arange(n)
-        _, shards = split_batch(rows, rows, [CPU] * k)
+        _, shards = split_batch(torch.arange(n), torch.arange(n), [CPU] * k)
         want = [(int(s[0]), int(s[-1]) + 1) for s in shards]
         expect(ex, got == want,
                f"shard_bounds({n}, {k}) gave {got}; d2lgpu.split_batch cuts {n} rows into "
-               f"{want} (rows start to stop - 1): the first {n} % {k} = {n % k} shards get "
-               "one row more")
-    expect_value_error(ex, fn, (2, 3),
-                        "2 rows over 3 devices leave a device without a shard (split_batch "
-                        "refuses it)")
+               f"{want}: the first {n} % {k} = {n % k} shards get one row more")
+    expect_value_error(ex, fn, (2, 3), "2 rows over 3 devices leave a device without a shard")
     passed(ex, "10 rows over 4 devices are rows 0-2, 3-5, 6-7 and 8-9, as split_batch cuts "
                "them")
 
 
-def _one_step_summed_means(
-    lr: float, sizes: Sequence[int], X: torch.Tensor, y: torch.Tensor
-) -> list[torch.Tensor]:
-    """One replica's parameters after a step where each backpropagates its shard's *mean* loss
-    and the all-reduce sums."""
+def _one_step_summed_means(lr: float, sizes: Sequence[int], X: torch.Tensor, y: torch.Tensor,
+                           ) -> list[torch.Tensor]:
+    """Replica 0's parameters after a step where each replica backpropagates its shard's *mean*
+    loss and the all-reduce sums."""
     replicas = [replicate_params(_mlp_params(), CPU) for _ in sizes]
     X_shards, y_shards = X.split(list(sizes)), y.split(list(sizes))
     for params, X_shard, y_shard in zip(replicas, X_shards, y_shards, strict=True):
@@ -97,8 +90,7 @@ def lr_for_summed_means(fn: Callable[[float, list[int]], float]) -> None:
     ex = "3.2"
     for lr, sizes in ((0.1, [8, 8]), (0.3, [5, 5, 5]), (0.2, [4, 4, 4, 4]), (0.1, [10])):
         got = attempt(ex, fn, lr, list(sizes))
-        expect_close(ex, got, lr / len(sizes), f"lr_for_summed_means({lr}, {sizes})",
-                     rel_tol=1e-9)
+        expect_close(ex, got, lr / len(sizes), f"lr_for_summed_means({lr}, {sizes})", 1e-9)
         X, y = _batch(sum(sizes), seed=len(sizes))
         theirs = [replicate_params(_mlp_params(), CPU) for _ in sizes]
         data_parallel_step(_mlp, theirs, X, y, lr)
@@ -109,9 +101,8 @@ def lr_for_summed_means(fn: Callable[[float, list[int]], float]) -> None:
                f"d2lgpu.data_parallel_step at lr={lr}")
     for sizes in ([3, 2, 2], [14, 13, 13], [9, 1], [6, 4, 2], [2, 2, 1, 1]):
         expect_value_error(ex, fn, (0.1, list(sizes)),
-                            f"with uneven shards {sizes} no single learning rate turns the "
-                            "sum of the shards' mean gradients into the full-batch gradient "
-                            "(each shard gets the weight 1, not its share of the rows)")
+                            f"with uneven shards {sizes} no single learning rate turns the sum "
+                            "of the shards' mean gradients into the full-batch gradient")
     passed(ex, "k equal shards: lr / k; uneven shards: no learning rate repairs the weights")
 
 
@@ -124,8 +115,7 @@ def weighted_allreduce(fn: Callable[[list[torch.Tensor], list[float]], None]) ->
     attempt(ex, call, tensors, [1, 1, 2])
     want = torch.tensor([52.75, 105.5])  # (1 * a + 1 * b + 2 * c) / 4
     expect(ex, all(t is u for t, u in zip(tensors, (a, b, c), strict=True)),
-           "the list must hold the caller's tensors afterwards: write into them, do not "
-           "replace the list's items")
+           "the list must hold the caller's tensors afterwards: write into them")
     for name, t in zip("abc", (a, b, c), strict=True):
         expect(ex, torch.allclose(t, want),
                f"with tensors a = [1, 2], b = [10, 20], c = [100, 200] and weights [1, 1, 2], "
@@ -147,8 +137,7 @@ def weighted_allreduce(fn: Callable[[list[torch.Tensor], list[float]], None]) ->
             attempt(ex, call, [r[i].grad for r in replicas], sizes)
         grads = [[p.grad for p in r] for r in replicas]
         expect(ex, all(max_abs_difference(grads[0], g) == 0.0 for g in grads[1:]),
-               f"after weighted_allreduce over {k} replicas their gradients differ: every "
-               "tensor must hold the same result")
+               f"after weighted_allreduce over {k} replicas their gradients differ")
         gap = max_abs_difference(grads[0], [p.grad for p in full])
         expect(ex, gap < 1e-12,
                f"10 rows over {k} replicas (shards {sizes}), each backpropagating its shard's "
@@ -176,11 +165,8 @@ def accumulated_step(
         for step, (X, y) in enumerate(batches, start=1):
             loss = attempt(ex, fn, _mlp, params, X, y, 0.5, k)
             want = data_parallel_step(_mlp, replicas, X, y, 0.5)
-            # data_parallel_step reads its loss back in float32
-            expect_close(ex, loss, want,
-                         f"with k={k}, the loss returned at step {step} (the batch's mean loss: "
-                         "the shards' summed losses, each divided by the whole batch's size, "
-                         "added up)", rel_tol=1e-6)
+            expect_close(ex, loss, want, f"with k={k}, the loss returned at step {step} (the "
+                         "shards' summed losses, each divided by the whole batch's size)")
             expect(ex, all(p is q for p, q in zip(params, originals, strict=True)),
                    "update the parameters in place (p -= lr * p.grad under torch.no_grad()), "
                    "as the chapter's step does; the list must keep its tensors")
@@ -192,8 +178,7 @@ def accumulated_step(
                    f"{gap:.1e} away from d2lgpu.data_parallel_step on {k} replica(s): each "
                    f"shard's loss is summed and divided by the whole batch's size{hint}")
     X, y = batches[0]
-    expect_value_error(ex, fn, (_mlp, replicate_params(_mlp_params(), CPU), X[:3], y[:3],
-                                 0.5, 4),
-                        "3 rows cannot make 4 shards")
+    params = replicate_params(_mlp_params(), CPU)
+    expect_value_error(ex, fn, (_mlp, params, X[:3], y[:3], 0.5, 4), "3 rows cannot make 4 shards")
     passed(ex, "k shards accumulated on one device take the step of k replicas, loss and "
                "parameters")

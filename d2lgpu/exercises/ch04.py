@@ -31,16 +31,13 @@ def replica_rows(fn: Callable[[int, int], list[list[int]]]) -> None:
     for n, k in ((10, 4), (8, 4), (6, 4), (2, 4), (7, 3), (1, 1), (16, 8), (9, 2), (5, 4)):
         got = attempt(ex, fn, n, k)
         expect(ex, isinstance(got, (list, tuple)),
-               f"return a list with one list of row indices per replica, got "
-               f"{type(got).__name__}")
+               f"return a list with one list of row indices per replica, got {type(got).__name__}")
         got = [[int(i) for i in rows] for rows in got]
         recorder = _RowRecorder()
-        rows = torch.stack([torch.arange(float(n)), torch.zeros(n)], dim=1)
-        ReplicasOnOneDevice(recorder, k).train()(rows)
+        ReplicasOnOneDevice(recorder, k).train()(torch.stack([torch.arange(float(n)),
+                                                              torch.zeros(n)], dim=1))
         want = recorder.seen
-        idle = k - len(want)
-        note = (f"; only {k - idle} of the {k} replicas get rows: list only those"
-                if idle else "")
+        note = f"; only {len(want)} of the {k} replicas get rows" if len(want) < k else ""
         expect(ex, got == want,
                f"replica_rows({n}, {k}) gave {got}; DataParallel's scatter (torch.chunk) gives "
                f"{want}: pieces of ceil({n}/{k}) = {-(-n // k)} rows, the last one what is "
@@ -64,10 +61,9 @@ def _rows(n: int, seed: int) -> torch.Tensor:
 
 
 def _pair(value: object, ex: str, call: str) -> tuple[torch.Tensor, torch.Tensor]:
-    ok = (isinstance(value, (tuple, list)) and len(value) == 2
-          and all(isinstance(v, torch.Tensor) for v in value))
-    expect(ex, ok, f"{call} must return two tensors (running_mean, running_var), got "
-                   f"{type(value).__name__}")
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(
+        isinstance(v, torch.Tensor) for v in value)
+    expect(ex, ok, f"{call} must return two tensors (mean, variance), got {type(value).__name__}")
     return value[0], value[1]
 
 
@@ -91,9 +87,8 @@ def replica0_running_stats(
         ReplicasOnOneDevice(reference, k).train()(batch)
         chunk0 = batch.chunk(k)[0]
         whole_mean = (1 - momentum) * bn.running_mean + momentum * batch.mean(dim=0)
-        expect(ex, mean.shape == (3,) and var.shape == (3,),
-               f"{call}: expected two tensors of shape (3,), got {tuple(mean.shape)} and "
-               f"{tuple(var.shape)}")
+        expect(ex, mean.shape == var.shape == (3,), f"{call}: expected two tensors of shape (3,), "
+               f"got {tuple(mean.shape)} and {tuple(var.shape)}")
         expect(ex, not (k > 1 and torch.allclose(mean, whole_mean)),
                f"{call}: your running mean uses the whole batch; under DataParallel only "
                f"replica 0's update survives, and replica 0 saw rows 0 to {len(chunk0) - 1}")
@@ -101,15 +96,13 @@ def replica0_running_stats(
                f"{call}: running mean {mean.tolist()}, expected "
                f"{reference.running_mean.tolist()} = (1 - momentum) * old + momentum * the "
                "mean of replica 0's rows")
-        biased = ((1 - momentum) * bn.running_var
-                  + momentum * chunk0.var(dim=0, unbiased=False))
+        biased = (1 - momentum) * bn.running_var + momentum * chunk0.var(dim=0, unbiased=False)
         expect(ex, not torch.allclose(var, biased, rtol=1e-9, atol=1e-12),
                f"{call}: your running variance uses the biased variance (divided by the row "
                "count); batch norm normalises with it, but its running variance keeps the "
                "unbiased one (divided by the row count - 1)")
         expect(ex, torch.allclose(var, reference.running_var, rtol=1e-9, atol=1e-12),
-               f"{call}: running variance {var.tolist()}, expected "
-               f"{reference.running_var.tolist()}")
+               f"{call}: running variance {var.tolist()}, want {reference.running_var.tolist()}")
     passed(ex, "after one step the module keeps replica 0's mean and unbiased variance, "
                "mixed in by its momentum")
 
@@ -162,18 +155,16 @@ def warmup_lambda(fn: Callable[[float, int, int], Callable[[int], float]]) -> No
                                (0.3, 4, 10), (0.02, 8, 6)):
         target = scaled_learning_rate(base_lr, k)
         factor = attempt(ex, fn, base_lr, k, warmup)
-        expect(ex, callable(factor),
-               f"warmup_lambda({base_lr}, {k}, {warmup}) must return a function of the step "
-               f"number (LambdaLR calls it), got {type(factor).__name__}")
+        expect(ex, callable(factor), f"warmup_lambda({base_lr}, {k}, {warmup}) must return a "
+               f"function of the step number, got {type(factor).__name__}")
         weight = nn.Parameter(torch.zeros(1))
         optimizer = torch.optim.SGD([weight], lr=target)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         for step in range(warmup + 3):
             want = base_lr + (target - base_lr) * min(step, warmup) / warmup
-            expect_close(ex, optimizer.param_groups[0]["lr"], want,
-                         f"with base_lr={base_lr}, k={k}, warmup_steps={warmup}, the SGD "
-                         f"learning rate at step {step} (the scheduler multiplies the "
-                         f"optimizer's lr, {target:g}, by your factor)", rel_tol=1e-9)
+            expect_close(ex, optimizer.param_groups[0]["lr"], want, f"with base_lr={base_lr}, "
+                         f"k={k}, warmup_steps={warmup}, the SGD learning rate at step {step} "
+                         f"(the scheduler multiplies {target:g} by your factor)", 1e-9)
             optimizer.step()
             scheduler.step()
     expect_value_error(ex, fn, (0.1, 8, 0),

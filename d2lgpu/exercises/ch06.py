@@ -46,11 +46,9 @@ def largest_exact_integer(fn: Callable[[torch.dtype], int]) -> None:
             rounded = torch.tensor(float(want + 1), dtype=torch.float64).to(dtype).item()
             why = (f"{int(got) + 1} is exact in it as well" if got < want
                    else f"{want + 1} is not: it rounds to {rounded:g}")
-            raise ExerciseWrong(
-                f"Exercise {ex}: largest_exact_integer({dtype}) is {got}, expected {want} "
-                f"({why}). With p significant bits (the stored mantissa bits plus the implicit "
-                "leading 1) every integer up to 2**p is exact, and 2**p + 1 is the first that "
-                "is not")
+            expect(ex, False, f"largest_exact_integer({dtype}) is {got}, expected {want} ({why}). "
+                   "With p significant bits (the stored mantissa bits plus the implicit leading "
+                   "1) every integer up to 2**p is exact, and 2**p + 1 is the first that is not")
     for dtype in (torch.int32, torch.bool):
         expect_value_error(ex, fn, (dtype,), f"{dtype} is not a floating-point type (every "
                            "integer in its range is exact, the question does not apply)")
@@ -251,6 +249,10 @@ def _eval_free(model: nn.Module) -> Iterator[None]:
         model.load_state_dict(state)
 
 
+def _short(by_dtype: dict[torch.dtype, int]) -> dict[str, int]:
+    return {str(k).replace("torch.", ""): v for k, v in by_dtype.items()}
+
+
 def saved_bytes_by_dtype(fn: Callable[..., dict[torch.dtype, int]]) -> None:
     """Exercise 6.4: ``fn(model, features, labels, dtype)``, saved bytes per dtype, against the
     chapter's counter by dtype on its tiny MLP and a small ``sweep_cnn``, fp32 and bf16."""
@@ -273,16 +275,13 @@ def saved_bytes_by_dtype(fn: Callable[..., dict[torch.dtype, int]]) -> None:
                 expect(ex, isinstance(got, dict),
                        f"{case}: return a dict {{dtype: bytes}}, got {type(got).__name__}")
                 got = {k: int(v) for k, v in got.items() if v}
-                if got == want:
-                    continue
                 hint = ("leave out the storages of the model's parameters (they exist without "
                         "a graph)" if got == slip
                         else "count each storage once (key it by untyped_storage().data_ptr()), "
                              "leave out the parameters' storages, and file its bytes under the "
                              "saved tensor's dtype")
-                shown = {str(k).replace("torch.", ""): v for k, v in got.items()}
-                expected = {str(k).replace("torch.", ""): v for k, v in want.items()}
-                expect(ex, False, f"{case}: got {shown}, expected {expected}: {hint}")
+                expect(ex, got == want, f"{case}: got {_short(got)}, expected {_short(want)}: "
+                       f"{hint}")
     passed(ex, "under bf16 autocast the activations and weight copies are saved in bf16; "
                "batch norm's statistics and the log-softmax output stay fp32, the labels and "
                "max pooling's indices int64")
