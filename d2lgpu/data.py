@@ -34,8 +34,7 @@ __all__ = [
     "verify_fashion_mnist_file",
 ]
 
-#: Images in the quick-mode subsets (multiples of 10: balanced classes); ResNet-18 trains one
-#: epoch of them on two CPU cores in about ten seconds.
+#: Images in the quick-mode subsets (multiples of 10: balanced classes).
 QUICK_TRAIN_SIZE = 500
 QUICK_TEST_SIZE = 200
 #: Smoke mode trains full mode's models on fewer: chapter 3 takes 5 batches of 40.

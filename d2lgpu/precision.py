@@ -30,8 +30,7 @@ __all__ = [
     "saved_activation_bytes", "sweep_cnn", "sweep_mlp", "tf32_matmuls",
 ]
 
-#: The course's one precision vocabulary, which every entry point that trains takes:
-#: "auto" lets the device decide (:func:`precision_policy`).
+#: The one precision vocabulary every entry point that trains takes; "auto": the device decides.
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16")
 
 # What people write instead, and the word of the vocabulary that means it.
@@ -256,8 +255,6 @@ def saved_activation_bytes(model: nn.Module, features: torch.Tensor, labels: tor
     return counter.nbytes
 
 
-# The precision sweep
-
 #: The modes a sweep compares: strict fp32, fp32 with TF32, fp16 + GradScaler, bf16.
 PRECISION_MODES = ("fp32", "tf32", "fp16", "bf16")
 #: ``make_batch(batch_size, device) -> (features, labels)``: one fixed batch per size.
@@ -429,8 +426,7 @@ def precision_sweep(
                     if not _is_out_of_memory(exc):
                         raise
                     done.append(SweepRow(mode, batch_size, None, None, None, 0, "OOM"))
-                # Outside the except block, so the traceback's tensors are gone; reference
-                # cycles can keep GPU tensors alive, so they are collected first.
+                # Outside the except block (its traceback holds tensors); cycles collected first.
                 if device.type == "cuda":
                     gc.collect()
                     torch.cuda.empty_cache()

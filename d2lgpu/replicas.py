@@ -36,8 +36,7 @@ class ReplicasOnOneDevice(nn.Module):
         chunks = X.chunk(self.k)
         if not self.training:  # running statistics: nothing to copy, nothing updated
             return torch.cat([self.module(chunk) for chunk in chunks])
-        # Copies taken before replica 0 updates the buffers in place: every replica starts
-        # from the same state, as DataParallel's do.
+        # Copied before replica 0 updates the buffers in place: all start from the same state.
         buffers = dict(self.module.named_buffers())
         copies = [{name: b.clone() for name, b in buffers.items()} for _ in chunks[1:]]
         params = dict(self.module.named_parameters())
