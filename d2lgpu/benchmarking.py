@@ -214,10 +214,9 @@ class ElementwiseRow:
     share_of_copy_peak: float  # gbps / measured copy bandwidth of the device
 
 
-def multiply_add_benchmark(
-    device: DeviceLike, numel: int, *, steps: int, step: StepFn, tensor_passes: int,
-    copy_gbps: float, variant: str, warmup: int = 1, repeats: int = 5,
-) -> ElementwiseRow:
+def multiply_add_benchmark(device: DeviceLike, numel: int, *, steps: int, step: StepFn,
+                           tensor_passes: int, copy_gbps: float, variant: str, warmup: int = 1,
+                           repeats: int = 5) -> ElementwiseRow:
     """Time ``steps`` multiply-add steps on float32 tensors of ``numel`` elements, and the
     bandwidth they reach as a share of ``copy_gbps``."""
     dev = timing_device(device)
@@ -250,12 +249,10 @@ MULTIPLY_ADD_VARIANTS: dict[str, tuple[StepFn, int]] = {
 }
 
 
-def multiply_add_sweep(
-    devices: Sequence[DeviceLike], sizes: Sequence[int], *, steps: int,
-    copy_gbps: Mapping[str, float],
-    variants: Mapping[str, tuple[StepFn, int]] = MULTIPLY_ADD_VARIANTS,
-    warmup: int = 1, repeats: int = 5,
-) -> list[ElementwiseRow]:
+def multiply_add_sweep(devices: Sequence[DeviceLike], sizes: Sequence[int], *, steps: int,
+                       copy_gbps: Mapping[str, float],
+                       variants: Mapping[str, tuple[StepFn, int]] = MULTIPLY_ADD_VARIANTS,
+                       warmup: int = 1, repeats: int = 5) -> list[ElementwiseRow]:
     """:func:`multiply_add_benchmark` for every device, size and variant; ``copy_gbps`` maps
     ``str(device)`` to its copy bandwidth. Dynamo is reset before each device: it guards a
     compiled step on the device and would pass its recompile limit with several GPUs."""
@@ -533,10 +530,8 @@ class InterleavedTimes:
     faults: dict[str, float | None]
 
 
-def interleaved_times(
-    loops: Mapping[str, Callable[[], object]], device: DeviceLike, *, rounds: int,
-    warmup: int = 1, progress: bool = False,
-) -> InterleavedTimes:
+def interleaved_times(loops: Mapping[str, Callable[[], object]], device: DeviceLike, *,
+                      rounds: int, warmup: int = 1, progress: bool = False) -> InterleavedTimes:
     """Time every loop once per round, the order rotating each round, so that a burst of
     load from other programs spreads over all loops and none always runs first."""
     import warnings
