@@ -92,3 +92,33 @@ def test_every_lesson_helper_is_named_in_the_text_of_the_chapter_that_first_call
                      for obj, chapter in chapter_helpers().items()
                      if not re.search(rf"\b{obj.__name__}\b", prose[chapter]))
     assert not unnamed, "helpers a chapter calls but its text never names:\n" + "\n".join(unnamed)
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``d2lgpu.a.b`` names something: attributes first, then submodules."""
+    obj, parts = importlib.import_module("d2lgpu"), dotted.split(".")[1:]
+    for i, part in enumerate(parts):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        try:
+            obj = importlib.import_module(".".join(["d2lgpu", *parts[: i + 1]]))
+        except ImportError:
+            return False
+    return True
+
+
+def test_every_package_name_the_text_gives_exists():
+    # A learner copies `d2lgpu.report.print_report()` from the prose into a cell; a name that
+    # import d2lgpu does not have (a helper renamed, removed or living in a submodule) fails there.
+    readme = NOTEBOOKS.parent / "README.md"
+    texts = {readme.name: readme.read_text()}
+    for path in sorted(NOTEBOOKS.glob("**/*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        texts[path.name] = "\n".join("".join(c["source"]) for c in cells
+                                     if c["cell_type"] == "markdown")
+    missing = [f"{name}: {dotted}" for name, text in texts.items()
+               for span in re.findall(r"`([^`\n]+)`", text)
+               for dotted in re.findall(r"(?<![\w./-])d2lgpu(?:\.[A-Za-z_]\w*)+", span)
+               if not _resolves(dotted)]
+    assert not missing, missing
