@@ -547,8 +547,7 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
 
 # --- A launcher for notebooks: one process per rank ---
 class RemoteTraceback(Exception):
-    """The traceback text of an exception raised in a rank; the ``__cause__`` of the
-    exception launch raises, so Python prints where in the rank it happened."""
+    """A rank's traceback text: the ``__cause__`` of what launch raises, printed with it."""
 
     def __init__(self, text: str) -> None:
         super().__init__(text)
@@ -559,8 +558,7 @@ class RemoteTraceback(Exception):
 
 
 class RankError(RuntimeError):
-    """A rank failed without an exception that can be raised here (a signal, ``os._exit``,
-    ``sys.exit`` with a failure status). ``exitcode``: negative for a signal, else None."""
+    """A rank failed without an exception to raise here; ``exitcode`` < 0 for a signal."""
 
     def __init__(self, message: str, rank: int, exitcode: int | None = None) -> None:
         super().__init__(message)
@@ -578,9 +576,8 @@ def _run_rank(
     rank: int, fn: Callable[..., Any], args: tuple[Any, ...], workdir: str, threads: int,
     environment: dict[str, str],
 ) -> None:
-    """What every rank runs: ``fn(rank, *args)``, its outcome recorded in ``workdir``
-    (rank 0's value in ``result.pt``, an exception in ``error-<rank>.pkl`` with its time,
-    a ``sys.exit(0)`` in ``exit-<rank>.txt``)."""
+    """Run ``fn(rank, *args)`` and leave its outcome in ``workdir``: rank 0's value, an
+    exception, or where a ``sys.exit(0)`` happened."""
     global _launch_dir, _progress_rank
     # A forkserver child has the server's environment, from when it started.
     os.environ.clear()
@@ -667,38 +664,25 @@ class _Outcome:
             {r: _parse_progress(p.read_text()) for r, p in by_rank("progress-*.txt").items()},
         )
 
-    def hang_summary(self) -> str:
-        """Which ranks were still running at launch's timeout, and where each one was."""
-        finished = [r for r, code in enumerate(self.exitcodes) if code == 0]
-        parts = [f"still running: {_plural(self.stopped)}"] if self.stopped else []
-        if finished:
-            parts.append(f"finished: {', '.join(map(str, finished))}")
-        progress = {r: self.progress.get(r, (0, "nothing yet")) for r in range(len(self.exitcodes))}
-        if self.progress:
-            parts.append(f"last steps: {_progress_lines(progress)}")
-        return "; ".join(parts) + (". Give them more time, or look for a rank that never "
-                                   "reached a collective the others wait in (mark_progress "
-                                   "before each collective shows where each rank was)")
-
-    def aborted(self, rank: int) -> bool:
-        return self.exitcodes[rank] == -getattr(signal, "SIGABRT", 6)
+    def silent(self) -> list[int]:
+        """The first ranks seen dead that raised nothing, those killed by SIGABRT last."""
+        return sorted((r for r in self.first_seen if r not in self.records),
+                      key=lambda r: self.exitcodes[r] == -signal.SIGABRT)
 
     def aborted_waiting(self) -> bool:
         """True when every rank seen dead first died by SIGABRT (NCCL's watchdog, after a
         collective timeout) while others ran: the culprit is a rank that never arrived."""
-        silent = [r for r in self.first_seen if r not in self.records]
-        return bool(silent) and bool(self.stopped) and all(map(self.aborted, silent))
+        silent = self.silent()
+        return bool(silent and self.stopped) and all(
+            self.exitcodes[r] == -signal.SIGABRT for r in silent)
 
     def cause(self) -> int:
-        """The rank that failed first: one that died without an exception among the first
-        seen dead (the others' exceptions are what its death did to them), the watchdog's
-        victims last; else the rank whose exception came first."""
+        """The rank that failed first: a silent one (the others' exceptions are what its
+        death did to them), else the rank whose exception came first."""
         if self.aborted_waiting():
             return self.stopped[0]
-        silent = sorted((r for r in self.first_seen if r not in self.records), key=self.aborted)
-        if silent:
-            return silent[0]
-        return min(self.records.values(), key=lambda record: record["time"])["rank"]
+        silent = self.silent()
+        return silent[0] if silent else min(self.records.values(), key=lambda r: r["time"])["rank"]
 
     def early_exit_lines(self) -> list[str]:
         return [f"rank {rank} had already ended with sys.exit(0) ({where}) while the others were "
@@ -727,7 +711,7 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
     aftermath = outcome.aftermath(cause)
     record = outcome.records.get(cause)
     if outcome.aborted_waiting():
-        waiting = [r for r in outcome.first_seen if r not in outcome.records]
+        waiting = outcome.silent()
         raise RankError(
             f"rank {cause} of {nprocs} never arrived: {_plural(waiting)} timed out in a "
             "collective waiting for it, killed by SIGABRT (NCCL's watchdog), while rank "
@@ -759,10 +743,9 @@ def _raise_first_failure(outcome: _Outcome) -> NoReturn:
 
 
 def _rank_start_method(fn: Callable[..., Any]) -> str:
-    """*forkserver* where the platform has it, else *spawn*: both safe with CUDA. The
-    forkserver imports once what every rank would import again (torch, torch._dynamo, fn's
-    module: seconds each) and forks the ranks from it. The list is fixed at the first launch."""
-    if "forkserver" not in mp.get_all_start_methods():  # Windows
+    """*forkserver* where the platform has it (Windows: *spawn*), preloading what every rank
+    imports (seconds each); the list is fixed at the first launch."""
+    if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     preload = ["torch", "torch._dynamo", "d2lgpu.runtime.distributed"]
     module = getattr(fn, "__module__", None)
@@ -773,9 +756,8 @@ def _rank_start_method(fn: Callable[..., Any]) -> str:
 
 
 def _rank_environment() -> dict[str, str]:
-    """The ranks' environment (not this process's): the loopback interface for gloo, whose
-    host name may resolve to an unreachable address in a container, and the NCCL
-    peer-to-peer decision."""
+    """The ranks' environment: gloo on the loopback interface (a container's host name may
+    resolve to an unreachable address), and the NCCL peer-to-peer decision."""
     environment = dict(os.environ)
     loopback = {"linux": "lo", "darwin": "lo0"}.get(sys.platform)
     if loopback:
@@ -784,13 +766,9 @@ def _rank_environment() -> dict[str, str]:
     return environment
 
 
-#: Seconds between two looks at the ranks.
-_POLL_S = 0.05
-
-
 def _watch(processes: list, deadline: float | None, grace_s: float) -> tuple[list[int], bool]:
-    """Wait until every rank succeeded, one failed, or the deadline passed; return the ranks
-    seen failed at the first look that saw any, and whether the deadline passed."""
+    """Wait for all to succeed, one to fail, or the deadline; return the ranks seen failed
+    first and whether the deadline passed."""
     while True:
         codes = [p.exitcode for p in processes]
         failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
@@ -798,34 +776,12 @@ def _watch(processes: list, deadline: float | None, grace_s: float) -> tuple[lis
             break
         if deadline is not None and time.monotonic() > deadline:
             return [], True
-        time.sleep(_POLL_S)
+        time.sleep(0.05)
     # Give the other ranks a moment to record their own errors.
     end = time.monotonic() + grace_s
     while failed and any(p.is_alive() for p in processes) and time.monotonic() < end:
-        time.sleep(_POLL_S)
+        time.sleep(0.05)
     return failed, False
-
-
-def _check_launch(
-    fn: object, nprocs: object, args: object, timeout_s: object, grace_s: object
-) -> None:
-    """Refuse what :func:`launch` cannot run, before any process starts."""
-    if not callable(fn):
-        raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
-    check_positive_int("nprocs", nprocs)
-    if timeout_s is not None:
-        check_positive_float("timeout_s", timeout_s)
-    if grace_s != 0:
-        check_positive_float("grace_s", grace_s)
-    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
-            fn, "__qualname__", ""):
-        raise ValueError(
-            f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or script) "
-            "or inside another function, so a spawned process cannot import it: move it into a "
-            ".py module and import it from there"
-        )
-    if not isinstance(args, tuple):
-        raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
 
 
 def launch(
@@ -842,7 +798,22 @@ def launch(
     after a failure, or at ``timeout_s``, are stopped. ``fn`` must be importable."""
     # torch.distributed.elastic's start_processes stops the other ranks at the first failure,
     # before they record theirs, and cannot rebuild a rank's exception for the notebook.
-    _check_launch(fn, nprocs, args, timeout_s, grace_s)
+    if not callable(fn):
+        raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
+    check_positive_int("nprocs", nprocs)
+    if timeout_s is not None:
+        check_positive_float("timeout_s", timeout_s)
+    if grace_s != 0:
+        check_positive_float("grace_s", grace_s)
+    name = getattr(fn, "__qualname__", fn)
+    if getattr(fn, "__module__", None) == "__main__" or "<locals>" in str(name):
+        raise ValueError(
+            f"{name!r} is defined in __main__ (a notebook or script) or inside another "
+            "function, so a spawned process cannot import it: move it into a .py module and "
+            "import it from there"
+        )
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
     # An equal share of the cores each, so that the ranks do not fight over them.
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -867,18 +838,27 @@ def launch(
         exitcodes = [p.exitcode for p in processes]
         stop_codes = {-signal.SIGTERM, -getattr(signal, "SIGKILL", signal.SIGTERM)}
         stopped = [rank for rank in running if exitcodes[rank] in stop_codes]
+        outcome = _Outcome.read(workdir, exitcodes, failed, stopped)
         if failed:
-            _raise_first_failure(_Outcome.read(workdir, exitcodes, failed, stopped))
+            _raise_first_failure(outcome)
         if timed_out:
-            outcome = _Outcome.read(workdir, exitcodes, [], stopped)
+            finished = [r for r, code in enumerate(exitcodes) if code == 0]
+            parts = [f"still running: {_plural(stopped)}"] if stopped else []
+            if finished:
+                parts.append(f"finished: {', '.join(map(str, finished))}")
+            if outcome.progress:
+                progress = {r: outcome.progress.get(r, (0, "nothing yet")) for r in range(nprocs)}
+                parts.append(f"last steps: {_progress_lines(progress)}")
             raise TimeoutError("\n  ".join([
                 f"timed out: the {nprocs} ranks did not finish within timeout_s={timeout_s} s "
-                f"and were stopped; {outcome.hang_summary()}", *outcome.early_exit_lines()]))
+                f"and were stopped; {'; '.join(parts)}. Give them more time, or look for a rank "
+                "that never reached a collective the others wait in (mark_progress before each "
+                "collective shows where each rank was)", *outcome.early_exit_lines()]))
         if not (workdir / "result.pt").exists():
             raise RankError(
                 f"rank 0 of {nprocs} ended with status 0 without returning from "
-                f"{getattr(fn, '__qualname__', fn)} (os._exit(0), or a native library ending "
-                "the process), so there is no value to return", 0, 0,
+                f"{name} (os._exit(0), or a native library ending the process), so there is no "
+                "value to return", 0, 0,
             )
         return torch.load(workdir / "result.pt", weights_only=False)
 
