@@ -1,12 +1,13 @@
 """Which reduced precision a device runs fast, how to use it, and chapter 6's precision sweep.
-The policy goes by compute capability on a GPU (``torch.cuda.is_bf16_supported()`` says True
-on a T4, where bf16 is emulated and slow) and by the bf16 instructions a CPU reports."""
+The policy goes by compute capability (``torch.cuda.is_bf16_supported()`` says True on a T4,
+where bf16 is emulated) and by the bf16 instructions a CPU reports."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -20,7 +21,7 @@ from d2lgpu.chips import native_tensor_core_formats
 from d2lgpu.runtime.checks import loss_diverged
 from d2lgpu.runtime.config import cpu_bf16_override
 from d2lgpu.runtime.gpus import as_device
-from d2lgpu.timing import time_fn
+from d2lgpu.timing import synchronize
 
 __all__ = [
     "CPU_BF16_FLAGS", "PRECISIONS", "PRECISION_MODES", "PrecisionPolicy", "SavedActivations",
@@ -100,8 +101,7 @@ CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The instruction-set flags the CPU advertises (Linux), or None where they cannot be read
-    (chapter 6)."""
+    """The CPU's instruction-set flags (Linux), or None where unreadable (chapter 6)."""
     try:
         lines = Path(cpuinfo).read_text(errors="replace").splitlines()
     except OSError:  # not Linux, or a sandbox without /proc
@@ -124,9 +124,8 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def precision_policy(device: torch.device | str, precision: str = "auto",
                      capability: tuple[int, int] | None = None, cpu_native_bf16: bool | None = None,
 ) -> PrecisionPolicy:
-    """Turn a word of :data:`PRECISIONS` into how ``device`` trains (chapter 4). "auto": bf16
-    from compute capability 8.0, fp16 with a GradScaler on 7.x, else fp32; on a CPU bf16 where
-    it has bf16 instructions. ``capability`` and ``cpu_native_bf16`` override this machine."""
+    """A word of :data:`PRECISIONS` as how ``device`` trains (chapter 4). "auto": bf16 from
+    capability 8.0 or on a CPU with bf16 instructions, fp16 + GradScaler on 7.x, else fp32."""
     device = as_device(device)
     precision = check_precision(precision)
     if precision == "auto":
@@ -143,8 +142,7 @@ def precision_policy(device: torch.device | str, precision: str = "auto",
 
 
 def _word_policy(device_type: str, word: str) -> PrecisionPolicy:
-    """The policy of a word other than "auto". fp16's narrow range lets small gradients
-    underflow without loss scaling; bf16 has fp32's range."""
+    """The policy of a word other than "auto"; only fp16's narrow range needs loss scaling."""
     if word in ("fp32", "tf32"):
         return PrecisionPolicy(device_type, None, False, tf32=word == "tf32")
     return PrecisionPolicy(device_type, torch.float16 if word == "fp16" else torch.bfloat16,
@@ -157,9 +155,8 @@ def has_fp32_precision_api() -> bool:
 
 
 def set_tf32(matmul: str, conv: str, rnn: str | None = None) -> None:
-    """Set CUDA's TF32 switches to the new API's words ("none", "ieee", "tf32") with the legacy
-    flags agreeing: torch raises "mix of the legacy and new APIs" at a read of a legacy flag
-    that disagrees with the new one, on every device."""
+    """Set CUDA's TF32 switches to the new API's words ("none", "ieee", "tf32"), the legacy
+    flags agreeing: torch raises "mix of the legacy and new APIs" at a read of one that does not."""
     # The legacy setters write both values, so they go first.
     with _quiet_legacy_api():
         torch.set_float32_matmul_precision("high" if matmul == "tf32" else "highest")
@@ -171,8 +168,7 @@ def set_tf32(matmul: str, conv: str, rnn: str | None = None) -> None:
 
 @contextlib.contextmanager
 def _quiet_legacy_api() -> Iterator[None]:
-    """Torch warns that the legacy TF32 switches will be deprecated, also where the package
-    only keeps them in agreement: a warning about code the learner did not write."""
+    """Silence torch's deprecation warning for the legacy switches the package keeps agreeing."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Please use the new API settings")
         yield
@@ -180,8 +176,7 @@ def _quiet_legacy_api() -> Iterator[None]:
 
 @contextlib.contextmanager
 def tf32_switches(matmul: str, conv: str) -> Iterator[None]:
-    """:func:`set_tf32` while the body runs; on exit what was there comes back, a learner's
-    new-API-only setting and "medium" included."""
+    """:func:`set_tf32` in the body; on exit what was there comes back, "medium" included."""
     words = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
              torch.backends.cudnn.rnn.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
     try:
@@ -209,9 +204,8 @@ def tf32_matmuls(enabled: bool) -> AbstractContextManager:
 
 
 class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes autograd saves for backward inside a ``with`` block, each storage once
-    and ``exclude`` (the parameters) not at all (chapter 6): the memory that grows with the
-    batch, counted where a CPU has no peak-memory statistic."""
+    """Counts the bytes autograd saves for backward in a ``with`` block, each storage once and
+    ``exclude`` (the parameters) not at all (chapter 6): a CPU has no peak-memory statistic."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         exclude = list(exclude)
@@ -248,8 +242,8 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 
 def saved_activation_bytes(model: nn.Module, features: torch.Tensor, labels: torch.Tensor,
                            policy: PrecisionPolicy) -> int:
-    """Bytes autograd saves for one forward pass and cross-entropy loss of ``model`` under
-    ``policy`` (chapter 6); batch norm's statistics update as in a training step."""
+    """Bytes autograd saves for a forward pass and cross-entropy loss under ``policy``
+    (chapter 6); batch norm's statistics update as in a training step."""
     with SavedActivations(model.parameters()) as counter, policy.autocast():
         nn.functional.cross_entropy(model(features), labels)  # the graph goes at once
     return counter.nbytes
@@ -314,7 +308,7 @@ def amp_sweep_mode(device: torch.device | str, capability: tuple[int, int] | Non
 def _measure_one(model_fn: Callable[[], nn.Module], make_batch: BatchMaker, mode: str,
                  batch_size: int, device: torch.device, steps: int, warmup: int,
                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> SweepRow:
-    """Train a fresh model for ``warmup + steps`` steps in one mode; time the last ``steps``."""
+    """Train a fresh model ``warmup + steps`` steps in one mode; time the last ``steps``."""
     on_cuda = device.type == "cuda"
     if on_cuda:
         torch.cuda.synchronize(device)
@@ -350,18 +344,27 @@ def _measure_one(model_fn: Callable[[], nn.Module], make_batch: BatchMaker, mode
         else:  # no step to spare: count in a forward pass of its own
             with counter, policy.autocast():
                 nn.functional.cross_entropy(model(features), labels)
-        timing = time_fn(train_step, device, warmup=max(warmup - 1, 0), repeats=steps)
+        for _ in range(warmup - 1):
+            train_step()
+        times = []
+        for _ in range(steps):  # time_fn's loop; the device is resolved already
+            synchronize(device)
+            start = time.perf_counter()
+            train_step()
+            synchronize(device)
+            times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     first, last = float(losses[0]), float(losses[-1])
     if loss_diverged(last, first):
-        other = "or use bf16 or fp32: fp16 overflows above 65504" if mode == "fp16" else (
-            "or check that the model trains in fp32 at all")
+        other = ("or use bf16 or fp32: fp16 overflows above 65504" if mode == "fp16"
+                 else "or check that the model trains in fp32 at all")
         raise FloatingPointError(
             f"the {mode} run at batch {batch_size} ended with loss {last:.4g} after {len(losses)} "
             f"steps, from {first:.4g} at the first: training diverged. Try a smaller learning "
             f"rate, {other}.")
-    return SweepRow(mode, batch_size, timing.median, peak, last, len(losses), "ok",
-                    (timing.median,), counter.nbytes)
+    median = statistics.median(times)
+    return SweepRow(mode, batch_size, median, peak, last, len(losses), "ok", (median,),
+                    counter.nbytes)
 
 
 #: Running out of GPU memory where a library, not torch's allocator, failed first.
@@ -391,9 +394,8 @@ def precision_sweep(
     lr: float = 0.01, repeats: int = 1, progress: bool = False,
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> list[SweepRow]:
-    """Train a fresh ``model_fn()`` (same seed) on one fixed batch, ``warmup`` untimed and
-    ``steps`` timed steps per mode and batch size (chapter 6); repeats take turns, so a burst of
-    other work hits the modes alike. A batch that does not fit is an "OOM" row."""
+    """Time ``steps`` steps (after ``warmup``) of a fresh ``model_fn()`` on one fixed batch per
+    mode and batch size (chapter 6); repeats take turns (noise hits all alike); "OOM": no fit."""
     unknown = [m for m in modes if m not in PRECISION_MODES]
     if isinstance(modes, str) or not modes or unknown:
         raise ValueError(f"modes must be a non-empty list of {PRECISION_MODES}; unknown: {unknown}")
@@ -438,8 +440,8 @@ def precision_sweep(
 
 @dataclass(frozen=True)
 class SweepComparison:
-    """A mode against a baseline at the largest batch both ran: ratios of step times (paired
-    repeat by repeat, whose spread shows the noise), peak memory and saved bytes."""
+    """A mode against a baseline at the largest batch both ran: ratios of step times (also
+    paired repeat by repeat: their spread is the noise), peak memory and saved bytes."""
 
     baseline: str
     candidate: str
@@ -492,8 +494,7 @@ def compare_sweep_modes(rows: Sequence[SweepRow], baseline: str = "fp32", candid
 
 
 def format_sweep_table(rows: Sequence[SweepRow]) -> str:
-    """The sweep as a text table (chapter 6): "saved MiB" is what one step saved for backward,
-    "peak MiB" the peak GPU memory."""
+    """The sweep as a text table (chapter 6): "saved MiB" saved for backward, "peak MiB" peak."""
     header = ("mode", "batch", "step ms", "examples/s", "saved MiB", "peak MiB", "loss")
     lines = ["{:<5} {:>6} {:>9} {:>11} {:>10} {:>9} {:>8}  status".format(*header)]
     for r in rows:
@@ -508,8 +509,7 @@ def format_sweep_table(rows: Sequence[SweepRow]) -> str:
 
 
 def sweep_mlp(in_features: int, width: int, depth: int, num_classes: int = 10) -> nn.Sequential:
-    """``depth`` wide Linear+ReLU layers (chapter 6): nearly all matmuls, where Tensor Cores
-    matter most."""
+    """``depth`` wide Linear+ReLU layers (chapter 6): nearly all matmuls, Tensor Cores' case."""
     layers: list[nn.Module] = [nn.Flatten(), nn.Linear(in_features, width), nn.ReLU()]
     for _ in range(depth - 1):
         layers += [nn.Linear(width, width), nn.ReLU()]
@@ -531,8 +531,8 @@ def sweep_cnn(in_channels: int = 1, widths: Sequence[int] = (32, 64, 128),
 
 def random_batch_maker(input_shape: Sequence[int], num_classes: int = 10, seed: int = 0,
                        ) -> BatchMaker:
-    """A ``make_batch(batch_size, device)`` for the sweep: one fixed random batch per size,
-    drawn on the CPU so every mode and device sees the same data (chapter 6)."""
+    """The sweep's ``make_batch``: one fixed random batch per size, the same on every device
+    (drawn on the CPU) (chapter 6)."""
 
     def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
