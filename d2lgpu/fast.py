@@ -19,7 +19,7 @@ from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
 from d2lgpu.runtime import checks
 from d2lgpu.runtime.config import smoke_mode
-from d2lgpu.runtime.gpus import as_device, resolve_devices
+from d2lgpu.runtime.gpus import as_device, require_cuda_device
 from d2lgpu.training import History, check_epoch_loss, evaluate_accuracy, progress_bar, start_run
 
 __all__ = [
@@ -71,17 +71,9 @@ class Techniques:
         pays["precision"] = "auto" if pays["precision"] else "fp32"
         return cls(**pays, compile=compile, cuda_graphs=cuda_graphs)
 
-    def replace(self, **changes: bool | str) -> Techniques:
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def enabled(self) -> tuple[str, ...]:
-        """The techniques that are on (precision: not "fp32")."""
-        return tuple(name for name in TECHNIQUES if getattr(self, name) not in (False, "fp32"))
-
     def __str__(self) -> str:
         names = [f"precision {self.precision}" if name == "precision" else name
-                 for name in self.enabled]
+                 for name in TECHNIQUES if getattr(self, name) not in (False, "fp32")]
         return " + ".join(names) if names else "none (d2l-style)"
 
 
@@ -268,14 +260,13 @@ def train_fast(
     checks.check_positive_float("lr", lr)
     checks.check_positive_int("batch_size", batch_size)
     checks.check_bool("progress", progress)
-    devices = [try_gpu()] if device is None else resolve_devices(device, "train_fast")
-    if len(devices) != 1:
-        raise ValueError(f"train_fast trains on one device, got {[str(d) for d in devices]}")
-    device = devices[0]
+    device = try_gpu() if device is None else require_cuda_device(device, "train_fast")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"train_fast cannot use {device.type!r} devices: pass 'cpu' or 'cuda:0'")
     techniques = Techniques.fast(device) if techniques is None else techniques
     _check_techniques(techniques)
     if precision is not None:
-        techniques = techniques.replace(precision=check_precision(precision))
+        techniques = dataclasses.replace(techniques, precision=check_precision(precision))
     train_iter, test_iter = _fast_loaders(train_data, test_data, techniques, device,
                                           batch_size, seed)
     start_run(net, seed, True)

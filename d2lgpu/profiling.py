@@ -594,7 +594,8 @@ def ablation_plan(
     for name in TECHNIQUES:
         reason = skip.get(name) or technique_skip_reason(name, device)
         if reason is None:
-            current = current.replace(**{name: "auto" if name == "precision" else True})
+            on = "auto" if name == "precision" else True
+            current = dataclasses.replace(current, **{name: on})
         plan.append(AblationStep(name, current, reason))
     return plan
 
@@ -757,7 +758,7 @@ def count_technique_effect(
     if technique == "no_sync":
         per_step = []
         for no_sync in (False, True):
-            switches = before.replace(no_sync=no_sync, device_data=False)
+            switches = dataclasses.replace(before, no_sync=no_sync, device_data=False)
             reads = []
             for n in (2, 4):  # epochs of 2 and 4 steps: what an epoch's ends read cancels
                 events = _profiled_events(lambda n=n, switches=switches: train_fast(

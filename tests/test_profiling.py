@@ -4,6 +4,7 @@ the ablation, and graph breaks."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import json
 import os
@@ -18,7 +19,7 @@ from torch.utils import data
 import d2lgpu
 from d2lgpu import profiling as P
 from d2lgpu.data import DeviceLoader
-from d2lgpu.fast import Techniques
+from d2lgpu.fast import TECHNIQUES, Techniques
 
 CPU = torch.device("cpu")
 
@@ -394,7 +395,8 @@ def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
     assert all(len(reason) <= 64 for reason in skipped.values())
     # Each row that runs adds its technique to the previous row's; skipped ones add none.
     for before, step in zip(plan, plan[1:], strict=False):
-        added = set(step.techniques.enabled) - set(before.techniques.enabled)
+        added = {name for name in TECHNIQUES
+                 if getattr(step.techniques, name) != getattr(before.techniques, name)}
         assert added == (set() if step.skip_reason else {step.technique})
     assert plan[-1].techniques == Techniques(device_data=True, no_sync=True,
                                              fused_optimizer=fused_here)
@@ -405,7 +407,7 @@ def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
     assert with_bf16[3].label == "+ mixed precision"
     assert with_bf16[-1].techniques.precision == "auto"
     # The last row is the fast path (with torch.compile where this CPU can compile).
-    assert with_bf16[-1].techniques.replace(compile=False) == Techniques.fast(CPU)
+    assert dataclasses.replace(with_bf16[-1].techniques, compile=False) == Techniques.fast(CPU)
     with pytest.raises(ValueError, match="unknown techniques"):
         P.ablation_plan(CPU, skip={"warp_speed": "no"})
 
@@ -792,7 +794,7 @@ def test_on_a_cpu_the_gpu_techniques_are_counted_as_well_as_timed(monkeypatch, n
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native_bf16)
     dataloaders, resident = tiny_loaders(n=64, batch=16)
     batches = list(itertools.islice(iter(resident[0]), 4))
-    before = Techniques.d2l_style().replace(device_data=True)
+    before = dataclasses.replace(Techniques.d2l_style(), device_data=True)
     count = P.count_technique_effect
     # d2l's loop reads the loss and the correct count after every step; no_sync, neither.
     assert count("no_sync", tiny_net, batches, 0.1, CPU, before) == (2, 0)
