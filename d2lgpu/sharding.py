@@ -9,10 +9,10 @@ import json
 import math
 import os
 import shutil
-import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +97,6 @@ class TrainPlan:
     optimizer: str = "adam"
     seed: int = 0
     shuffle: bool = False  # a new seeded order every epoch
-    test_images: torch.Tensor | None = None  # for the accuracy train_fsdp logs
-    test_labels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, MLPShape):
@@ -113,13 +111,10 @@ class TrainPlan:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, "
                              f"got {self.optimizer!r}")
-        for name in ("images", "test_images"):
-            fix = f"Find the broken examples with (~{name}.isfinite()).flatten(1).any(1)"
-            check_finite_tensors(name, [getattr(self, name)], fix=fix)
+        fix = "Find the broken examples with (~images.isfinite()).flatten(1).any(1)"
+        check_finite_tensors("images", [self.images], fix=fix)
         if len(self.images) != len(self.labels):
             raise ValueError(f"{len(self.images)} images but {len(self.labels)} labels")
-        if (self.test_images is None) != (self.test_labels is None):
-            raise ValueError("pass both test_images and test_labels, or neither")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -180,7 +175,7 @@ def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleR
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        _check_losses(losses, step, plan)
+        _check_loss(losses, plan)
     return SingleResult(losses, _cpu_state(model))
 
 
@@ -385,6 +380,22 @@ def read_checkpoint_extra(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "extra.json").read_text())
 
 
+def check_resumable(extra: dict[str, Any], config: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint written under other settings; ``config``'s keys name each one."""
+    old = extra.get("config") or {}  # none recorded: every setting differs
+    differences = [
+        f"{key} {old.get(key)} in the checkpoint, {value} now"
+        for key, value in config.items()
+        if old.get(key) != value
+    ]
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} was written with other settings ({'; '.join(differences)}); "
+            "resuming would continue its model and optimizer under the new ones. Rerun with the "
+            f"checkpoint's settings; or, {_start_fresh(path.parent)}"
+        )
+
+
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -488,35 +499,26 @@ def _check_checkpoint_fits(path: Path, model_state: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class FSDPRun:
-    """One run of :func:`train_fsdp`: the plan, how to shard, when to checkpoint (chapter 8).
-
-    ``resume_from`` is a checkpoint, or a root whose latest one to take (none yet: start from
-    step 0). ``fail_rank`` raises in step ``fail_at_step``, to show what a failure does.
-    """
+    """One run of :func:`train_fsdp`: the plan, how to shard, when to checkpoint (chapter 8)."""
 
     plan: TrainPlan
     reshard_after_forward: bool = True
     precision: str = "fp32"  # a word of d2lgpu.precision.PRECISIONS
     checkpoint_root: str | None = None
     save_every: int | None = None
-    resume_from: str | None = None
-    log_every: int | None = None
-    fail_rank: int | None = None
-    fail_at_step: int = 0
 
-    def run(self, ctx: DistContext) -> FSDPResult:
-        return train_fsdp(self, ctx)
+    def run(self, ctx: DistContext, hooks: Any = None) -> FSDPResult:
+        return train_fsdp(self, ctx, hooks)
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, TrainPlan):
             raise TypeError(f"plan must be a TrainPlan, got {type(self.plan).__name__}")
         check_bool("reshard_after_forward", self.reshard_after_forward)
         check_precision(self.precision)
-        if self.save_every is not None and self.checkpoint_root is None:
-            raise ValueError("save_every needs checkpoint_root, the directory to write to")
-        for name in ("save_every", "log_every"):
-            if getattr(self, name) is not None:
-                check_positive_int(name, getattr(self, name))
+        if self.save_every is not None:
+            check_positive_int("save_every", self.save_every)
+            if self.checkpoint_root is None:
+                raise ValueError("save_every needs checkpoint_root, the directory to write to")
 
 
 @dataclass
@@ -536,7 +538,6 @@ class FSDPResult:
     """What :func:`train_fsdp` returns on rank 0; the per-rank lists cover every rank."""
 
     losses: list[float]  # mean over the global batch, from step 0
-    test_acc: list[tuple[int, float]]
     state_dict: dict[str, torch.Tensor]
     shards: list[ShardInfo]  # rank 0's view
     parameter_bytes: list[int]
@@ -551,7 +552,7 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                 scaler: ShardedGradScaler | None, X: torch.Tensor, y: torch.Tensor,
-                watch: StepWatch | None, fail: str | None) -> torch.Tensor:
+                watch: StepWatch | None, after_forward: Callable[[], None] | None) -> torch.Tensor:
     """One optimizer step; a watched step counts its collectives and measures memory into
     ``watch``."""
     on_cuda = X.device.type == "cuda"
@@ -562,8 +563,8 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         if watch is not None:
             full = [p for p in model.parameters() if not isinstance(p, DTensor)]
             watch.held_after_forward = storage_bytes(full)
-        if fail:
-            raise RuntimeError(fail)
+        if after_forward is not None:
+            after_forward()
         loss = nn.functional.cross_entropy(out.float(), y)
         (loss if scaler is None else scaler.scale(loss)).backward()
     if watch is not None:
@@ -580,100 +581,17 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return loss.detach()
 
 
-def _test_accuracy(model: nn.Module, plan: TrainPlan, ctx: DistContext) -> float:
-    """Accuracy on the plan's test data; each rank takes one slice, counts are summed."""
-    n = len(plan.test_labels)
-    lo, hi = n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size
-    model.eval()
-    with torch.no_grad():  # every rank runs one forward, so the all-gathers match up
-        predicted = model(_as_float(plan.test_images[lo:hi]).to(ctx.device)).argmax(dim=1)
-    model.train()
-    correct = (predicted.cpu() == plan.test_labels[lo:hi]).sum()
-    total = torch.tensor([correct.item()], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(total)
-    return total.item() / n
+def _check_loss(losses: list[float], plan: TrainPlan) -> None:
+    """The course's divergence rule on the last loss."""
+    check_training_loss(losses[-1], when=f"step {len(losses)}", lr=plan.lr,
+                        first_loss=losses[0] if len(losses) > 1 else None,
+                        advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint")
 
 
-def _recorded_config(run: FSDPRun, param_dtype: torch.dtype | None) -> dict[str, Any]:
-    """The settings a checkpoint records and a resumed run must repeat, by the words naming
-    each."""
-    plan, shape = run.plan, run.plan.shape
-    return {
-        "model shape (width, hidden, depth, in, classes)":
-            [shape.width, shape.hidden, shape.depth, shape.in_features, shape.num_classes],
-        "global batch size": plan.batch_size,
-        "learning rate": plan.lr,
-        "optimizer": plan.optimizer,
-        "seed": plan.seed,
-        "shuffle": plan.shuffle,
-        "training examples": len(plan.labels),
-        "precision": run.precision,
-        "compute dtype": _dtype_name(param_dtype),
-    }
-
-
-def check_resumable(extra: dict[str, Any], config: dict[str, Any], path: Path,
-                    must_match: dict[str, str] | None = None) -> None:
-    """Refuse a checkpoint written under other settings, naming every difference;
-    ``must_match`` maps each setting of ``config`` to the words that name it (default: all)."""
-    old = extra.get("config") or {}  # none recorded: every setting differs
-    differences = [
-        f"{words} {old.get(key)} in the checkpoint, {config[key]} now"
-        for key, words in (must_match or {key: key for key in config}).items()
-        if old.get(key) != config[key]
-    ]
-    if differences:
-        raise CheckpointError(
-            f"checkpoint {path} was written with other settings ({'; '.join(differences)}); "
-            "resuming would continue its model and optimizer under the new ones. Rerun with the "
-            f"checkpoint's settings; or, {_start_fresh(path.parent)}"
-        )
-
-
-def _resume(run: FSDPRun, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext,
-            config: dict[str, Any]) -> tuple[int, list[float]]:
-    """The step and loss history to continue from: those of ``run.resume_from``, if any."""
-    if run.resume_from is None:
-        return 0, []
-    path = Path(run.resume_from)
-    if not path.name.startswith(_STEP_PREFIX) and not (path / ".metadata").exists():
-        path = latest_checkpoint(path)  # a root
-        if path is None:
-            return 0, []
-    extra = read_checkpoint_extra(path)
-    check_resumable(extra, config, path)
-    if extra["step"] >= run.plan.steps:
-        raise CheckpointError(
-            f"checkpoint {path} is at step {extra['step']} and this run ends at step "
-            f"{run.plan.steps}: nothing left to train. Ask for more steps (more epochs: they "
-            f"count from the start, not from the checkpoint); or, {_start_fresh(path.parent)}"
-        )
-    load_checkpoint(path, model, optimizer)
-    if ctx.is_main and run.log_every:
-        print(f"resuming from {path} (step {extra['step']})", flush=True)
-    return extra["step"], list(extra.get("losses", []))
-
-
-def _check_losses(losses: list[float], first_new: int, plan: TrainPlan) -> None:
-    """The course's divergence rule on every loss from index ``first_new`` on."""
-    for step in range(first_new, len(losses)):
-        check_training_loss(losses[step], when=f"step {step + 1}", lr=plan.lr,
-                            first_loss=losses[0] if step > 0 else None,
-                            advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint")
-
-
-def _mean_over_ranks(local_losses: list[torch.Tensor], ctx: DistContext) -> list[float]:
-    """Per-step mean loss over all ranks: one all-reduce for many steps."""
-    if not local_losses:
-        return []
-    values = torch.stack(local_losses).double()
-    dist.all_reduce(values)
-    return (values / ctx.world_size).tolist()
-
-
-def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
+def train_fsdp(run: FSDPRun, ctx: DistContext, hooks: Any = None) -> FSDPResult:
     """Train ``run.plan`` with FSDP2 over the ranks of ``ctx``; every rank calls it. The same
-    seed builds the same model on every rank; ``fully_shard`` keeps each rank's slice."""
+    seed builds the same model on every rank; ``fully_shard`` keeps each rank's slice.
+    ``hooks``: the entry point's resume, log and failure (:mod:`d2lgpu.fsdp_train`)."""
     plan = run.plan
     if run.checkpoint_root is not None:
         prepare_checkpoint_root(run.checkpoint_root)  # before any training
@@ -684,51 +602,31 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
     # fp16 needs loss scaling (chapter 6); the sharded scaler agrees on overflows over ranks.
     scaler = ShardedGradScaler(ctx.device.type) if policy.use_scaler else None
-    config = _recorded_config(run, policy.dtype)
-    start, losses = _resume(run, model, optimizer, ctx, config)
-    checked = start  # losses before this index were checked already
-    pending: list[torch.Tensor] = []  # local losses not yet averaged over the ranks
-    test_acc: list[tuple[int, float]] = []
+    start, losses = hooks.resume(model, optimizer, ctx) if hooks else (0, [])
     watch = StepWatch()
     with policy.matmul_precision():  # TF32 on or off for fp32 matmuls (CUDA only)
-        since = time.perf_counter()
         for step in range(start, plan.steps):
             X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
-            fail = (f"rank {ctx.rank} failed on purpose in step {step} (the others wait in "
-                    "backward)" if (run.fail_rank, run.fail_at_step) == (ctx.rank, step) else None)
             watched = watch if step == plan.steps - 1 else None
-            pending.append(_train_step(model, optimizer, scaler, X, y, watched, fail))
+            after_forward = partial(hooks.after_forward, step, ctx) if hooks else None
+            total = _train_step(model, optimizer, scaler, X, y, watched, after_forward).double()
+            dist.all_reduce(total)
+            losses.append(total.item() / ctx.world_size)
+            # On the mean every rank shares, so all ranks stop together, before a save.
+            _check_loss(losses, plan)
             done = step + 1
-            log_now = run.log_every is not None and done % run.log_every == 0
-            save_now = run.save_every is not None and done % run.save_every == 0
-            if log_now or save_now:
-                losses += _mean_over_ranks(pending, ctx)
-                pending = []
-                # On the means every rank shares, so all ranks stop together, before a save.
-                _check_losses(losses, checked, plan)
-                checked = len(losses)
-            if log_now:
-                line = f"step {done}/{plan.steps}: loss {losses[-1]:.4f}"
-                if plan.test_images is not None:
-                    test_acc.append((done, _test_accuracy(model, plan, ctx)))
-                    line += f", test acc {test_acc[-1][1]:.3f}"
-                if ctx.is_main:
-                    print(f"{line}, {time.perf_counter() - since:.1f} s", flush=True)
-                since = time.perf_counter()
-            if save_now:
-                extra = {"losses": losses, "world_size": ctx.world_size, "config": config}
-                path = save_checkpoint(run.checkpoint_root, done, model, optimizer, extra)
-                if ctx.is_main and run.log_every:
-                    print(f"saved checkpoint {path}", flush=True)
-        losses += _mean_over_ranks(pending, ctx)
-        _check_losses(losses, checked, plan)
+            if run.save_every and done % run.save_every == 0:
+                save_checkpoint(run.checkpoint_root, done, model, optimizer,
+                                {"losses": losses, "world_size": ctx.world_size})
+            if hooks:
+                hooks.after_step(done, model, optimizer, losses, ctx)
 
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     per_rank: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(per_rank, (_local_bytes(model.parameters()), _local_bytes(state), watch))
     formula = collective_formula(plan.shape.build(), ctx.world_size, param_dtype=policy.dtype,
                                  reshard_after_forward=run.reshard_after_forward)
-    return FSDPResult(losses, test_acc, _cpu_state(model), _describe_shards(model),
+    return FSDPResult(losses, _cpu_state(model), _describe_shards(model),
                       [r[0] for r in per_rank], [r[1] for r in per_rank],
                       [r[2] for r in per_rank], formula)
 

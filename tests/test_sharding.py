@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from d2lgpu.fsdp_train import ResumableFSDPRun
 from d2lgpu.memory import make_optimizer
 from d2lgpu.runtime.distributed import (
     RemoteTraceback,
@@ -176,7 +177,8 @@ def two_ranks(tmp_path_factory):
     jobs: list = [AccumulationRun(replace(plan, steps=3, batch_size=16, optimizer="sgd"), 4)]
     if NO_FSDP2_ON_CPU is None:
         jobs += [
-            FSDPRun(plan, checkpoint_root=str(checkpoints), save_every=2),
+            # the command line's run: its checkpoints record the settings, to resume from
+            ResumableFSDPRun(FSDPRun(plan), checkpoint_root=str(checkpoints), save_every=2),
             FSDPRun(replace(plan, steps=1), reshard_after_forward=False),
             # bf16 by name: "auto" would follow the CPU (tested on both branches below).
             FSDPRun(replace(plan, steps=2), precision="bf16"),
@@ -244,13 +246,13 @@ def test_three_ranks_resume_the_two_rank_checkpoint_and_a_failing_rank_ends_the_
 
     plan, checkpoints, _, (_, full, _, _) = two_ranks
     one = train_single(plan)
-    resume = FSDPRun(
-        plan,
+    resume = ResumableFSDPRun(
+        FSDPRun(plan),
         resume_from=str(checkpoints / "step-000002"),
         checkpoint_root=str(tmp_path),
         save_every=2,
     )
-    failing = FSDPRun(_plan(steps=3), fail_rank=1, fail_at_step=1)
+    failing = ResumableFSDPRun(FSDPRun(_plan(steps=3)), fail_rank=1, fail_at_step=1)
     started = time.monotonic()
     # A process-group timeout far longer than any launch on a loaded machine: a job that
     # ended only by timing out would take 300 s; launch must end it at once.
@@ -379,6 +381,21 @@ def test_precision_sets_tf32_while_training_on_cuda_and_restores_it(
         torch.set_float32_matmul_precision(before)
 
 
+def _resumable(plan: TrainPlan, precision: str = "fp32", **kw) -> ResumableFSDPRun:
+    return ResumableFSDPRun(FSDPRun(plan, precision=precision), **kw)
+
+
+@needs_fsdp2_on_cpu
+def test_fsdp_run_saves_every_save_every_steps(tmp_path, one_rank):
+    result = FSDPRun(_plan(steps=2), checkpoint_root=str(tmp_path), save_every=1).run(one_rank)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
+    model = SHAPE.build(seed=5)
+    optimizer = make_optimizer("sgd_momentum", model.parameters(), lr=1e-2)
+    extra = load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)
+    assert extra == {"step": 2, "losses": result.losses, "world_size": 1}
+    assert _max_abs_diff(model.state_dict(), result.state_dict) == 0.0
+
+
 def _flip_bytes(path: Path, count: int = 64) -> None:
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
@@ -479,7 +496,7 @@ def test_a_checkpoint_without_metadata_is_an_error_not_a_fresh_start(tmp_path, o
     if NO_FSDP2_ON_CPU is None:  # resuming from the root or from the directory itself
         for resume_from in (tmp_path, path):
             with pytest.raises(CheckpointError, match="has no .metadata"):
-                FSDPRun(_plan(), resume_from=str(resume_from)).run(one_rank)
+                _resumable(_plan(), resume_from=str(resume_from)).run(one_rank)
 
 
 @needs_fsdp2_on_cpu
@@ -487,7 +504,7 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
     from d2lgpu.sharding import CheckpointError
 
     plan = _plan(steps=2)
-    first = FSDPRun(plan, checkpoint_root=str(tmp_path), save_every=2).run(one_rank)
+    first = _resumable(plan, checkpoint_root=str(tmp_path), save_every=2).run(one_rank)
     changed = [
         (dict(lr=0.1), "learning rate 0.01 in the checkpoint, 0.1 now"),
         (dict(batch_size=24), "global batch size 12 in the checkpoint, 24 now"),
@@ -495,19 +512,15 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
     ]
     for change, words in changed:
         with pytest.raises(CheckpointError, match=words):
-            FSDPRun(replace(plan, steps=4, **change), resume_from=str(tmp_path)).run(one_rank)
+            _resumable(replace(plan, steps=4, **change), resume_from=str(tmp_path)).run(one_rank)
     with pytest.raises(CheckpointError, match="precision fp32 in the checkpoint, bf16 now"):
-        FSDPRun(replace(plan, steps=4), precision="bf16", resume_from=str(tmp_path)).run(
-            one_rank
-        )
+        _resumable(replace(plan, steps=4), "bf16", resume_from=str(tmp_path)).run(one_rank)
     # tf32 computes in fp32 too, but it is another setting: refused as well.
     with pytest.raises(CheckpointError, match="precision fp32 in the checkpoint, tf32 now"):
-        FSDPRun(replace(plan, steps=4), precision="tf32", resume_from=str(tmp_path)).run(
-            one_rank
-        )
+        _resumable(replace(plan, steps=4), "tf32", resume_from=str(tmp_path)).run(one_rank)
     with pytest.raises(CheckpointError, match="at step 2 and this run ends at step 2"):
-        FSDPRun(plan, resume_from=str(tmp_path)).run(one_rank)
-    resumed = FSDPRun(replace(plan, steps=3), resume_from=str(tmp_path)).run(one_rank)
+        _resumable(plan, resume_from=str(tmp_path)).run(one_rank)
+    resumed = _resumable(replace(plan, steps=3), resume_from=str(tmp_path)).run(one_rank)
     assert resumed.losses[:2] == first.losses and len(resumed.losses) == 3  # more steps: allowed
 
 
