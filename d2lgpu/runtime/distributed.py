@@ -664,25 +664,21 @@ class _Outcome:
             {r: _parse_progress(p.read_text()) for r, p in by_rank("progress-*.txt").items()},
         )
 
-    def silent(self) -> list[int]:
-        """The first ranks seen dead that raised nothing, those killed by SIGABRT last."""
-        return sorted((r for r in self.first_seen if r not in self.records),
-                      key=lambda r: self.exitcodes[r] == -signal.SIGABRT)
-
-    def aborted_waiting(self) -> bool:
-        """True when every rank seen dead first died by SIGABRT (NCCL's watchdog, after a
-        collective timeout) while others ran: the culprit is a rank that never arrived."""
-        silent = self.silent()
-        return bool(silent and self.stopped) and all(
-            self.exitcodes[r] == -signal.SIGABRT for r in silent)
-
-    def cause(self) -> int:
-        """The rank that failed first: a silent one (the others' exceptions are what its
-        death did to them), else the rank whose exception came first."""
-        if self.aborted_waiting():
-            return self.stopped[0]
-        silent = self.silent()
-        return silent[0] if silent else min(self.records.values(), key=lambda r: r["time"])["rank"]
+    def hang_report(self, timeout_s: float) -> str:
+        """Which ranks were still running at launch's timeout, and where each one was."""
+        nprocs = len(self.exitcodes)
+        finished = [r for r, code in enumerate(self.exitcodes) if code == 0]
+        parts = [f"still running: {_plural(self.stopped)}"] if self.stopped else []
+        if finished:
+            parts.append(f"finished: {', '.join(map(str, finished))}")
+        if self.progress:
+            progress = {r: self.progress.get(r, (0, "nothing yet")) for r in range(nprocs)}
+            parts.append(f"last steps: {_progress_lines(progress)}")
+        return "\n  ".join([
+            f"timed out: the {nprocs} ranks did not finish within timeout_s={timeout_s} s "
+            f"and were stopped; {'; '.join(parts)}. Give them more time, or look for a rank "
+            "that never reached a collective the others wait in (mark_progress before each "
+            "collective shows where each rank was)", *self.early_exit_lines()])
 
     def early_exit_lines(self) -> list[str]:
         return [f"rank {rank} had already ended with sys.exit(0) ({where}) while the others were "
@@ -706,21 +702,26 @@ class _Outcome:
 
 def _raise_first_failure(outcome: _Outcome) -> NoReturn:
     """Raise the exception of the rank that failed first, or say how it died."""
-    nprocs = len(outcome.exitcodes)
-    cause = outcome.cause()
-    aftermath = outcome.aftermath(cause)
-    record = outcome.records.get(cause)
-    if outcome.aborted_waiting():
-        waiting = outcome.silent()
+    nprocs, codes = len(outcome.exitcodes), outcome.exitcodes
+    # The first ranks seen dead without an exception: the others' exceptions are what their
+    # deaths did to them. Those NCCL's watchdog aborted (SIGABRT) come last.
+    silent = sorted((r for r in outcome.first_seen if r not in outcome.records),
+                    key=lambda r: codes[r] == -signal.SIGABRT)
+    if silent and outcome.stopped and all(codes[r] == -signal.SIGABRT for r in silent):
+        cause = outcome.stopped[0]  # the watchdog ended those that waited for it
         raise RankError(
-            f"rank {cause} of {nprocs} never arrived: {_plural(waiting)} timed out in a "
+            f"rank {cause} of {nprocs} never arrived: {_plural(silent)} timed out in a "
             "collective waiting for it, killed by SIGABRT (NCCL's watchdog), while rank "
-            f"{cause} was still running (stopped by launch). (Had {_plural(waiting)} aborted "
+            f"{cause} was still running (stopped by launch). (Had {_plural(silent)} aborted "
             "on its own, a failed assertion or a CUDA error, its output above shows it.) "
             f"{NCCL_ADVICE}\n  last steps "
-            f"reported: {_progress_lines(outcome.progress)}", cause, outcome.exitcodes[cause])
+            f"reported: {_progress_lines(outcome.progress)}", cause, codes[cause])
+    records = outcome.records.values()
+    cause = silent[0] if silent else min(records, key=lambda r: r["time"])["rank"]
+    aftermath = outcome.aftermath(cause)
+    record = outcome.records.get(cause)
     if record is None:
-        code = outcome.exitcodes[cause]
+        code = codes[cause]
         likely = ("os._exit() or a native library ending the process" if code >= 0 else
                   _LIKELY_CAUSES.get(_signal_name(code), "a signal sent from outside the process"))
         raise RankError("\n  ".join([
@@ -784,20 +785,10 @@ def _watch(processes: list, deadline: float | None, grace_s: float) -> tuple[lis
     return failed, False
 
 
-def launch(
-    fn: Callable[..., Any],
-    nprocs: int,
-    args: tuple[Any, ...] = (),
-    *,
-    timeout_s: float | None = None,
-    grace_s: float = 5.0,
-) -> Any:
-    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes and return rank 0's result
-    (chapter 5). A failure raises the error of the rank that failed *first* (its exception,
-    its traceback as ``__cause__``, or a :class:`RankError`); ranks still running ``grace_s``
-    after a failure, or at ``timeout_s``, are stopped. ``fn`` must be importable."""
-    # torch.distributed.elastic's start_processes stops the other ranks at the first failure,
-    # before they record theirs, and cannot rebuild a rank's exception for the notebook.
+def _check_launch(
+    fn: object, nprocs: object, args: object, timeout_s: object, grace_s: object
+) -> None:
+    """Refuse what :func:`launch` cannot run, before any process starts."""
     if not callable(fn):
         raise TypeError(f"fn must be a function to run in every rank, got {fn!r}")
     check_positive_int("nprocs", nprocs)
@@ -814,6 +805,23 @@ def launch(
         )
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout_s: float | None = None,
+    grace_s: float = 5.0,
+) -> Any:
+    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes and return rank 0's result
+    (chapter 5). A failure raises the error of the rank that failed *first* (its exception,
+    its traceback as ``__cause__``, or a :class:`RankError`); ranks still running ``grace_s``
+    after a failure, or at ``timeout_s``, are stopped. ``fn`` must be importable."""
+    # torch.distributed.elastic's start_processes stops the other ranks at the first failure,
+    # before they record theirs, and cannot rebuild a rank's exception for the notebook.
+    _check_launch(fn, nprocs, args, timeout_s, grace_s)
     # An equal share of the cores each, so that the ranks do not fight over them.
     threads = max(1, (os.cpu_count() or 1) // nprocs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -842,23 +850,12 @@ def launch(
         if failed:
             _raise_first_failure(outcome)
         if timed_out:
-            finished = [r for r, code in enumerate(exitcodes) if code == 0]
-            parts = [f"still running: {_plural(stopped)}"] if stopped else []
-            if finished:
-                parts.append(f"finished: {', '.join(map(str, finished))}")
-            if outcome.progress:
-                progress = {r: outcome.progress.get(r, (0, "nothing yet")) for r in range(nprocs)}
-                parts.append(f"last steps: {_progress_lines(progress)}")
-            raise TimeoutError("\n  ".join([
-                f"timed out: the {nprocs} ranks did not finish within timeout_s={timeout_s} s "
-                f"and were stopped; {'; '.join(parts)}. Give them more time, or look for a rank "
-                "that never reached a collective the others wait in (mark_progress before each "
-                "collective shows where each rank was)", *outcome.early_exit_lines()]))
+            raise TimeoutError(outcome.hang_report(timeout_s))
         if not (workdir / "result.pt").exists():
             raise RankError(
                 f"rank 0 of {nprocs} ended with status 0 without returning from "
-                f"{name} (os._exit(0), or a native library ending the process), so there is no "
-                "value to return", 0, 0,
+                f"{getattr(fn, '__qualname__', fn)} (os._exit(0), or a native library ending "
+                "the process), so there is no value to return", 0, 0,
             )
         return torch.load(workdir / "result.pt", weights_only=False)
 

@@ -102,8 +102,7 @@ def num_gpus() -> int:
 
 @dataclass(frozen=True)
 class P2PDecision:
-    """Whether NCCL should copy between GPUs through host memory (``NCCL_P2P_DISABLE=1``),
-    why, and whether the user had set the variable (then kept)."""
+    """Whether NCCL should copy through host memory (``NCCL_P2P_DISABLE=1``), and why."""
 
     disable: bool
     reason: str
@@ -144,8 +143,7 @@ print("BAD " + " ".join(bad) if bad else "OK")
 
 
 def _peer_copies_correct(timeout_s: float = 120.0) -> tuple[bool | None, str]:
-    """(True, ''): peer copies arrive intact; (False, why): one came out wrong, hung or
-    crashed; (None, why): the check never got to its first copy, which says nothing."""
+    """(True, ''): intact; (False, why): wrong, hung or crashed; (None, why): untested."""
     try:
         run = subprocess.run([sys.executable, "-c", _PEER_COPY_CHECK], capture_output=True,
                              text=True, timeout=timeout_s)
@@ -174,10 +172,8 @@ _PEER_COPY_VERDICTS: dict[str | None, tuple[bool, str]] = {}
 
 
 def nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> P2PDecision:
-    """Whether NCCL's direct GPU-to-GPU copies should be switched off here: some machines
-    (Kaggle's two T4s) report peer access that hangs or sums wrong. A value the user set
-    stands; two T4s (no NVLink on a T4) switch it off; elsewhere a wrong, hung or crashed
-    test copy between a pair of GPUs (in a child process) does."""
+    """Whether NCCL's direct GPU-to-GPU copies should be off here: some machines (Kaggle's
+    two T4s) report peer access that hangs or sums wrong. A value the user set stands."""
     environ = os.environ if environ is None else environ
     if "NCCL_P2P_DISABLE" in environ:
         value = environ["NCCL_P2P_DISABLE"]
