@@ -20,13 +20,9 @@ __all__ = ["CUDA_13_DROPPED_BELOW", "GPU_DATASHEETS", "PEAK_TFLOPS", "narrow_ten
 def native_tensor_core_formats(capability: tuple[int, int]) -> list[str]:
     """Reduced-precision formats that GPUs of this compute capability run on Tensor Cores
     (chapter 1)."""
-    major, minor = check_capability(capability)
-    formats = []
-    if (major, minor) >= (7, 0):
-        formats.append("fp16")
-    if (major, minor) >= (8, 0):
-        formats += ["bf16", "tf32"]
-    return formats
+    capability = check_capability(capability)
+    first = {"fp16": (7, 0), "bf16": (8, 0), "tf32": (8, 0)}  # the first capability with each
+    return [fmt for fmt, since in first.items() if capability >= since]
 
 
 def narrow_tensor_core_formats(capability: tuple[int, int]) -> list[str]:

@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,9 +74,8 @@ def print_setup() -> None:
 
 
 def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
-    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible (None: unset, every GPU), as
-    CUDA reads it: up to the first entry that is no number or UUID; a repeat hides all
-    (chapter 1)."""
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value leaves visible (None: unset, all), as CUDA
+    reads it: up to the first entry that is no number or UUID; a repeat hides all (chapter 1)."""
     if value is None:
         return None
     if not isinstance(value, str):
@@ -131,44 +130,26 @@ class CudaDiagnosis:
         return "\n".join(lines)
 
 
-_FIX_CPU_BUILD = (
-    "install a CUDA build of torch (on Linux PyPI's default is one): `pip uninstall -y torch "
-    "torchvision`, then `pip install torch torchvision --index-url https://download.pytorch.org/"
-    "whl/cu126` (https://pytorch.org/get-started/locally/ names the CUDA versions), then restart "
-    "the Python process or kernel."
-)
-_FIX_VISIBLE_DEVICES = (
-    f"unset it (`unset {VISIBLE_DEVICES_ENV}` in the shell; in Python "
-    f"`os.environ.pop('{VISIBLE_DEVICES_ENV}', None)` before anything touches CUDA, so in a "
-    "notebook restart the kernel first) or set it to GPU indices such as `0` or `0,1`."
-)
-_FIX_NO_DRIVER = (
-    "on Colab: Runtime > Change runtime type > choose a GPU (e.g. T4), then rerun. "
-    "On Kaggle: Settings > Accelerator > GPU (e.g. 'GPU T4 x2'; needs a phone-verified "
-    "account). Locally: install the NVIDIA driver (check with `nvidia-smi`); in a "
-    "container, start it with GPUs passed through (e.g. `docker run --gpus all`, which "
-    "needs the NVIDIA Container Toolkit)."
-)
-
-
 def _visible_devices_problems(visible_devices_env: str | None,
                               physical_gpu_count: int | None) -> list[CudaProblem]:
     """What is wrong with ``CUDA_VISIBLE_DEVICES``: it hides every GPU, or it is malformed."""
     visible = parse_cuda_visible_devices(visible_devices_env)
+    if visible is None:
+        return []
     shown = f"{VISIBLE_DEVICES_ENV}={visible_devices_env!r}"
-    # CUDA stops at the first index that does not exist, so a first entry past the end
-    # hides everything.
-    past_end = (bool(visible) and physical_gpu_count is not None
-                and all(isinstance(i, int) for i in visible) and visible[0] >= physical_gpu_count)
-    if visible == [] or past_end:
-        n = physical_gpu_count
+    # CUDA stops at the first index that does not exist: a first one past the end hides all.
+    n = physical_gpu_count
+    if not visible or (n is not None and isinstance(visible[0], int) and visible[0] >= n):
         seen = "" if n is None else f" (the driver sees only {n} GPU(s))"
         why = (f"{shown} hides every GPU: CUDA reads GPU indices or UUIDs separated by commas, "
                f"stops at the first entry that is neither or past the last GPU{seen}, and hides "
                "all if one is repeated.")
-        return [CudaProblem("hidden_by_env", why, _FIX_VISIBLE_DEVICES)]
-    entries = [] if visible_devices_env is None else visible_devices_env.split(",")
-    if visible is not None and [str(item) for item in visible] != [e.strip() for e in entries]:
+        return [CudaProblem("hidden_by_env", why, (
+            f"unset it (`unset {VISIBLE_DEVICES_ENV}` in the shell; in Python "
+            f"`os.environ.pop('{VISIBLE_DEVICES_ENV}', None)` before anything touches CUDA, so "
+            "in a notebook restart the kernel first) or set it to GPU indices such as `0` or "
+            "`0,1`."))]
+    if [str(item) for item in visible] != [e.strip() for e in visible_devices_env.split(",")]:
         why = (f"{shown} is malformed: CUDA reads only the number each entry starts with and "
                f"stops at the first entry without one, so it sees only {visible}.")
         return [CudaProblem("malformed_env", why, "write the indices you mean separated by "
@@ -176,27 +157,11 @@ def _visible_devices_problems(visible_devices_env: str | None,
     return []
 
 
-def _version_tuple(version: str) -> tuple[int, ...] | None:
+def _version_tuple(version: str | None) -> tuple[int, ...] | None:
     try:
         return tuple(int(part) for part in str(version).split(".")[:2])
     except ValueError:
         return None
-
-
-def _driver_too_old(cuda_build: str, driver_cuda_version: str) -> CudaProblem:
-    major = cuda_build.split(".")[0]
-    return CudaProblem(
-        "driver_too_old",
-        f"the NVIDIA driver supports CUDA up to {driver_cuda_version} (the header of "
-        f"`nvidia-smi` shows it too), older than the CUDA {cuda_build} this torch is built for, "
-        "and CUDA did not start.",
-        "install the torch built for a CUDA this driver supports, from PyTorch's wheel index "
-        f"for it: e.g. `pip install torch torchvision --index-url "
-        f"https://download.pytorch.org/whl/cu126` for a driver of CUDA 12.x (the selector at "
-        "https://pytorch.org/get-started/locally/ lists the indices); on Colab or Kaggle, keep "
-        "the torch the platform installed, which matches its driver. Or update the driver to "
-        f"one of CUDA {major}.x or newer.",
-    )
 
 
 def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[str],
@@ -207,12 +172,10 @@ def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[s
            f"this torch build has no kernels for: torch.cuda.get_arch_list() is {listed}. CUDA "
            "sees the GPU, but every kernel fails with 'no kernel image is available for "
            "execution on the device', so the course runs on the CPU instead.")
-    build = _version_tuple(cuda_build) if cuda_build else None
     if (major, minor) < CUDA_13_DROPPED_BELOW:
-        if build is not None and build >= (13,):
+        if (_version_tuple(cuda_build) or ()) >= (13,):
             why += " CUDA 13 dropped GPUs below compute capability 7.5 (V100, P100, ...)."
-        # torch 2.15's table of its release wheels (PYTORCH_RELEASES_CODE_CC in
-        # torch/cuda/__init__.py): only cu126 carries sm_50 to sm_70; CUDA 13 starts at sm_75.
+        # torch 2.15's release wheels (PYTORCH_RELEASES_CODE_CC in torch/cuda/__init__.py)
         which = ("a cu126 wheel, the only one of torch's current release wheels that still "
                  "carries kernels below sm_75 (its list runs from sm_50 to sm_90): "
                  "`pip install torch torchvision --index-url "
@@ -235,36 +198,51 @@ def diagnose_cuda(
     driver_cuda_version: str | None = None,
     gpu_capabilities: Sequence[tuple[int, int] | None] = (), arch_list: Sequence[str] | None = None,
 ) -> CudaDiagnosis:
-    """Say whether CUDA is usable and, if not, why and how to fix it, from the facts alone
-    (chapter 1)."""
+    """Whether CUDA is usable and, if not, why and the fix, from the facts alone (chapter 1)."""
     env_problems = _visible_devices_problems(visible_devices_env, physical_gpu_count)
     if device_count > 0:
-        arch_problems = [
-            _arch_missing(i, tuple(capability), list(arch_list), cuda_build)
-            for i, capability in enumerate(gpu_capabilities)
-            if arch_list is not None and capability is not None
-            and not build_runs_on(tuple(capability), list(arch_list))
-        ]
+        arch_problems = [_arch_missing(i, tuple(cap), arch_list, cuda_build)
+                         for i, cap in enumerate(gpu_capabilities) if arch_list is not None
+                         and cap is not None and not build_runs_on(tuple(cap), arch_list)]
         return CudaDiagnosis(not arch_problems, device_count, tuple(arch_problems + env_problems))
 
     # Most fundamental first: the build, then the driver, then the variable.
     problems = []
     if cuda_build is None:
-        problems.append(CudaProblem("cpu_build", "this torch is a CPU-only build (torch.version."
-                                    "cuda is None): it cannot use a GPU even if one is present.",
-                                    _FIX_CPU_BUILD))
+        problems.append(CudaProblem(
+            "cpu_build", "this torch is a CPU-only build (torch.version.cuda is None): it cannot "
+            "use a GPU even if one is present.",
+            "install a CUDA build of torch (on Linux PyPI's default is one): `pip uninstall -y "
+            "torch torchvision`, then `pip install torch torchvision --index-url https://"
+            "download.pytorch.org/whl/cu126` (https://pytorch.org/get-started/locally/ names the "
+            "CUDA versions), then restart the Python process or kernel.",
+        ))
     if not driver_found:
         problems.append(CudaProblem(
             "no_driver",
             "no NVIDIA driver was found (NVML cannot load and /proc/driver/nvidia is "
             "missing): this machine, VM or container has no usable NVIDIA GPU.",
-            _FIX_NO_DRIVER,
+            "on Colab: Runtime > Change runtime type > choose a GPU (e.g. T4), then rerun. "
+            "On Kaggle: Settings > Accelerator > GPU (e.g. 'GPU T4 x2'; needs a phone-verified "
+            "account). Locally: install the NVIDIA driver (check with `nvidia-smi`); in a "
+            "container, start it with GPUs passed through (e.g. `docker run --gpus all`, which "
+            "needs the NVIDIA Container Toolkit).",
         ))
     problems += env_problems
-    if (not problems and driver_cuda_version is not None and cuda_build is not None
-            and _version_tuple(cuda_build) is not None
-            and _version_tuple(driver_cuda_version) < _version_tuple(cuda_build)):
-        problems.append(_driver_too_old(cuda_build, driver_cuda_version))
+    driver, build = _version_tuple(driver_cuda_version), _version_tuple(cuda_build)
+    if not problems and driver and build and driver < build:
+        problems.append(CudaProblem(
+            "driver_too_old",
+            f"the NVIDIA driver supports CUDA up to {driver_cuda_version} (the header of "
+            f"`nvidia-smi` shows it too), older than the CUDA {cuda_build} this torch is built "
+            "for, and CUDA did not start.",
+            "install the torch built for a CUDA this driver supports, from PyTorch's wheel index "
+            f"for it: e.g. `pip install torch torchvision --index-url "
+            f"https://download.pytorch.org/whl/cu126` for a driver of CUDA 12.x (the selector at "
+            "https://pytorch.org/get-started/locally/ lists the indices); on Colab or Kaggle, "
+            "keep the torch the platform installed, which matches its driver. Or update the "
+            f"driver to one of CUDA {cuda_build.split('.')[0]}.x or newer.",
+        ))
     if not problems:
         problems.append(CudaProblem(
             "no_usable_device",
@@ -279,12 +257,10 @@ def diagnose_cuda(
 
 
 def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
-    """:func:`diagnose_cuda` with the facts of this process and machine (chapter 1); ``nvml``
-    reuses a view already read."""
+    """:func:`diagnose_cuda` of this process and machine (chapter 1); ``nvml``: a view read."""
     nvml = read_nvml() if nvml is None else nvml
-    # The GPUs torch lists, not num_gpus(): that is 0 where the build lacks their kernels,
-    # and the diagnosis is where that is found and explained.
-    count = _gpus_torch_lists()
+    # Not num_gpus(), which is 0 without kernels for the GPUs: the diagnosis explains that.
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return diagnose_cuda(
         cuda_build=torch.version.cuda,
         visible_devices_env=os.environ.get(VISIBLE_DEVICES_ENV),
@@ -297,11 +273,6 @@ def diagnose_this_machine(nvml: NvmlView | None = None) -> CudaDiagnosis:
     )
 
 
-def _gpus_torch_lists() -> int:
-    """How many GPUs torch lists here, whether or not this build has kernels for them."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 @dataclass(frozen=True)
 class NvmlGpuReading:
     """One physical GPU as the driver sees it now; None: unsupported or failed (``error``)."""
@@ -309,12 +280,12 @@ class NvmlGpuReading:
     index: int
     name: str
     uuid: str
-    utilization_percent: int | None
-    memory_used_bytes: int | None
-    memory_total_bytes: int | None
-    temperature_c: int | None
-    power_watts: float | None
-    power_limit_watts: float | None
+    utilization_percent: int | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: int | None = None
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
     error: str | None = None
     memory_free_bytes: int | None = None
 
@@ -342,15 +313,10 @@ def read_nvml() -> NvmlView:
             why += " (NVML ships with the NVIDIA driver, so no driver is installed here)"
         return NvmlView(None, (), f"NVML cannot start: {why}")
     try:
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        count = pynvml.nvmlDeviceGetCount()
-        try:
-            version = pynvml.nvmlSystemGetCudaDriverVersion()  # 12040 for CUDA 12.4
-            cuda_driver = f"{version // 1000}.{version % 1000 // 10}"
-        except (pynvml.NVMLError, AttributeError, TypeError):
-            cuda_driver = None  # an old NVML or nvidia-ml-py without the call
-        gpus = tuple(_read_nvml_gpu(pynvml, i) for i in range(count))
-        return NvmlView(driver, gpus, None, cuda_driver)
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # 12040 for CUDA 12.4
+        gpus = tuple(_read_nvml_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount()))
+        return NvmlView(pynvml.nvmlSystemGetDriverVersion(), gpus, None,
+                        f"{cuda // 1000}.{cuda % 1000 // 10}")
     except pynvml.NVMLError as exc:
         return NvmlView(None, (), f"NVML query failed: {exc}")
     finally:
@@ -370,11 +336,9 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
                 errors.append(f"{what}: {exc}")
             return None
 
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    except pynvml.NVMLError as exc:
-        return NvmlGpuReading(index, "?", "", None, None, None, None, None, None,
-                              error=f"NVML cannot reach this GPU: {exc}")
+    handle = read("NVML cannot reach this GPU", pynvml.nvmlDeviceGetHandleByIndex, index)
+    if handle is None:
+        return NvmlGpuReading(index, "?", "", error="; ".join(errors))
     name = read("name", pynvml.nvmlDeviceGetName, handle)
     uuid = read("uuid", pynvml.nvmlDeviceGetUUID, handle)
     memory = read("memory", pynvml.nvmlDeviceGetMemoryInfo, handle)
@@ -383,15 +347,11 @@ def _read_nvml_gpu(pynvml, index: int) -> NvmlGpuReading:  # type: ignore[no-unt
     limit_mw = read("power limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, handle)
     temperature = read("temperature", pynvml.nvmlDeviceGetTemperature, handle,
                        pynvml.NVML_TEMPERATURE_GPU)
-    return NvmlGpuReading(
-        index, name or "?", uuid or "",
-        utilization_percent=None if rates is None else int(rates.gpu),
-        memory_used_bytes=None if memory is None else int(memory.used),
-        memory_total_bytes=None if memory is None else int(memory.total),
-        memory_free_bytes=None if memory is None else int(memory.free),
-        temperature_c=temperature,
-        power_watts=None if power_mw is None else power_mw / 1000,
-        power_limit_watts=None if limit_mw is None else limit_mw / 1000,
+    return NvmlGpuReading(  # x and x.field: None where the query failed
+        index, name or "?", uuid or "", utilization_percent=rates and rates.gpu,
+        memory_used_bytes=memory and memory.used, memory_total_bytes=memory and memory.total,
+        memory_free_bytes=memory and memory.free, temperature_c=temperature,
+        power_watts=power_mw and power_mw / 1000, power_limit_watts=limit_mw and limit_mw / 1000,
         error="; ".join(errors) or None,
     )
 
@@ -427,29 +387,17 @@ class EnvironmentReport:
     nvml: NvmlView
     pycuda_status: str
     diagnosis: CudaDiagnosis
-    mode: str = field(default_factory=lambda: _describe_mode_or_error())
-
-
-def _describe_mode_or_error() -> str:
-    """The mode line, or the configuration error: a report must not fail on a bad setting."""
-    try:
-        return describe_mode()
-    except ValueError as exc:
-        return f"configuration error: {exc}"
 
 
 def _format_cudnn(version: int) -> str:
     """cuDNN encodes its version as one int: 9.x as MMmmpp (92400), 8.x as Mmpp (8902)."""
-    if version >= 90000:
-        return f"{version // 10000}.{version % 10000 // 100}.{version % 100}"
-    return f"{version // 1000}.{version % 1000 // 100}.{version % 100}"
+    step = 10000 if version >= 90000 else 1000
+    return f"{version // step}.{version % step // 100}.{version % 100}"
 
 
 def _cudnn_version() -> str | None:
-    if torch.version.cuda is None or not torch.backends.cudnn.is_available():
-        return None
-    version = torch.backends.cudnn.version()
-    return None if version is None else _format_cudnn(version)
+    built = torch.version.cuda is not None and torch.backends.cudnn.is_available()
+    return _format_cudnn(torch.backends.cudnn.version()) if built else None
 
 
 def nccl_version() -> str | None:
@@ -471,50 +419,41 @@ def _pycuda_attributes(count: int) -> tuple[str, list[dict[str, int] | None]]:
                 "'d2lgpu[pycuda]'`; building it needs the CUDA toolkit)", [None] * count)
     try:
         pycuda_driver.init()
-        attributes = []
-        for i in range(count):
-            raw = pycuda_driver.Device(i).get_attributes()
-            attributes.append({str(name): int(value) for name, value in raw.items()})
+        attributes = [{str(k): int(v) for k, v in pycuda_driver.Device(i).get_attributes().items()}
+                      for i in range(count)]
     except pycuda_driver.Error as exc:
         return f"pycuda is installed but cannot query the GPUs: {exc}", [None] * count
-    return "pycuda is installed", list(attributes)
+    return "pycuda is installed", attributes
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
-def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None,
-              nvml: NvmlView) -> GpuInfo:
-    """:class:`GpuInfo` of ``cuda:index``, without creating a CUDA context (free memory comes
-    from NVML); a failure is reported in ``error``."""
+def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None, nvml: NvmlView) -> GpuInfo:
+    """``cuda:index``, read without a CUDA context (free memory is NVML's); failures: ``error``."""
     try:
         props = torch.cuda.get_device_properties(index)
-        name, capability = str(props.name), (int(props.major), int(props.minor))
-        sms, uuid = int(props.multi_processor_count), str(getattr(props, "uuid", ""))
     except Exception as exc:  # any failure of one GPU is reported, not raised
+        first = str(exc).strip().split("\n")[0]
         return GpuInfo(index, "?", (0, 0), None, None, 0, (), "", pycuda_attributes,
-                       error=f"properties: {_first_line(exc)}")
-    free, total = None, int(getattr(props, "total_memory", 0)) or None
-    matches = (r for r in nvml.gpus if uuid and r.uuid.lower().endswith(uuid.lower()))
-    reading = next(matches, None)
-    if reading is not None and reading.memory_free_bytes is not None:
-        free, total = reading.memory_free_bytes, reading.memory_total_bytes
-    return GpuInfo(index, name, capability, total, free, sms,
+                       error=f"properties: {type(exc).__name__}: {first}")
+    uuid, capability = str(props.uuid), (props.major, props.minor)
+    free, total = None, props.total_memory
+    for reading in nvml.gpus:
+        if reading.uuid.lower().endswith(uuid.lower()) and reading.memory_free_bytes is not None:
+            free, total = reading.memory_free_bytes, reading.memory_total_bytes
+    return GpuInfo(index, props.name, capability, total, free, props.multi_processor_count,
                    tuple(native_tensor_core_formats(capability)), uuid, pycuda_attributes)
 
 
 def environment_report() -> EnvironmentReport:
     """Collect the :class:`EnvironmentReport` of this process (chapter 1)."""
-    count = _gpus_torch_lists()
     nvml = read_nvml()
+    diagnosis = diagnose_this_machine(nvml)
+    count = diagnosis.device_count  # the GPUs torch lists, with or without kernels for them
     pycuda_status, pycuda_attrs = _pycuda_attributes(count)
     return EnvironmentReport(
         sys.version.split()[0], platform.platform(), torch.__version__, torch.version.cuda,
         _cudnn_version(), nccl_version(), os.environ.get(VISIBLE_DEVICES_ENV),
         tuple(_read_gpu(i, pycuda_attrs[i], nvml) for i in range(count)), nvml, pycuda_status,
-        diagnose_this_machine(nvml),
+        diagnosis,
     )
 
 
@@ -527,8 +466,17 @@ def _or_na(value: object, unit: str = "") -> str:
     return "n/a" if value is None else f"{value}{unit}"
 
 
+def _describe_mode_or_error() -> str:
+    """The mode line, or the configuration error: a report must not fail on a bad setting."""
+    try:
+        return describe_mode()
+    except ValueError as exc:
+        return f"configuration error: {exc}"
+
+
 def format_report(report: EnvironmentReport) -> str:
-    """The report as readable text (what ``python -m d2lgpu info`` prints) (chapter 1)."""
+    """The report as readable text, with the workload this process runs (what ``python -m d2lgpu
+    info`` prints) (chapter 1)."""
     lines = [
         "== d2lgpu environment report ==",
         f"python {report.python_version} on {report.platform}",
@@ -537,7 +485,7 @@ def format_report(report: EnvironmentReport) -> str:
         f"{VISIBLE_DEVICES_ENV}: "
         + ("unset (all GPUs visible)" if report.visible_devices_env is None
            else repr(report.visible_devices_env)),
-        report.mode,
+        _describe_mode_or_error(),
         "",
         f"-- GPUs visible to torch: {len(report.gpus)} --",
     ]

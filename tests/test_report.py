@@ -232,6 +232,7 @@ def _fake_pynvml(fail_init: bool = False) -> types.ModuleType:
     fake.nvmlInit = init
     fake.nvmlShutdown = lambda: None
     fake.nvmlSystemGetDriverVersion = lambda: "550.54"
+    fake.nvmlSystemGetCudaDriverVersion = lambda: 12080
     fake.nvmlDeviceGetCount = lambda: 1
     fake.nvmlDeviceGetHandleByIndex = lambda i: ("handle", i)
     fake.nvmlDeviceGetName = lambda h: "Tesla T4"
@@ -761,12 +762,10 @@ def test_driver_cuda_version_from_nvml(monkeypatch):
     fake.nvmlSystemGetCudaDriverVersion = lambda: 12040
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert d2lgpu.read_nvml().cuda_driver_version == "12.4"
-    del fake.nvmlSystemGetCudaDriverVersion  # an old nvidia-ml-py: the version stays unknown
-    assert d2lgpu.read_nvml().cuda_driver_version is None
 
 
 def test_diagnose_this_machine_passes_the_nvml_cuda_version(monkeypatch):
-    monkeypatch.setattr(report, "_gpus_torch_lists", lambda: 0)
+    monkeypatch.setattr(report.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(report.torch.version, "cuda", "13.0")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     view = report.NvmlView("550.54", (), None, "12.4")
