@@ -4,6 +4,7 @@ files are checked (size, and once their MD5) before they are read."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -115,11 +116,9 @@ def verify_fashion_mnist_file(path: str | Path) -> None:
         raise _misnamed(path, stat.st_size, actual) or RuntimeError(
             f"{path} is corrupt: its MD5 is {actual}, the official file's is {md5} (the size "
             f"is right, the content is not). {fix}")
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache only means hashing again next time
         stamp.parent.mkdir(parents=True, exist_ok=True)
         stamp.write_text(key + "\n")
-    except OSError:  # a read-only cache only means hashing again next time
-        pass
 
 
 def _read_idx(path: Path) -> torch.Tensor:
@@ -133,10 +132,8 @@ def _read_idx(path: Path) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8, offset=header).view(shape)
 
 
-def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None, *,
-                           tensors: bool = False):
-    """The torchvision dataset from checked files, or with ``tensors=True`` the split's
-    (images, labels) read without importing torchvision (seconds in a child process)."""
+def _fashion_mnist_files(train: bool, root: str | Path | None) -> tuple[Path, Path]:
+    """The split's (images, labels) raw files, downloaded when missing, then checked."""
     root = Path(root).expanduser() if root is not None else data_root()
     raw = root / "FashionMNIST" / "raw"
     missing = [name for name in FASHION_MNIST_FILES if not (raw / name).exists()]
@@ -159,14 +156,10 @@ def _fashion_mnist_dataset(train: bool, root: str | Path | None, transform=None,
                 f"to the internet, {copy}, or set {DATA_ENV} to a directory that holds "
                 "FashionMNIST/raw/.") from err
     prefix = "train" if train else "t10k"
-    names = (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte")
-    for name in names:
-        verify_fashion_mnist_file(raw / name)
-    if tensors:
-        return _read_idx(raw / names[0]), _read_idx(raw / names[1]).long()
-    from torchvision.datasets import FashionMNIST
-
-    return FashionMNIST(root=str(root), train=train, transform=transform, download=False)
+    paths = (raw / f"{prefix}-images-idx3-ubyte", raw / f"{prefix}-labels-idx1-ubyte")
+    for path in paths:
+        verify_fashion_mnist_file(path)
+    return paths
 
 
 def _usable_cores() -> int:
@@ -200,13 +193,14 @@ def load_data_fashion_mnist(batch_size: int, resize: int | tuple[int, int] | Non
                             quick: bool | None = None) -> tuple[data.DataLoader, data.DataLoader]:
     """Train and test DataLoaders of Fashion-MNIST, images in [0, 1] (chapter 3)."""
     from torchvision import transforms
+    from torchvision.datasets import FashionMNIST
 
     check_positive_int("batch_size", batch_size)
     workers = default_num_workers(quick) if num_workers is None else num_workers
     steps = [transforms.Resize(resize)] if resize is not None else []
     transform = transforms.Compose([*steps, transforms.ToTensor()])
-    train_set = _fashion_mnist_dataset(True, root, transform)
-    test_set = _fashion_mnist_dataset(False, root, transform)
+    train_set, test_set = (FashionMNIST(str(_fashion_mnist_files(train, root)[0].parents[2]),
+                                        train, transform) for train in (True, False))
     if small_data() if quick is None else quick:
         train_set = data.Subset(train_set, _balanced_indices(train_set.targets, True))
         test_set = data.Subset(test_set, _balanced_indices(test_set.targets, False))
@@ -217,14 +211,13 @@ def load_data_fashion_mnist(batch_size: int, resize: int | tuple[int, int] | Non
             data.DataLoader(test_set, shuffle=False, **common))
 
 
-def fashion_mnist_tensors(
-    train: bool = True, root: str | Path | None = None, quick: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole split: images uint8 [N, 1, 28, 28] and labels int64 [N] (chapter 3), the same
-    quick subset as the loaders."""
+def fashion_mnist_tensors(train: bool = True, root: str | Path | None = None,
+                          quick: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole split: images uint8 [N, 1, 28, 28] and labels int64 [N] (chapter 3)."""
     check_bool("train", train)  # a truthy "no" would give the training split
-    images, labels = _fashion_mnist_dataset(train, root, tensors=True)
-    images = images.unsqueeze(1)
+    # Read without importing torchvision (seconds in a child process).
+    images, labels = (_read_idx(path) for path in _fashion_mnist_files(train, root))
+    images, labels = images.unsqueeze(1), labels.long()
     if small_data() if quick is None else quick:
         idx = _balanced_indices(labels, train)
         images, labels = images[idx], labels[idx]
@@ -301,8 +294,7 @@ class DeviceLoader:
         return n - n % self.batch_size if self.drop_last else n
 
     def __len__(self) -> int:
-        n = self.images.shape[0]
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return -(-self.num_examples // self.batch_size)
 
     def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
         """uint8 images on the device -> float32 ``(x / 255 - mean) / std``."""
@@ -311,16 +303,12 @@ class DeviceLoader:
             X = X.contiguous(memory_format=torch.channels_last)
         return X
 
-    def epoch_indices(self) -> torch.Tensor:
-        """The order of one epoch: a fresh permutation when shuffling, else 0..N-1."""
-        n = self.images.shape[0]
-        if self.shuffle:
-            return torch.randperm(n, device=self.device, generator=self.generator)
-        return torch.arange(n, device=self.device)
-
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n = self.images.shape[0]
+        order = (torch.randperm(n, device=self.device, generator=self.generator) if self.shuffle
+                 else torch.arange(n, device=self.device))
         # split() only slices the index tensor: no kernel launches, no host sync.
-        for idx in self.epoch_indices()[: self.num_examples].split(self.batch_size):
+        for idx in order[: self.num_examples].split(self.batch_size):
             yield self.normalize(self.images[idx]), self.labels[idx]
 
     def __repr__(self) -> str:
