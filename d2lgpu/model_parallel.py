@@ -398,7 +398,8 @@ class _TimedStage(nn.Module):
         start = self._now()
         out = self.module(x)
         self.events.append((self.index, "F", start, self._now()))
-        out.register_hook(self._backward_starts)
+        if out.requires_grad:  # torch 2.9's schedules first run a forward without autograd
+            out.register_hook(self._backward_starts)
         return out
 
 
