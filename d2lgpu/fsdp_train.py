@@ -58,6 +58,7 @@ class ResumableFSDPRun:
     fail_rank: int | None = None
     fail_at_step: int = 0
     test_acc: list[tuple[int, float]] = field(default_factory=list)
+    _since: float = field(default=0.0, init=False, repr=False)  # when the last log line ended
 
     def run(self, ctx: DistContext) -> FSDPResult:
         return self.fsdp.run(ctx, self)
@@ -126,8 +127,7 @@ class ResumableFSDPRun:
         with torch.no_grad():  # every rank runs one forward, so the all-gathers match up
             predicted = model(images[lo:hi].to(ctx.device)).argmax(dim=1)
         model.train()
-        correct = (predicted.cpu() == labels[lo:hi]).sum()
-        total = torch.tensor([correct.item()], dtype=torch.float64, device=ctx.device)
+        total = (predicted.cpu() == labels[lo:hi]).sum().double().to(ctx.device)
         dist.all_reduce(total)
         return total.item() / n
 
