@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -21,7 +20,7 @@ from d2lgpu.chips import native_tensor_core_formats
 from d2lgpu.runtime.checks import loss_diverged
 from d2lgpu.runtime.config import cpu_bf16_override
 from d2lgpu.runtime.gpus import as_device
-from d2lgpu.timing import synchronize
+from d2lgpu.timing import timed_calls
 
 __all__ = [
     "CPU_BF16_FLAGS", "PRECISIONS", "PRECISION_MODES", "PrecisionPolicy", "SavedActivations",
@@ -346,13 +345,7 @@ def _measure_one(model_fn: Callable[[], nn.Module], make_batch: BatchMaker, mode
                 nn.functional.cross_entropy(model(features), labels)
         for _ in range(warmup - 1):
             train_step()
-        times = []
-        for _ in range(steps):  # time_fn's loop; the device is resolved already
-            synchronize(device)
-            start = time.perf_counter()
-            train_step()
-            synchronize(device)
-            times.append(time.perf_counter() - start)
+        times = timed_calls(train_step, device, steps).times  # the device is checked already
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
     first, last = float(losses[0]), float(losses[-1])
     if loss_diverged(last, first):

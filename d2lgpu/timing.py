@@ -15,7 +15,7 @@ from d2lgpu.runtime.checks import check_warmup_repeats
 from d2lgpu.runtime.gpus import require_cuda_device
 
 __all__ = ["DeviceLike", "Timing", "format_seconds", "format_table", "gbps", "synchronize",
-           "tflops", "time_fn", "timing_device"]
+           "tflops", "time_fn", "timed_calls", "timing_device"]
 
 #: What the timers take as a device: a ``torch.device``, a name such as ``'cuda:0'``,
 #: a GPU index, or None (whatever the timed function uses).
@@ -116,6 +116,19 @@ def synchronize(device: torch.device | None) -> None:
         torch.mps.synchronize()
 
 
+def timed_calls(fn: Callable[[], object], device: torch.device | None, repeats: int) -> Timing:
+    """``repeats`` calls of ``fn()``, each between two synchronisations of ``device``: the loop
+    of :func:`time_fn`, for callers whose device is checked already (chapter 2)."""
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return Timing(tuple(times))
+
+
 def time_fn(fn: Callable[[], object], device: DeviceLike = None, *, warmup: int = 2,
             repeats: int = 10) -> Timing:
     """Time ``fn()`` correctly: ``warmup`` untimed calls absorb one-off costs, then ``repeats``
@@ -124,11 +137,4 @@ def time_fn(fn: Callable[[], object], device: DeviceLike = None, *, warmup: int 
     dev = timing_device(device)
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(dev)
-        start = time.perf_counter()
-        fn()
-        synchronize(dev)
-        times.append(time.perf_counter() - start)
-    return Timing(tuple(times))
+    return timed_calls(fn, dev, repeats)

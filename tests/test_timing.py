@@ -90,3 +90,11 @@ def test_timing_device_keeps_cpu_and_none() -> None:
 def test_timing_names_the_fix_for_bad_input(call, match) -> None:
     with pytest.raises((TypeError, ValueError), match=match):
         call()
+
+
+def test_timed_calls_times_each_call_without_a_warm_up():
+    from d2lgpu.timing import timed_calls
+
+    calls = []
+    timing = timed_calls(lambda: calls.append(1), None, 3)
+    assert len(calls) == 3 and len(timing.times) == 3 and all(t >= 0 for t in timing.times)
