@@ -436,7 +436,7 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None, nvml: NvmlVi
                        error=f"properties: {type(exc).__name__}: {first}")
     uuid, capability = str(props.uuid), (props.major, props.minor)
     free, total = None, props.total_memory
-    for reading in nvml.gpus:
+    for reading in nvml.gpus if uuid else ():  # an empty UUID would match every GPU
         if reading.uuid.lower().endswith(uuid.lower()) and reading.memory_free_bytes is not None:
             free, total = reading.memory_free_bytes, reading.memory_total_bytes
     return GpuInfo(index, props.name, capability, total, free, props.multi_processor_count,

@@ -646,6 +646,22 @@ def test_environment_report_reads_free_memory_from_nvml_without_a_cuda_context(m
     assert first.error is None and second.error is None
 
 
+def test_a_gpu_without_a_uuid_takes_no_other_gpus_free_memory(monkeypatch):
+    # An empty UUID is a suffix of every NVML UUID: matching by it would give GPU 0 the free
+    # memory of whichever GPU NVML lists last.
+    nvml = NvmlView("580.1", (_nvml_reading(0, "GPU-uuid-GPU0", 4),
+                              _nvml_reading(1, "GPU-uuid-GPU1", 1)), None)
+    def props(i):
+        gpu = _fake_props(f"GPU{i}", 7, 5)
+        gpu.uuid = "" if i == 0 else gpu.uuid
+        return gpu
+
+    _two_fake_gpus(monkeypatch, props, nvml)
+    first, second = d2lgpu.environment_report().gpus
+    assert first.free_memory_bytes is None and first.total_memory_bytes == 16 * 10**9
+    assert second.free_memory_bytes == 15 * 2**30
+
+
 def test_environment_report_without_nvml_knows_the_total_but_not_the_free_memory(monkeypatch):
     _two_fake_gpus(monkeypatch, lambda i: _fake_props(f"GPU{i}", 8, 0))
     gpu = d2lgpu.environment_report().gpus[0]
