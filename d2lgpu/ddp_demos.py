@@ -14,6 +14,7 @@ from d2lgpu.runtime.checks import (
     check_positive_float,
     check_positive_int,
     check_seed,
+    check_tensor,
     check_training_loss,
 )
 from d2lgpu.runtime.distributed import launch, process_group
@@ -64,10 +65,7 @@ def hogwild_train(
     A diverged run raises ``FloatingPointError``."""
     check_module("model", model)
     for name, tensor in (("features", features), ("targets", targets)):
-        if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
-            raise TypeError(f"{name} must be a floating-point torch.Tensor, got "
-                            f"{getattr(tensor, 'dtype', type(tensor).__name__)}: convert it with "
-                            "torch.as_tensor(...).float()")
+        check_tensor(name, tensor, dtype="floating")
         check_finite_tensors(name, [tensor], fix="Clean the data before training.")
     for name, value in (("nprocs", nprocs), ("epochs", epochs), ("batch_size", batch_size)):
         check_positive_int(name, value)
