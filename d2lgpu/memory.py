@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from d2lgpu.precision import SavedActivations, tf32_switches
 from d2lgpu.runtime.checks import check_module, check_positive_int, check_tensor
-from d2lgpu.timing import format_table
+from d2lgpu.timing import format_table, timed_calls
 
 #: Optimizers of this chapter, and how many fp32 buffers of the parameters' size each keeps.
 OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd_momentum": 1, "adam": 2}
@@ -273,19 +273,14 @@ def _deterministic_cudnn() -> Iterator[None]:
 
 
 def _timed_step(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> float:
-    """Seconds of forward + backward: CPU time on a CPU, CUDA events around it on a GPU."""
+    """Seconds of forward + backward: CPU time on a CPU (immune to a busy neighbour), the
+    course's synchronised clock (chapter 2's ``time_fn`` loop) on a GPU."""
     model.zero_grad(set_to_none=True)
     if X.device.type != "cuda":
         started = time.process_time()
         _loss(model, X, y).backward()
         return time.process_time() - started
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.device(X.device):  # events record on the current device's stream
-        start.record()
-        _loss(model, X, y).backward()
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return timed_calls(lambda: _loss(model, X, y).backward(), X.device, 1).times[0]
 
 
 def checkpointing_tradeoff(make_model: Callable[[], nn.Module], X: torch.Tensor, y: torch.Tensor,
