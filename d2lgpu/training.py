@@ -4,7 +4,6 @@ sums kept on the device and a stop with the fix when the loss diverges. Chapter 
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Iterable, Sequence
@@ -15,7 +14,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from d2lgpu.runtime.checks import check_finite_tensors, check_training_loss, find_non_finite_batch
+from d2lgpu.runtime.checks import (
+    check_finite_tensors,
+    check_positive_float,
+    check_training_loss,
+    find_non_finite_batch,
+)
 from d2lgpu.runtime.gpus import num_gpus
 
 __all__ = [
@@ -166,8 +170,7 @@ def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs:
           seed: int | None = None, progress: bool = True, init: bool = True) -> History:
     """SGD with cross-entropy, tested every epoch (chapter 4). ``devices``: None for all GPUs
     (else the CPU), one device or a list (``nn.DataParallel``); ``init=False`` keeps weights."""
-    if not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
-        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    check_positive_float("lr", lr)
     devices = _devices(devices)
     start_run(net, seed, init)
     net.to(devices[0])
