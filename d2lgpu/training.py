@@ -16,11 +16,12 @@ from tqdm import tqdm
 
 from d2lgpu.runtime.checks import (
     check_finite_tensors,
+    check_loader,
     check_positive_float,
     check_training_loss,
     find_non_finite_batch,
 )
-from d2lgpu.runtime.gpus import num_gpus
+from d2lgpu.runtime.gpus import resolve_devices
 
 __all__ = [
     "History", "check_epoch_loss", "evaluate_accuracy", "init_weights", "progress_bar",
@@ -149,38 +150,20 @@ def check_epoch_loss(loss: float, epoch: int, steps: int | None, lr: float, firs
         raise
 
 
-def _devices(devices: torch.device | str | Sequence[torch.device | str] | None
-             ) -> list[torch.device]:
-    n = num_gpus()
-    if devices is None:  # every GPU, else the CPU
-        return [torch.device("cuda", i) for i in range(n)] or [torch.device("cpu")]
-    if isinstance(devices, (str, torch.device)):
-        devices = [devices]
-    devices = [torch.device(d) for d in devices]
-    if any(d.type == "cuda" and (d.index or 0) >= n for d in devices):
-        raise RuntimeError(f"train was given {devices}, but this process can use {n} GPU(s): "
-                           "pass devices=None; `python -m d2lgpu info` says why")
-    if len(devices) > 1 and any(d.type != "cuda" for d in devices):
-        raise ValueError(f"nn.DataParallel needs CUDA devices, got {devices}: use one CPU device")
-    return devices
-
-
 def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,
           devices: torch.device | str | Sequence[torch.device | str] | None = None, *,
           seed: int | None = None, progress: bool = True, init: bool = True) -> History:
     """SGD with cross-entropy, tested every epoch (chapter 4). ``devices``: None for all GPUs
     (else the CPU), one device or a list (``nn.DataParallel``); ``init=False`` keeps weights."""
     check_positive_float("lr", lr)
-    devices = _devices(devices)
+    check_loader("train_iter", train_iter)
+    devices = resolve_devices(devices)
     start_run(net, seed, init)
     net.to(devices[0])
     model = nn.DataParallel(net, device_ids=devices) if len(devices) > 1 else net
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     history = History(device=", ".join(str(d) for d in devices))
     steps = len(train_iter)
-    if steps == 0:
-        raise ValueError("train_iter yields no batches: check the dataset and batch_size "
-                         "(drop_last=True with fewer examples than one batch gives none)")
     bar = progress_bar(progress, steps * num_epochs, f"training on {history.device}")
     for epoch in range(num_epochs):
         start = time.perf_counter()
