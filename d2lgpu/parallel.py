@@ -127,8 +127,11 @@ def _check_step(replicas: Sequence[Sequence[torch.Tensor]], X: torch.Tensor, lr:
         gaps = [(p.to(device) - q.to(device)).abs().max() for other in replicas[1:]
                 for p, q in zip(first, other, strict=True) if p.numel()]
         gap = torch.stack(gaps).max() if gaps else torch.zeros(())
-        update = lr * torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in first]))
-        size = torch.linalg.vector_norm(torch.cat([p.float().flatten() for p in first]))
+        # The norm of the norms: no step-long copy of every gradient and weight.
+        update = lr * torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in first]))
+        size = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.float())
+                                                     for p in first]))
         numbers = [t.float().to(device) for t in (loss, bad, gap, update, size)]
         value, bad, gap, update, size = torch.stack(numbers).tolist()
     if not math.isfinite(size):
