@@ -322,15 +322,16 @@ def _train_epoch(
 def _count_correct(net: nn.Module, loader: DataLoader, device: torch.device,
                    policy: PrecisionPolicy) -> tuple[int, int]:
     net.eval()
-    correct = seen = 0
+    correct = torch.zeros((), dtype=torch.int64, device=device)  # read once, not per batch
+    seen = 0
     with torch.no_grad():
         for X, y in loader:
             X, y = X.to(device), y.to(device)
             with policy.autocast():
                 logits = net(X)
-            correct += int((logits.argmax(dim=1) == y).sum())
+            correct += (logits.argmax(dim=1) == y).sum()
             seen += len(y)
-    return correct, seen
+    return int(correct), seen
 
 
 def _resume(
