@@ -168,11 +168,12 @@ def _parse_args(argv: Sequence[str] | None,
 
 def main(argv: Sequence[str] | None = None) -> TrainResult:
     """Command line: every process started by torchrun joins the group and trains its part."""
-    _parse_args(argv)  # usage errors first, also outside torchrun
-    if "RANK" not in os.environ:
+    under_torchrun = "RANK" in os.environ
+    # Usage errors first, also outside torchrun; the run itself needs the job's world size.
+    args, two_d = _parse_args(argv, int(os.environ["WORLD_SIZE"]) if under_torchrun else None)
+    if not under_torchrun:
         raise SystemExit("d2lgpu.model_parallel_train splits a model over processes: start it "
                          f"with torchrun, e.g. `{_COMMAND.replace('=N', '=4')} --dp 2 --tp 2`")
-    args, two_d = _parse_args(argv, int(os.environ["WORLD_SIZE"]))
     with process_group(timeout_s=args.timeout) as ctx:
         if reason := fsdp2_unavailable_reason(ctx.device.type):
             raise RuntimeError(reason)
