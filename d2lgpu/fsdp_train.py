@@ -21,15 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from d2lgpu.precision import PRECISIONS, precision_policy
-from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag
-from d2lgpu.runtime.config import small_data
-from d2lgpu.runtime.distributed import DistContext, add_job_flags, process_group
-from d2lgpu.sharding import (
+from d2lgpu.runtime.checkpoints import (
     CheckpointError,
-    FSDPResult,
-    FSDPRun,
-    MLPShape,
-    TrainPlan,
     check_resumable,
     latest_checkpoint,
     load_checkpoint,
@@ -37,6 +30,10 @@ from d2lgpu.sharding import (
     read_checkpoint_extra,
     save_checkpoint,
 )
+from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag
+from d2lgpu.runtime.config import small_data
+from d2lgpu.runtime.distributed import DistContext, add_job_flags, process_group
+from d2lgpu.sharding import FSDPResult, FSDPRun, MLPShape, TrainPlan
 
 __all__ = ["main"]
 

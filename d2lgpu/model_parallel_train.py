@@ -19,18 +19,18 @@ from torch import nn
 
 from d2lgpu.model_parallel import ModelSpec, TrainResult, TwoDRun, check_2d
 from d2lgpu.precision import PRECISIONS, precision_policy
-from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag, seed_flag
-from d2lgpu.runtime.distributed import DistContext, add_job_flags, process_group
-from d2lgpu.sharding import (
+from d2lgpu.runtime.checkpoints import (
     CheckpointError,
     check_resumable,
-    fsdp2_unavailable_reason,
     latest_checkpoint,
     load_checkpoint,
     prepare_checkpoint_root,
     read_checkpoint_extra,
     save_checkpoint,
 )
+from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag, seed_flag
+from d2lgpu.runtime.distributed import DistContext, add_job_flags, process_group
+from d2lgpu.sharding import fsdp2_unavailable_reason
 
 __all__ = ["main"]
 

@@ -18,8 +18,9 @@ from _torchrun import CHILD_ENV, TORCHRUN
 
 from d2lgpu.model_parallel import ModelSpec, TwoDRun, max_abs_diff, train_reference
 from d2lgpu.model_parallel_train import ResumableTwoDRun
+from d2lgpu.runtime.checkpoints import CheckpointError, load_checkpoint
 from d2lgpu.runtime.distributed import find_free_port, process_group
-from d2lgpu.sharding import CheckpointError, fsdp2_unavailable_reason, load_checkpoint
+from d2lgpu.sharding import fsdp2_unavailable_reason
 
 # Each test starts processes (ranks, torchrun, scripts): `pytest` leaves them out, CI runs
 # them (pyproject.toml's "slow" marker).

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from d2lgpu.fsdp_train import ResumableFSDPRun
 from d2lgpu.memory import make_optimizer
+from d2lgpu.runtime.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
 from d2lgpu.runtime.distributed import (
     RemoteTraceback,
     find_free_port,
@@ -37,10 +38,7 @@ from d2lgpu.sharding import (
     collective_formula,
     counting_allreduce_hook,
     fsdp2_unavailable_reason,
-    latest_checkpoint,
-    load_checkpoint,
     padded_parameter_bytes,
-    save_checkpoint,
     sharding_worker,
     train_single,
 )
@@ -413,7 +411,7 @@ def _saved_checkpoint(root: Path) -> tuple[Path, nn.Module, torch.optim.Optimize
 
 
 def test_a_corrupt_shard_is_named_and_not_loaded(tmp_path):
-    from d2lgpu.sharding import CheckpointError
+    from d2lgpu.runtime.checkpoints import CheckpointError
 
     path, model, optimizer = _saved_checkpoint(tmp_path)
     assert (path / "checksums.json").exists()
@@ -442,7 +440,7 @@ def _three_checkpoints(root: Path) -> tuple[list[Path], nn.Module, torch.optim.O
     (lambda d: _flip_bytes(next(d.glob("*.distcp"))), r"\.distcp is missing, added or changed"),
 ])
 def test_a_damaged_checkpoint_names_the_file_and_the_newest_intact_one(tmp_path, damage, words):
-    from d2lgpu.sharding import CheckpointError, read_checkpoint_extra
+    from d2lgpu.runtime.checkpoints import CheckpointError, read_checkpoint_extra
 
     paths, model, optimizer = _three_checkpoints(tmp_path)
     damage(paths[2])
@@ -459,7 +457,7 @@ def test_a_damaged_checkpoint_names_the_file_and_the_newest_intact_one(tmp_path,
 
 
 def test_loading_into_a_model_of_another_shape_names_the_parameter_and_both_shapes(tmp_path):
-    from d2lgpu.sharding import CheckpointError
+    from d2lgpu.runtime.checkpoints import CheckpointError
 
     path, _, _ = _saved_checkpoint(tmp_path)
     wider = replace(SHAPE, hidden=SHAPE.hidden * 2).build()
@@ -470,7 +468,7 @@ def test_loading_into_a_model_of_another_shape_names_the_parameter_and_both_shap
 
 
 def test_latest_checkpoint_refuses_look_alikes_instead_of_starting_from_scratch(tmp_path):
-    from d2lgpu.sharding import CheckpointError
+    from d2lgpu.runtime.checkpoints import CheckpointError
 
     (tmp_path / "step-abc").mkdir()
     (tmp_path / "step-1.tmp").mkdir()
@@ -487,7 +485,7 @@ def test_latest_checkpoint_refuses_look_alikes_instead_of_starting_from_scratch(
 
 
 def test_a_checkpoint_without_metadata_is_an_error_not_a_fresh_start(tmp_path, one_rank):
-    from d2lgpu.sharding import CheckpointError
+    from d2lgpu.runtime.checkpoints import CheckpointError
 
     path, model, optimizer = _saved_checkpoint(tmp_path)
     (path / ".metadata").unlink()
@@ -501,7 +499,7 @@ def test_a_checkpoint_without_metadata_is_an_error_not_a_fresh_start(tmp_path, o
 
 @needs_fsdp2_on_cpu
 def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank):
-    from d2lgpu.sharding import CheckpointError
+    from d2lgpu.runtime.checkpoints import CheckpointError
 
     plan = _plan(steps=2)
     first = _resumable(plan, checkpoint_root=str(tmp_path), save_every=2).run(one_rank)
@@ -544,7 +542,7 @@ def test_nan_in_the_data_is_named_before_training():
 
 def test_checkpoint_paths_are_checked_before_training(tmp_path, capsys):
     from d2lgpu.fsdp_train import _parse_args
-    from d2lgpu.sharding import CheckpointError, prepare_checkpoint_root
+    from d2lgpu.runtime.checkpoints import CheckpointError, prepare_checkpoint_root
 
     a_file = tmp_path / "a-file"
     a_file.write_text("")
