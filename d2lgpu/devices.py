@@ -1,15 +1,17 @@
 """Naming devices: the CPU, one GPU, or all of them (chapters 1 and 3), as d2l's ``try_gpu``,
-except that :func:`try_all_gpus` returns ``[cpu]``, never ``[]``, on a machine without GPUs."""
+except that :func:`try_all_gpus` returns ``[cpu]``, never ``[]``, on a machine without GPUs;
+and the devices a training loop is given, checked (:func:`resolve_devices`, chapter 4)."""
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
 import torch
 
-from d2lgpu.runtime.gpus import num_gpus
+from d2lgpu.runtime.gpus import num_gpus, require_cuda_device
 
-__all__ = ["cpu", "gpu", "try_gpu", "try_all_gpus"]
+__all__ = ["cpu", "gpu", "resolve_devices", "try_gpu", "try_all_gpus"]
 
 
 def _check_index(i: object) -> int:
@@ -47,5 +49,32 @@ def try_gpu(i: int = 0) -> torch.device:
 
 def try_all_gpus() -> list[torch.device]:
     """All visible GPUs, or ``[cpu]`` when none is usable (never an empty list) (chapter 1)."""
-    n = num_gpus()
-    return [torch.device("cuda", i) for i in range(n)] if n else [cpu()]
+    return [torch.device("cuda", i) for i in range(num_gpus())] or [cpu()]
+
+
+def resolve_devices(devices: torch.device | str | Sequence[torch.device | str] | None,
+                    what: str = "train") -> list[torch.device]:
+    """``devices`` as a non-empty list of distinct devices a training loop can use: None is
+    :func:`try_all_gpus`; several devices must all be GPUs, as DataParallel needs."""
+    if devices is None:
+        return try_all_gpus()
+    devices = [devices] if isinstance(devices, (str, torch.device, int)) else devices
+    if not isinstance(devices, (list, tuple)) or not devices:
+        raise TypeError(f"devices must be None (all GPUs, or the CPU), one device such as "
+                        f"'cuda:0', or a non-empty list of them, got {devices!r}")
+    for d in devices:  # torch reads an int as a GPU index; here it is more often a count or typo
+        if isinstance(d, int):
+            raise TypeError(f"devices={d!r} is an int: name the device instead, e.g. 'cuda:{d}' "
+                            f"or d2lgpu.gpu({d}) for a GPU, 'cpu' for the CPU")
+    resolved = [require_cuda_device(d, what) for d in devices]
+    types, names = [d.type for d in resolved], [str(d) for d in resolved]
+    if any(t not in ("cpu", "cuda") for t in types):
+        raise ValueError(f"{what} cannot use {names}: pass 'cpu', 'cuda', 'cuda:1', a list of "
+                         "CUDA devices, or None for all GPUs")
+    if len(resolved) > 1 and "cpu" in types:
+        raise ValueError(f"cannot train on {names}: data parallelism here needs CUDA devices "
+                         "only. Use one CPU device (devices=[d2lgpu.cpu()]), or see chapter 3 for "
+                         "splitting a batch by hand with d2lgpu.split_batch.")
+    if len(set(resolved)) < len(resolved):
+        raise ValueError(f"devices repeats a GPU: {names}")
+    return resolved

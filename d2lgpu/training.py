@@ -14,14 +14,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from d2lgpu.devices import resolve_devices
 from d2lgpu.runtime.checks import (
     check_finite_tensors,
     check_loader,
     check_positive_float,
     check_training_loss,
     find_non_finite_batch,
+    loss_diverged,
 )
-from d2lgpu.runtime.gpus import resolve_devices
 
 __all__ = [
     "History", "check_epoch_loss", "evaluate_accuracy", "init_weights", "progress_bar",
@@ -38,12 +39,10 @@ def set_seed(seed: int) -> None:
 
 def init_weights(net: nn.Module) -> None:
     """Fresh weights, as d2l's loops start (chapter 4): ``reset_parameters`` everywhere (batch
-    norm's statistics too), Xavier-uniform conv and linear weights, zero biases."""
+    norm's running statistics too), Xavier-uniform conv and linear weights, zero biases."""
     for module in net.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
-        if isinstance(module, nn.modules.batchnorm._NormBase):
-            module.reset_running_stats()
         if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             nn.init.xavier_uniform_(module.weight)
             if module.bias is not None:
@@ -138,16 +137,13 @@ def progress_bar(show: bool, total: int | None, desc: str) -> tqdm:
 def check_epoch_loss(loss: float, epoch: int, steps: int | None, lr: float, first_loss: float,
                      train_iter: Iterable, advice: str = "") -> None:
     """Stop a diverged run (chapter 4), blaming the data when a batch holds NaN or inf."""
-    when = f"epoch {epoch + 1}"
-    if steps is not None:
-        when += f" (steps {epoch * steps + 1}-{(epoch + 1) * steps})"
-    try:
-        check_training_loss(loss, when=when, lr=lr, first_loss=first_loss, advice=advice)
-    except FloatingPointError as error:
+    when = f"epoch {epoch + 1}" + (f" (steps {epoch * steps + 1}-{(epoch + 1) * steps})"
+                                   if steps is not None else "")
+    if loss_diverged(loss, first_loss):
         found = find_non_finite_batch("train_iter", train_iter)
         if found is not None:
-            raise ValueError(found) from error
-        raise
+            raise ValueError(found)
+    check_training_loss(loss, when=when, lr=lr, first_loss=first_loss, advice=advice)
 
 
 def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,
@@ -157,6 +153,7 @@ def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs:
     (else the CPU), one device or a list (``nn.DataParallel``); ``init=False`` keeps weights."""
     check_positive_float("lr", lr)
     check_loader("train_iter", train_iter)
+    check_loader("test_iter", test_iter)
     devices = resolve_devices(devices)
     start_run(net, seed, init)
     net.to(devices[0])

@@ -109,7 +109,7 @@ def test_loaders_and_batches():
 
 def test_the_shared_loss_check_stops_nan_inf_and_blow_ups():
     check_training_loss(2.3, when="step 1", lr=0.1, first_loss=2.3)
-    check_training_loss(2.3 * DIVERGENCE_FACTOR * 0.99, when="step 9", first_loss=2.3)
+    check_training_loss(2.3 * DIVERGENCE_FACTOR * 0.99, when="step 9", lr=0.1, first_loss=2.3)
     for loss in (math.nan, math.inf):
         with pytest.raises(FloatingPointError, match=rf"loss became {loss} in step 3.*0\.5"):
             check_training_loss(loss, when="step 3", lr=0.5)

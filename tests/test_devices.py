@@ -8,8 +8,9 @@ import torch
 from _fake_cuda import CU13_ARCHS, CU126_ARCHS, fake_cuda_gpus
 
 import d2lgpu
+from d2lgpu.devices import resolve_devices
 from d2lgpu.runtime import gpus
-from d2lgpu.runtime.gpus import require_cuda_device, resolve_devices
+from d2lgpu.runtime.gpus import require_cuda_device
 
 
 def _torch_gpu_count() -> int:
@@ -107,7 +108,7 @@ def test_resolve_devices():
     assert resolve_devices([torch.device("cpu")]) == [torch.device("cpu")]
     with pytest.raises(ValueError, match="one CPU device"):
         resolve_devices(["cpu", "cpu"])
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(TypeError, match="a non-empty list"):
         resolve_devices([])
     missing = f"cuda:{d2lgpu.num_gpus()}"  # one past the last visible GPU
     with pytest.raises(RuntimeError, match=f"train was given {missing}, but "):
@@ -116,7 +117,8 @@ def test_resolve_devices():
 
 @pytest.mark.parametrize(
     "devices, error, match",
-    [("meta", ValueError, "'meta' devices"), (["cpu", "meta"], ValueError, "'meta' devices"),
+    [("meta", ValueError, r"cannot use \['meta'\]: pass 'cpu'"),
+     (["cpu", "meta"], ValueError, "cannot use .*'meta'"), ({"cpu"}, TypeError, "list of them"),
      (0, TypeError, r"devices=0 is an int.*'cuda:0'"), ([0, 1], TypeError, "an int"),
      ("nonsense", ValueError, "not a device")],
 )
@@ -152,6 +154,8 @@ def test_require_cuda_device_fills_in_the_current_gpu_and_refuses_a_missing_one(
     assert resolve_devices(["cuda", "cuda:0"]) == [torch.device("cuda", 1), torch.device("cuda", 0)]
     with pytest.raises(ValueError, match="repeats"):
         resolve_devices(["cuda", "cuda:1"])
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        resolve_devices(["cuda:0", "cpu"])
 
 
 def test_require_cuda_device_names_the_spellings_of_a_bad_device():

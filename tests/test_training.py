@@ -108,6 +108,8 @@ def test_train_names_a_loader_with_no_batches():
                        batch_size=4, drop_last=True)
     with pytest.raises(ValueError, match="train_iter is empty .*no batches"):
         train(small_cnn(), empty, test_iter, 1, 0.1, "cpu", progress=False)
+    with pytest.raises(ValueError, match="test_iter is empty .*no batches"):
+        train(small_cnn(), test_iter, empty, 1, 0.1, "cpu", progress=False)
 
 
 @pytest.mark.parametrize("fast", [False, True])

@@ -93,13 +93,10 @@ positive_number_flag = flag_type(check_positive_float, float)
 
 
 def _given(value: object) -> str:
-    """How an error shows what it was given: the type, and the value when it is short."""
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return text if value is None or isinstance(value, (bool, int, float, str)) else (
-        f"{type(value).__name__} {text}"
-    )
+    """How an error shows what it was given: the type, and the value cut to 60 characters."""
+    text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    plain = value is None or isinstance(value, (bool, int, float, str))
+    return text if plain else f"{type(value).__name__} {text}"
 
 
 def check_module(name: str, value: object):
@@ -150,17 +147,15 @@ def check_tensor(
 
 
 def _count_non_finite(tensors) -> tuple[int, int]:
-    """(NaN count, inf count) over ``tensors``, read with one host synchronisation."""
+    """(NaN count, inf count) over the tensors among ``tensors``, read with one host sync."""
     import torch
 
-    floats = [t.detach() for t in tensors if isinstance(t, torch.Tensor)
-              and (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel()]
-    if not floats:
+    counts = [torch.stack([t.isnan().sum(), t.isinf().sum()]) for t in tensors
+              if isinstance(t, torch.Tensor)]
+    if not counts:
         return 0, 0
-    counts = torch.stack([torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()])
-                          .to(floats[0].device) for t in floats]).sum(dim=0)
-    nans, infs = counts.tolist()
-    return int(nans), int(infs)
+    nans, infs = torch.stack([c.to(counts[0].device) for c in counts]).sum(dim=0).tolist()
+    return nans, infs
 
 
 def check_finite_tensors(what: str, tensors, *, fix: str = "") -> None:
@@ -230,25 +225,17 @@ def loss_diverged(loss: float, first_loss: float | None) -> bool:
     return loss > max(1.0, abs(first_loss)) * DIVERGENCE_FACTOR
 
 
-def check_training_loss(
-    loss: float, *, when: str, lr: float | None = None, first_loss: float | None = None,
-    advice: str = "",
-) -> None:
+def check_training_loss(loss: float, *, when: str, lr: float, first_loss: float | None = None,
+                        advice: str = "") -> None:
     """A FloatingPointError when a training loss breaks the divergence rule, naming
     ``when`` (``"step 12"``), the learning rate and ``advice``."""
     if not loss_diverged(loss, first_loss):
         return
-    if math.isfinite(loss):
-        what = (f"grew to {loss:.3g}, more than {DIVERGENCE_FACTOR:g} times the "
-                f"{first_loss:.3g} it started from,")
-    else:
-        what = f"became {loss}"
-    rate = f" at lr {lr:g}" if lr is not None else ""
-    smaller = f"Try a smaller lr (this run: {lr:g})" if lr is not None else "Try a smaller lr"
+    what = (f"grew to {loss:.3g}, more than {DIVERGENCE_FACTOR:g} times the {first_loss:.3g} it "
+            "started from," if math.isfinite(loss) else f"became {loss}")
     tail = f", {advice}" if advice else ""
-    raise FloatingPointError(
-        f"the training loss {what} in {when}: training diverged{rate}. {smaller}{tail}."
-    )
+    raise FloatingPointError(f"the training loss {what} in {when}: training diverged at lr "
+                             f"{lr:g}. Try a smaller lr (this run: {lr:g}){tail}.")
 
 
 def check_writable_path(name: str, value: object, *, kind: str = "file") -> Path:

@@ -6,6 +6,7 @@ peer-to-peer decision made before a job starts. Chapter 1 explains the checks.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import MutableMapping, Sequence
@@ -13,12 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from d2lgpu.runtime.checks import check_capability
-
 __all__ = [
     "P2PDecision", "apply_nccl_p2p_decision", "as_device", "build_runs_on",
     "capability_or_none", "cuda_arch_list", "cuda_usable", "gpus_without_kernels",
-    "nccl_p2p_decision", "num_gpus", "require_cuda_device", "resolve_devices",
+    "nccl_p2p_decision", "num_gpus", "require_cuda_device",
 ]
 
 
@@ -36,39 +35,20 @@ def as_device(device: torch.device | str | int) -> torch.device:
         raise ValueError(f"{device!r} is not a device PyTorch understands; {hint}") from err
 
 
-def _arch_number(entry: str) -> tuple[str, int] | None:
-    """("sm", 86) for "sm_86", ("compute", 90) for "compute_90"; "sm_90a" counts as sm_90."""
-    kind, _, number = entry.partition("_")
-    digits = "".join(ch for ch in number if ch.isdigit())
-    return (kind, int(digits)) if kind in ("sm", "compute") and digits else None
-
-
 def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
     """Whether a build with ``arch_list`` has kernels for a GPU of ``capability``: ``sm_XY``
-    runs on X.Y and later minor versions of X, PTX (``compute_XY``) on X.Y and later."""
-    major, minor = check_capability(capability)
-    mine = major * 10 + minor
-    for entry in arch_list:
-        parsed = _arch_number(str(entry))
-        if parsed is None:
-            continue
-        kind, number = parsed
-        if kind == "sm" and number // 10 == major and number % 10 <= minor:
-            return True
-        if kind == "compute" and number <= mine:
-            return True
-    return False
+    (or ``sm_XYa``) runs on X.Y and later minor versions of X, PTX (``compute_XY``) on X.Y
+    and later."""
+    mine = capability[0] * 10 + capability[1]
+    parsed = [re.fullmatch(r"(sm|compute)_(\d+)[a-z]*", str(entry)) for entry in arch_list]
+    return any(int(p[2]) <= mine and (p[1] == "compute" or int(p[2]) // 10 == capability[0])
+               for p in parsed if p)
 
 
 def cuda_arch_list() -> list[str] | None:
     """``torch.cuda.get_arch_list()``; None for a ROCm build or a build that recorded no
     list (the cases torch's own start-up check skips)."""
-    if torch.version.cuda is None:
-        return None
-    try:
-        return list(torch.cuda.get_arch_list()) or None
-    except Exception:  # noqa: BLE001 - without the list there is nothing to compare
-        return None
+    return (torch.cuda.get_arch_list() or None) if torch.version.cuda is not None else None
 
 
 def capability_or_none(index: int) -> tuple[int, int] | None:
@@ -215,67 +195,23 @@ def apply_nccl_p2p_decision(environ: MutableMapping[str, str] | None = None) -> 
 
 def require_cuda_device(device: torch.device | str | int, what: str) -> torch.device:
     """``device`` with its GPU index filled in, once it is clear that CUDA can use it here;
-    otherwise an error naming the caller (``what``) and the fix, not torch's bare "Found no
-    NVIDIA driver". A device that is not CUDA comes back unchanged."""
+    otherwise an error naming the caller (``what``) and the fix. Other devices pass as they are."""
     device = as_device(device)
     if device.type != "cuda":
         return device
     count = num_gpus()
-    if count == 0:
-        cause = ("this PyTorch is a CPU-only build" if torch.version.cuda is None
-                 else "this PyTorch has no kernels for a GPU here" if torch.cuda.is_available()
-                 else "this PyTorch finds no usable GPU")
-        raise RuntimeError(
-            f"{what} was given {device}, but this process cannot use CUDA: {cause}.\n"
-            "Run `python -m d2lgpu info` (or print(d2lgpu.diagnose_this_machine())) to see "
-            "why and how to fix it.\n"
-            "To run on the CPU instead, pass d2lgpu.try_gpu() (it is the CPU when there is no GPU)."
-        )
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= count:
-        raise RuntimeError(
-            f"{what} was given {device}, but {device} does not exist: this process sees {count} "
-            f"GPU(s), numbered 0 to {count - 1}. Run `python -m d2lgpu info` to see them."
-        )
-    return torch.device("cuda", index)
-
-
-def resolve_devices(
-    devices: torch.device | str | Sequence[torch.device | str] | None,
-    what: str = "train",
-) -> list[torch.device]:
-    """``devices`` as a non-empty list of distinct devices a training loop can use: None is
-    all GPUs (or the CPU); several devices must all be GPUs, as DataParallel needs."""
-    if devices is None:
-        count = num_gpus()
-        return [torch.device("cuda", i) for i in range(count)] if count else [torch.device("cpu")]
-    if isinstance(devices, (str, torch.device, int)):
-        devices = [devices]
-    if not isinstance(devices, (list, tuple)):
-        raise TypeError(
-            f"devices must be None (all GPUs, or the CPU), one device such as 'cuda:0', or a "
-            f"list of them, got {type(devices).__name__} {devices!r}"
-        )
-    # torch reads an int as a GPU index; here it is more often a count or a typo.
-    for d in devices:
-        if isinstance(d, int):
-            raise TypeError(f"devices={d!r} is an int: name the device instead, e.g. 'cuda:{d}' "
-                            f"or d2lgpu.gpu({d}) for a GPU, 'cpu' for the CPU")
-    resolved = [as_device(d) for d in devices]
-    if not resolved:
-        raise ValueError("devices is empty: pass None for all GPUs (or the CPU), or a device list")
-    for d in resolved:
-        if d.type not in ("cpu", "cuda"):
-            raise ValueError(f"{what} cannot use {d.type!r} devices: pass 'cpu', 'cuda', "
-                             "'cuda:1', a list of CUDA devices, or None for all GPUs")
-    resolved = [require_cuda_device(d, what) for d in resolved]
-    if len(resolved) > 1:
-        if any(d.type != "cuda" for d in resolved):
-            raise ValueError(
-                f"cannot train on {[str(d) for d in resolved]}: data parallelism here needs CUDA "
-                "devices only. Use one CPU device (devices=[d2lgpu.cpu()]), or see chapter 3 "
-                "for splitting a batch by hand with d2lgpu.split_batch."
-            )
-        if len({d.index for d in resolved}) != len(resolved):
-            raise ValueError(f"devices repeats a GPU: {[str(d) for d in resolved]}")
-    return resolved
+    index = torch.cuda.current_device() if count and device.index is None else device.index
+    if count and index < count:
+        return torch.device("cuda", index)
+    if count:
+        cause = f"{device} does not exist: this process sees {count} GPU(s), numbered from 0"
+    else:
+        cause = "this process cannot use CUDA: this PyTorch " + (
+            "is a CPU-only build" if torch.version.cuda is None
+            else "has no kernels for a GPU here" if torch.cuda.is_available()
+            else "finds no usable GPU")
+    raise RuntimeError(
+        f"{what} was given {device}, but {cause}.\nRun `python -m d2lgpu info` (or "
+        "print(d2lgpu.diagnose_this_machine())) to see why and how to fix it.\nTo run on the "
+        "CPU instead, pass d2lgpu.try_gpu() (it is the CPU when there is no GPU)."
+    )
