@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,11 +25,14 @@ from d2lgpu.runtime.checks import check_writable_path
 
 __all__ = [
     "CheckpointError",
+    "Checkpoints",
+    "Resumed",
     "check_resumable",
     "latest_checkpoint",
     "load_checkpoint",
     "prepare_checkpoint_root",
     "read_checkpoint_extra",
+    "resume_latest",
     "save_checkpoint",
 ]
 
@@ -157,13 +161,18 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Path:
     """Write model and optimizer to ``root/step-NNNNNN`` with torch.distributed.checkpoint.
 
-    A collective: every rank writes its own shards. Rank 0 adds ``extra`` (JSON) and the
-    SHA-256 of every file, and renames the temporary directory once all ranks are done, so a
-    directory named ``step-*`` is always complete.
+    A collective: every rank writes its own shards. Rank 0 adds ``extra`` (JSON; with the
+    state of ``scaler`` when it scales the loss) and the SHA-256 of every file, and renames
+    the temporary directory once all ranks are done, so a directory named ``step-*`` is always
+    complete.
     """
+    extra = dict(extra or {})
+    if scaler is not None and scaler.is_enabled():
+        extra["scaler"] = scaler.state_dict()
     root = prepare_checkpoint_root(root) if _is_main() else Path(root)
     final = root / f"{_STEP_PREFIX}{step:06d}"
     tmp = root / f".{final.name}.tmp"
@@ -176,7 +185,7 @@ def save_checkpoint(
     with _quiet_dcp():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     if _is_main():
-        (tmp / "extra.json").write_text(json.dumps({"step": step, **(extra or {})}))
+        (tmp / "extra.json").write_text(json.dumps({"step": step, **extra}))
         (tmp / _CHECKSUMS).write_text(json.dumps(_file_digests(tmp), indent=1))
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a restart
         os.replace(tmp, final)  # atomic: the name appears only when complete
@@ -219,6 +228,12 @@ def load_checkpoint(
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is no checkpoint directory: see latest_checkpoint()")
     extra = read_checkpoint_extra(path)
+    _load_verified(path, model, optimizer)
+    return extra
+
+
+def _load_verified(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint whose checksums were checked: into each rank's own shards."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     _check_checkpoint_fits(path, state["model"])
@@ -227,7 +242,80 @@ def load_checkpoint(
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    return extra
+
+
+class Resumed(NamedTuple):
+    """What :func:`resume_latest` continued from."""
+
+    step: int  # the step to continue from: 0 when there was no checkpoint yet
+    extra: dict[str, Any]  # the checkpoint's extra.json ({} when none)
+    path: Path | None
+
+
+def resume_latest(
+    root: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: dict[str, Any],
+    *,
+    end: int,
+    scaler: torch.amp.GradScaler | None = None,
+) -> Resumed:
+    """Continue from the newest checkpoint under ``root``, if there is one: refuse it when it
+    is damaged, written under settings other than ``config`` or at step ``end`` (where this
+    run ends) or later; else load model, optimizer and the state of ``scaler``, if it was
+    saved. Each file is hashed once."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return Resumed(0, {}, None)
+    extra = read_checkpoint_extra(path)  # damage named first, before the settings
+    check_resumable(extra, config, path)
+    if extra["step"] >= end:
+        raise CheckpointError(
+            f"checkpoint {path} is at step {extra['step']} and this run ends at step {end}: "
+            "nothing is left to train. Ask for more steps or epochs (they count from the start, "
+            f"not from the checkpoint); or, {_start_fresh(path.parent)}"
+        )
+    _load_verified(path, model, optimizer)
+    if scaler is not None and "scaler" in extra:
+        scaler.load_state_dict(extra["scaler"])
+    return Resumed(extra["step"], extra, path)
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """The hooks that make a training loop resumable (chapter 8's ``FSDPRun``, chapter 9's
+    ``TwoDRun``, the entry points): it continues from the newest checkpoint under ``root``
+    and saves one every ``every`` steps and after the last, recording the run's settings and
+    ``config`` (more settings, e.g. a command line's precision word); ``root`` None: neither.
+    """
+
+    root: str | None
+    every: int = 1
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+               settings: dict[str, Any], end: int) -> Resumed:
+        """Called before the first step; a bad ``root`` is refused before any training."""
+        if self.root is None:
+            return Resumed(0, {}, None)
+        prepare_checkpoint_root(self.root)
+        return resume_latest(self.root, model, optimizer, {**settings, **self.config},
+                             end=end, scaler=scaler)
+
+    def after_forward(self, step: int) -> None:
+        """Called between the forward and the backward of ``step`` (the entry points make a
+        rank fail here)."""
+
+    def after_step(self, done: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scaler: Any, settings: dict[str, Any], end: int,
+                   extra: dict[str, Any]) -> Path | None:
+        """Called after step ``done`` (counted from 1) with its loss checked: saves when one
+        is due (``extra``: the losses so far, the ranks), returning where."""
+        if self.root is None or (done % self.every and done != end):
+            return None
+        extra = {**extra, "config": {**settings, **self.config}}
+        return save_checkpoint(self.root, done, model, optimizer, extra, scaler=scaler)
 
 
 def _check_checkpoint_fits(path: Path, model_state: dict[str, Any]) -> None:
