@@ -13,14 +13,21 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
-from d2lgpu.data import DeviceLoader
 from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
 from d2lgpu.runtime import checks
 from d2lgpu.runtime.config import smoke_mode
 from d2lgpu.runtime.gpus import as_device, require_cuda_device
-from d2lgpu.training import History, check_epoch_loss, evaluate_accuracy, progress_bar, start_run
+from d2lgpu.training import (
+    History,
+    check_epoch_loss,
+    evaluate_accuracy,
+    init_weights,
+    progress_bar,
+    set_seed,
+)
 
 __all__ = [
     "TECHNIQUES", "Techniques", "compile_model", "fast_epoch", "fused_sgd_device_types",
@@ -50,9 +57,8 @@ class Techniques:
     def __post_init__(self) -> None:
         check_precision(self.precision, "Techniques.precision")
         for name in TECHNIQUES:
-            value = getattr(self, name)
-            if name != "precision" and not isinstance(value, bool):
-                raise TypeError(f"Techniques.{name} is a switch: True or False, got {value!r}")
+            if name != "precision":
+                checks.check_bool(f"Techniques.{name}", getattr(self, name))
 
     @classmethod
     def d2l_style(cls) -> Techniques:
@@ -63,13 +69,15 @@ class Techniques:
     def fast(
         cls, device: torch.device | str, *, compile: bool = False, cuda_graphs: bool = False
     ) -> Techniques:
-        """Every technique up to the fused optimizer that pays off on ``device``
-        (:func:`technique_skip_reason`), plus ``compile``/``cuda_graphs`` when asked for."""
+        """The fast path on ``device``: every technique up to the fused optimizer that pays off
+        there (:func:`technique_skip_reason` says why one does not), plus ``compile`` and
+        ``cuda_graphs`` when asked for."""
         device = as_device(device)
-        basic = TECHNIQUES[: TECHNIQUES.index("fused_optimizer") + 1]
-        pays = {name: technique_skip_reason(name, device) is None for name in basic}
-        pays["precision"] = "auto" if pays["precision"] else "fp32"
-        return cls(**pays, compile=compile, cuda_graphs=cuda_graphs)
+        auto = precision_policy(device, "auto").dtype is not None  # a fast reduced format
+        return cls(device_data=True, precision="auto" if auto else "fp32",
+                   channels_last=device.type == "cuda",
+                   fused_optimizer=device.type in fused_sgd_device_types(),
+                   compile=compile, cuda_graphs=cuda_graphs)
 
     def __str__(self) -> str:
         names = [f"precision {self.precision}" if name == "precision" else name
@@ -89,13 +97,14 @@ def technique_skip_reason(technique: str, device: torch.device | str) -> str | N
         raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
     device = as_device(device)
     on_cuda = device.type == "cuda"
-    if technique == "precision" and precision_policy(device, "auto").dtype is None:
+    # The first five: why Techniques.fast leaves one out; the last two: whether they can run.
+    if technique == "precision" and Techniques.fast(device).precision == "fp32":
         if device.type == "cpu":
             return "no native bf16 here: emulated bf16 is slower, 'auto' is fp32"
         return f"no fast reduced format on {device}: 'auto' is fp32"
-    if technique == "channels_last" and not on_cuda:
+    if technique == "channels_last" and not Techniques.fast(device).channels_last:
         return "cuDNN's Tensor Core layout; mixed results on CPUs (RESULTS.md)"
-    if technique == "fused_optimizer" and device.type not in fused_sgd_device_types():
+    if technique == "fused_optimizer" and not Techniques.fast(device).fused_optimizer:
         return f"this torch has no fused SGD for {device.type}"
     if technique == "cuda_graphs" and not on_cuda:
         return "CUDA graphs replay CUDA kernels; a CPU runs none"
@@ -144,10 +153,9 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
     checks.check_module("net", net)
     _check_techniques(techniques)
     device = as_device(device)
-    for name in ("compile", "cuda_graphs"):
-        reason = technique_skip_reason(name, device) if getattr(techniques, name) else None
-        if reason is not None:
-            raise ValueError(f"{name}=True cannot run on {device}: {reason}")
+    if techniques.cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True cannot run on {device}: CUDA graphs replay CUDA "
+                         "kernels. Switch it off, or train on a GPU")
     if techniques.compile and device.type == "cpu":
         # Inductor's C++ backend warns that it found no CUDA runtime: true, and irrelevant.
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -167,16 +175,15 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
 def fast_epoch(
     model: nn.Module, train_iter: Iterable, optimizer: torch.optim.Optimizer,
     device: torch.device, policy: PrecisionPolicy, scaler: torch.amp.GradScaler,
-    techniques: Techniques, on_batch=None,
+    techniques: Techniques, bar: tqdm,
 ) -> tuple[float, float, int, float]:
     """Chapter 4's :func:`d2lgpu.train_epoch` with the switches of ``techniques`` (chapter 7);
     each step is a ``train_step`` range in traces."""
     model.train()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    loss_read, correct_read, count, first_loss = 0.0, 0, 0, None
-    for index, batch in enumerate(train_iter):
-        X, y = checks.check_batch("train_iter", batch, index)
+    first_loss, count = None, 0
+    for X, y in train_iter:
         with torch.profiler.record_function("train_step"):
             X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if techniques.channels_last and X.dim() == 4:
@@ -191,22 +198,15 @@ def fast_epoch(
             scaler.step(optimizer)
             scaler.update()
             if techniques.no_sync:
-                step_loss = loss.detach().float()
-                loss_sum += step_loss * len(y)
+                loss_sum += loss.detach().float() * len(y)
                 correct += (y_hat.detach().argmax(dim=1) == y).sum()
-            else:  # each .item() waits until the device has finished the step
-                step_loss = loss.item()
-                loss_read += step_loss * len(y)
-                correct_read += (y_hat.argmax(dim=1) == y).sum().item()
-            first_loss = step_loss if first_loss is None else first_loss
+            else:  # d2l's loop: each .item() waits until the device has finished the step
+                loss_sum += loss.item() * len(y)
+                correct += (y_hat.argmax(dim=1) == y).sum().item()
+            first_loss = loss.detach() if first_loss is None else first_loss
             count += len(y)
-        if on_batch is not None:
-            on_batch()
-    if count == 0:
-        raise ValueError("train_iter yielded no examples: check the data loader")
-    if techniques.no_sync:
-        loss_read, correct_read = loss_sum.item(), correct.item()
-    return loss_read / count, correct_read / count, count, float(first_loss)
+        bar.update(1)
+    return loss_sum.item() / count, correct.item() / count, count, first_loss.item()
 
 
 def _check_techniques(techniques: object) -> None:
@@ -215,51 +215,28 @@ def _check_techniques(techniques: object) -> None:
                         f"got {techniques!r}")
 
 
-def _fast_loaders(
-    train_data: object, test_data: object, techniques: Techniques, device: torch.device,
-    batch_size: int, seed: int | None,
-) -> tuple[Iterable, Iterable]:
-    """DeviceLoaders on ``device`` with ``device_data`` (tensor pairs are put there now),
-    other loaders without it."""
-    loaders = []
-    for name, data, shuffle in (("train_data", train_data, True), ("test_data", test_data, False)):
-        pair = isinstance(data, (tuple, list)) and len(data) == 2 and all(
-            isinstance(t, torch.Tensor) for t in data)
-        if techniques.device_data != (pair or isinstance(data, DeviceLoader)):
+def _check_loaders(device_data: bool, train_iter: object, test_iter: object) -> None:
+    for name, loader in (("train_iter", train_iter), ("test_iter", test_iter)):
+        if device_data and isinstance(loader, torch.utils.data.DataLoader):
             raise TypeError(
-                f"{name} is a {type(data).__name__}: train_fast reads a DeviceLoader or a pair "
-                "(uint8 images, labels) with the device_data switch on, DataLoaders with it off. "
-                "Pass d2lgpu.fashion_mnist_on_device(batch_size, device) with techniques="
-                "d2lgpu.Techniques.fast(device), or DataLoaders with d2lgpu.Techniques()")
-        if not techniques.device_data:
-            loaders.append(checks.check_loader(name, data))
-        elif pair:
-            loaders.append(DeviceLoader(*data, batch_size, device=device, shuffle=shuffle,
-                                        seed=seed or 0, channels_last=techniques.channels_last))
-        elif data.device != device:
-            raise ValueError(
-                f"{name} lives on {data.device} but training runs on {device}: build the "
-                f"loader on {device} (e.g. d2lgpu.fashion_mnist_on_device(..., device))")
-        else:
-            loaders.append(data)
-    return loaders[0], loaders[1]
+                f"{name} is a DataLoader, but the device_data switch is on: pass loaders that "
+                "hold the data on the device, d2lgpu.fashion_mnist_on_device(batch_size, device), "
+                "or switch it off (e.g. techniques=d2lgpu.Techniques())")
+        checks.check_loader(name, loader)
 
 
 def train_fast(
-    net: nn.Module, train_data: object, test_data: object, num_epochs: int, lr: float,
+    net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,
     device: torch.device | str | None = None, *, techniques: Techniques | None = None,
-    batch_size: int = 256, seed: int | None = 0, precision: str | None = None,
-    progress: bool = True,
+    seed: int | None = 0, precision: str | None = None, progress: bool = True,
 ) -> History:
     """Chapter 4's :func:`d2lgpu.train` on one device (None: :func:`d2lgpu.try_gpu`) with the
     switches of ``techniques`` (None: :meth:`Techniques.fast`) (chapter 7). With ``device_data``
-    the data are :class:`d2lgpu.DeviceLoader` s or pairs (uint8 images, labels) batched by
-    ``batch_size``; ``precision`` overrides the techniques' word."""
+    the loaders hold the data on the device (:func:`d2lgpu.fashion_mnist_on_device`);
+    ``precision`` overrides the techniques' word."""
     checks.check_module("net", net)
     checks.check_positive_int("num_epochs", num_epochs)
     checks.check_positive_float("lr", lr)
-    checks.check_positive_int("batch_size", batch_size)
-    checks.check_bool("progress", progress)
     device = try_gpu() if device is None else require_cuda_device(device, "train_fast")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"train_fast cannot use {device.type!r} devices: pass 'cpu' or 'cuda:0'")
@@ -267,11 +244,12 @@ def train_fast(
     _check_techniques(techniques)
     if precision is not None:
         techniques = dataclasses.replace(techniques, precision=check_precision(precision))
-    train_iter, test_iter = _fast_loaders(train_data, test_data, techniques, device,
-                                          batch_size, seed)
-    start_run(net, seed, True)
-    if seed is not None and isinstance(train_iter, DeviceLoader):
-        train_iter.manual_seed(seed)  # its own generator: restart its shuffling too
+    _check_loaders(techniques.device_data, train_iter, test_iter)
+    if seed is not None:
+        set_seed(seed)
+        if hasattr(train_iter, "manual_seed"):  # a DeviceLoader shuffles with its own generator
+            train_iter.manual_seed(seed)
+    init_weights(net)  # fresh weights, as chapter 4's train starts
     net.to(device, memory_format=torch.channels_last if techniques.channels_last
            else torch.preserve_format)
     model = compile_model(net, techniques, device)
@@ -293,8 +271,7 @@ def train_fast(
             for epoch in range(num_epochs):
                 start = time.perf_counter()
                 loss, train_acc, count, first_loss = fast_epoch(
-                    model, train_iter, optimizer, device, policy, scaler, techniques,
-                    on_batch=lambda: bar.update(1))
+                    model, train_iter, optimizer, device, policy, scaler, techniques, bar)
                 train_seconds = time.perf_counter() - start  # fast_epoch read its sums
                 check_epoch_loss(loss, epoch, steps, lr, first_loss, train_iter, advice)
                 with torch.profiler.record_function("evaluate"), policy.autocast():
