@@ -78,15 +78,6 @@ def _md5_of_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _misnamed(path: Path, size: int, md5: str | None = None) -> RuntimeError | None:
-    """The error for another official file (same size, then MD5) under ``path``'s name."""
-    for name, (official_size, official) in FASHION_MNIST_FILES.items():
-        if name != path.name and official_size == size and (md5 or _md5_of_file(path)) == official:
-            return RuntimeError(f"{path} is not {path.name}: it is the official {name} (same "
-                                "size and MD5) under the wrong name. Put the right file there.")
-    return None
-
-
 def verify_fashion_mnist_file(path: str | Path) -> None:
     """Check one raw Fashion-MNIST file's size, and once its MD5 (a stamp in the user cache
     keyed by path, size, inode and times): an error naming the cause and the fix (chapter 3)."""
@@ -102,10 +93,13 @@ def verify_fashion_mnist_file(path: str | Path) -> None:
         raise RuntimeError(f"{path} is not a regular file (a directory, device or pipe): put the "
                            f"raw file {path.name} ({size} bytes) there, or run again")
     stat = path.stat()
-    if stat.st_size != size:
-        raise _misnamed(path, stat.st_size) or RuntimeError(
-            f"{path} is truncated or corrupt: it has {stat.st_size} of the official file's "
-            f"{size} bytes (an interrupted download or copy?). {fix}")
+    if stat.st_size != size:  # the four official sizes differ: it may be another one
+        for name, (other_size, other_md5) in FASHION_MNIST_FILES.items():
+            if other_size == stat.st_size and _md5_of_file(path) == other_md5:
+                raise RuntimeError(f"{path} is not {path.name}: it is the official {name} (same "
+                                   "size and MD5) under the wrong name. Put the right file there.")
+        raise RuntimeError(f"{path} is truncated or corrupt: it has {stat.st_size} of the official "
+                           f"file's {size} bytes (an interrupted download or copy?). {fix}")
     key = (f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|"
            f"{stat.st_dev}:{stat.st_ino}|{md5}")
     stamp = _stamp_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -113,7 +107,7 @@ def verify_fashion_mnist_file(path: str | Path) -> None:
         return
     actual = _md5_of_file(path)
     if actual != md5:
-        raise _misnamed(path, stat.st_size, actual) or RuntimeError(
+        raise RuntimeError(
             f"{path} is corrupt: its MD5 is {actual}, the official file's is {md5} (the size "
             f"is right, the content is not). {fix}")
     with contextlib.suppress(OSError):  # a read-only cache only means hashing again next time
@@ -236,6 +230,25 @@ def synthetic_regression(num_examples: int, num_features: int, noise: float = 0.
     return X, y
 
 
+def _normalization(mean: float | Sequence[float], std: float | Sequence[float],
+                   channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift), per channel, with ``x * scale + shift == (x / 255 - mean) / std``: one
+    multiply and one add per element. The statistics are checked: a NaN would spoil every batch."""
+    stats = []
+    for name, given in (("mean", mean), ("std", std)):
+        values = torch.as_tensor(given, dtype=torch.float32).reshape(1, -1, 1, 1)
+        if values.numel() not in (1, channels):
+            raise ValueError(f"{name} has {values.numel()} values, but the images have {channels} "
+                             f"channel{'s' if channels != 1 else ''}: give one value for all "
+                             "channels or one per channel")
+        if not values.isfinite().all() or (name == "std" and not (values > 0).all()):
+            rule = "finite and positive" if name == "std" else "finite"
+            raise ValueError(f"{name} must be {rule}, got {given!r}")
+        stats.append(values)
+    mean_t, std_t = stats
+    return 1.0 / (255.0 * std_t), -mean_t / std_t
+
+
 class DeviceLoader:
     """Batches ``(X, y)`` cut from uint8 images that live on ``device``, normalised there to
     ``(x / 255 - mean) / std`` (chapter 7), shuffled on the device by a seeded generator."""
@@ -251,35 +264,21 @@ class DeviceLoader:
             raise ValueError(f"images must be a uint8 tensor [N, C, H, W], got {got}; d2lgpu."
                              "fashion_mnist_tensors() returns one (or add a channel with "
                              "unsqueeze(1))")
-        if (not isinstance(labels, torch.Tensor) or labels.dim() != 1
-                or labels.dtype.is_floating_point or labels.dtype == torch.bool):
+        if not (isinstance(labels, torch.Tensor) and labels.dim() == 1
+                and not labels.is_floating_point() and labels.dtype != torch.bool):
             raise ValueError("labels must be a 1-d tensor of integers, one class per image")
         if not 0 < labels.numel() == images.shape[0]:
             raise ValueError(f"{images.shape[0]} images but {labels.numel()} labels: they must "
                              "match one to one (and not be empty)")
         self.batch_size = check_positive_int("batch_size", batch_size)
-        for name, value in (("shuffle", shuffle), ("drop_last", drop_last),
-                            ("channels_last", channels_last)):
-            check_bool(name, value)
-        channels = images.shape[1]
-        mean_t, std_t = (torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in (mean, std))
-        for name, given, values in (("mean", mean, mean_t), ("std", std, std_t)):
-            if values.numel() not in (1, channels):
-                raise ValueError(f"{name} has {values.numel()} values, but the images have "
-                                 f"{channels} channel{'s' if channels != 1 else ''}: give one "
-                                 "value for all channels or one per channel")
-            if not values.isfinite().all() or (name == "std" and not (values > 0).all()):
-                rule = "finite and positive" if name == "std" else "finite"
-                raise ValueError(f"{name} must be {rule}, got {given!r}")
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.channels_last = check_bool("channels_last", channels_last)
         self.device = try_gpu() if device is None else require_cuda_device(device, "DeviceLoader")
+        scale, shift = _normalization(mean, std, images.shape[1])
+        self._scale, self._shift = scale.to(self.device), shift.to(self.device)
         self.images = images.to(self.device).contiguous()  # stays uint8 on the device
         self.labels = labels.to(self.device, torch.int64)
-        # (x / 255 - mean) / std as one multiply and one add per element.
-        self._scale = (1.0 / (255.0 * std_t)).reshape(1, -1, 1, 1).to(self.device)
-        self._shift = (-mean_t / std_t).reshape(1, -1, 1, 1).to(self.device)
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.channels_last = channels_last
         self.generator = torch.Generator(device=self.device)
         self.manual_seed(seed)
 
@@ -294,14 +293,12 @@ class DeviceLoader:
         return n - n % self.batch_size if self.drop_last else n
 
     def __len__(self) -> int:
-        return -(-self.num_examples // self.batch_size)
+        return math.ceil(self.num_examples / self.batch_size)
 
     def normalize(self, images_uint8: torch.Tensor) -> torch.Tensor:
         """uint8 images on the device -> float32 ``(x / 255 - mean) / std``."""
         X = images_uint8.to(torch.float32).mul_(self._scale).add_(self._shift)
-        if self.channels_last:
-            X = X.contiguous(memory_format=torch.channels_last)
-        return X
+        return X.contiguous(memory_format=torch.channels_last) if self.channels_last else X
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         n = self.images.shape[0]
@@ -310,11 +307,6 @@ class DeviceLoader:
         # split() only slices the index tensor: no kernel launches, no host sync.
         for idx in order[: self.num_examples].split(self.batch_size):
             yield self.normalize(self.images[idx]), self.labels[idx]
-
-    def __repr__(self) -> str:
-        return (f"DeviceLoader({self.images.shape[0]} examples {tuple(self.images.shape[1:])} "
-                f"on {self.device}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
-                f"drop_last={self.drop_last})")
 
 
 def fashion_mnist_on_device(batch_size: int, device: torch.device | str | None = None, *,

@@ -21,7 +21,6 @@ from d2lgpu.runtime.checks import (
     check_positive_float,
     check_training_loss,
     find_non_finite_batch,
-    loss_diverged,
 )
 
 __all__ = [
@@ -139,11 +138,13 @@ def check_epoch_loss(loss: float, epoch: int, steps: int | None, lr: float, firs
     """Stop a diverged run (chapter 4), blaming the data when a batch holds NaN or inf."""
     when = f"epoch {epoch + 1}" + (f" (steps {epoch * steps + 1}-{(epoch + 1) * steps})"
                                    if steps is not None else "")
-    if loss_diverged(loss, first_loss):
+    try:
+        check_training_loss(loss, when=when, lr=lr, first_loss=first_loss, advice=advice)
+    except FloatingPointError as error:
         found = find_non_finite_batch("train_iter", train_iter)
         if found is not None:
-            raise ValueError(found)
-    check_training_loss(loss, when=when, lr=lr, first_loss=first_loss, advice=advice)
+            raise ValueError(found) from error
+        raise
 
 
 def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,

@@ -242,36 +242,26 @@ def check_writable_path(name: str, value: object, *, kind: str = "file") -> Path
     """``value`` as a Path where a ``kind`` ("file" or "directory") can be written, checked
     before any work (nothing is created): not under /proc, /sys or /dev, no file in the way,
     a writable nearest parent."""
-    if value is None or isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path (str or pathlib.Path), got {_given(value)}")
-    if isinstance(value, str) and not value.strip():
-        raise ValueError(f"{name} is an empty string: pass a path")
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise TypeError(f"{name} must be a path (a non-empty str or a pathlib.Path), got "
+                        f"{_given(value)}")
     path = Path(value).expanduser()
     absolute = path.absolute()
-    for root in ("/proc", "/sys", "/dev"):
-        if absolute == Path(root) or Path(root) in absolute.parents:
-            raise ValueError(
-                f"{name}={str(value)!r} is under {root}, a system file system that holds no "
-                "ordinary files: choose a path in your home, working or temporary directory"
-            )
-    if path.exists():
-        if kind == "file" and path.is_dir():
-            raise ValueError(f"{name}={str(value)!r} is a directory: name a file in it")
-        if kind == "directory" and not path.is_dir():
-            raise ValueError(f"{name}={str(value)!r} is a file, not a directory: "
-                             "name a directory (it is created when missing)")
-    existing = absolute if path.exists() else absolute.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir() and existing != absolute:
-        raise ValueError(
-            f"{name}={str(value)!r} cannot be created: {existing} is a regular file, not a "
-            "directory. Choose another path, or move that file away"
-        )
-    target = absolute if path.exists() else existing
-    if not os.access(target, os.W_OK):
-        raise PermissionError(
-            f"{name}={str(value)!r} cannot be written: {target} is not writable by this "
-            "user. Choose a path in a directory you can write to"
-        )
+    for system in ("/proc", "/sys", "/dev"):
+        if absolute.is_relative_to(system):
+            raise ValueError(f"{name}={str(value)!r} is under {system}, a system file system that "
+                             "holds no ordinary files: choose a path in your home, working or "
+                             "temporary directory")
+    if kind == "file" and path.is_dir():
+        raise ValueError(f"{name}={str(value)!r} is a directory: name a file in it")
+    if kind == "directory" and path.exists() and not path.is_dir():
+        raise ValueError(f"{name}={str(value)!r} is a file, not a directory: name a directory "
+                         "(it is created when missing)")
+    existing = next(p for p in (absolute, *absolute.parents) if p.exists())
+    if existing != absolute and not existing.is_dir():
+        raise ValueError(f"{name}={str(value)!r} cannot be created: {existing} is a regular file, "
+                         "not a directory. Choose another path, or move that file away")
+    if not os.access(existing, os.W_OK):
+        raise PermissionError(f"{name}={str(value)!r} cannot be written: {existing} is not "
+                              "writable by this user. Choose a directory you can write to")
     return path
