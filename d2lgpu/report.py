@@ -49,10 +49,10 @@ def print_setup() -> None:
     import d2lgpu
     from d2lgpu.runtime.config import workload
 
-    mode = {"quick": "quick mode", "cpu": "CPU mode", "full": "full mode"}[workload()]
+    usable = num_gpus()  # one look at the GPUs, for every line below
+    mode = {"quick": "quick mode", "cpu": "CPU mode", "full": "full mode"}[workload(usable > 0)]
     lines = [f"d2lgpu {d2lgpu.__version__}, torch {torch.__version__}, "
              f"Python {platform.python_version()}"]
-    usable = num_gpus()
     if usable:
         lines.append(f"{usable} CUDA GPU{'s' if usable > 1 else ''} here: the chapters run on "
                      f"them, in {mode}.")
@@ -69,7 +69,7 @@ def print_setup() -> None:
                else "CUDA finds no usable GPU")
         lines += [f"{head}: everything runs on the CPU, in {mode}; {why}.",
                   "  Why, and how to get a GPU: `python -m d2lgpu info` (chapter 1)."]
-    lines.append(describe_mode())
+    lines.append(describe_mode(usable > 0))
     print("\n".join(lines))
 
 
@@ -192,6 +192,25 @@ def _arch_missing(index: int, capability: tuple[int, int], arch_list: Sequence[s
     )
 
 
+#: The two problems whose words need no facts: a CPU-only torch, and no NVIDIA driver.
+_CPU_BUILD = CudaProblem(
+    "cpu_build", "this torch is a CPU-only build (torch.version.cuda is None): it cannot use a "
+    "GPU even if one is present.",
+    "install a CUDA build of torch (on Linux PyPI's default is one): `pip uninstall -y torch "
+    "torchvision`, then `pip install torch torchvision --index-url https://download.pytorch.org/"
+    "whl/cu126` (https://pytorch.org/get-started/locally/ names the CUDA versions), then restart "
+    "the Python process or kernel.",
+)
+_NO_DRIVER = CudaProblem(
+    "no_driver", "no NVIDIA driver was found (NVML cannot load and /proc/driver/nvidia is "
+    "missing): this machine, VM or container has no usable NVIDIA GPU.",
+    "on Colab: Runtime > Change runtime type > choose a GPU (e.g. T4), then rerun. On Kaggle: "
+    "Settings > Accelerator > GPU (e.g. 'GPU T4 x2'; needs a phone-verified account). Locally: "
+    "install the NVIDIA driver (check with `nvidia-smi`); in a container, start it with GPUs "
+    "passed through (e.g. `docker run --gpus all`, which needs the NVIDIA Container Toolkit).",
+)
+
+
 def diagnose_cuda(
     *, cuda_build: str | None, visible_devices_env: str | None, driver_found: bool,
     device_count: int, physical_gpu_count: int | None = None,
@@ -207,27 +226,8 @@ def diagnose_cuda(
         return CudaDiagnosis(not arch_problems, device_count, tuple(arch_problems + env_problems))
 
     # Most fundamental first: the build, then the driver, then the variable.
-    problems = []
-    if cuda_build is None:
-        problems.append(CudaProblem(
-            "cpu_build", "this torch is a CPU-only build (torch.version.cuda is None): it cannot "
-            "use a GPU even if one is present.",
-            "install a CUDA build of torch (on Linux PyPI's default is one): `pip uninstall -y "
-            "torch torchvision`, then `pip install torch torchvision --index-url https://"
-            "download.pytorch.org/whl/cu126` (https://pytorch.org/get-started/locally/ names the "
-            "CUDA versions), then restart the Python process or kernel.",
-        ))
-    if not driver_found:
-        problems.append(CudaProblem(
-            "no_driver",
-            "no NVIDIA driver was found (NVML cannot load and /proc/driver/nvidia is "
-            "missing): this machine, VM or container has no usable NVIDIA GPU.",
-            "on Colab: Runtime > Change runtime type > choose a GPU (e.g. T4), then rerun. "
-            "On Kaggle: Settings > Accelerator > GPU (e.g. 'GPU T4 x2'; needs a phone-verified "
-            "account). Locally: install the NVIDIA driver (check with `nvidia-smi`); in a "
-            "container, start it with GPUs passed through (e.g. `docker run --gpus all`, which "
-            "needs the NVIDIA Container Toolkit).",
-        ))
+    problems = [_CPU_BUILD] if cuda_build is None else []
+    problems += [] if driver_found else [_NO_DRIVER]
     problems += env_problems
     driver, build = _version_tuple(driver_cuda_version), _version_tuple(cuda_build)
     if not problems and driver and build and driver < build:

@@ -23,7 +23,7 @@ def _summary(monkeypatch, capsys, gpus, cuda_build="12.4", listed=None, workload
                         lambda: len(gpus) if listed is None else listed)
     monkeypatch.setattr(report.torch.cuda, "get_device_name", lambda i: gpus[i][0])
     monkeypatch.setattr(report.torch.cuda, "get_device_capability", lambda i: gpus[i][1])
-    monkeypatch.setattr(config, "workload", lambda: workload)
+    monkeypatch.setattr(config, "workload", lambda cuda=None: workload)
     print_setup()
     return capsys.readouterr().out.splitlines()
 

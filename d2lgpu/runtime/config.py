@@ -73,13 +73,14 @@ def _cuda_usable() -> bool:
     return cuda_usable()
 
 
-def workload() -> Workload:
-    """The workload this process runs: ``"quick"``, ``"cpu"`` or ``"full"``."""
+def workload(cuda: bool | None = None) -> Workload:
+    """The workload this process runs: ``"quick"``, ``"cpu"`` or ``"full"``; ``cuda``: whether
+    CUDA is usable, where the caller has read it already."""
     if quick_mode():
         return "quick"
     if _env_flag(FULL_ENV) or smoke_mode():
         return "full"
-    return "full" if _cuda_usable() else "cpu"
+    return "full" if (_cuda_usable() if cuda is None else cuda) else "cpu"
 
 
 _SAME_AS_FULL = object()
@@ -129,9 +130,10 @@ def data_root() -> Path:
     return default_cache_dir() / "data"
 
 
-def describe_mode() -> str:
-    """One line saying which workload this process runs, for notebooks to print."""
-    chosen = workload()
+def describe_mode(cuda: bool | None = None) -> str:
+    """One line saying which workload this process runs, for notebooks to print (``cuda`` as
+    for :func:`workload`)."""
+    chosen = workload(cuda)
     if chosen == "quick":
         return (f"quick mode ({QUICK_ENV}=1): tiny data, few steps; numbers are for checking, "
                 "not for quoting")
@@ -141,6 +143,6 @@ def describe_mode() -> str:
     if smoke_mode():
         return (f"smoke mode ({SMOKE_ENV}=1): full mode's code path with the work cut to a few "
                 "steps; the numbers are for checking that it runs")
-    if _cuda_usable():
+    if _cuda_usable() if cuda is None else cuda:
         return "full mode: real data sizes and epochs"
     return f"full mode on a CPU ({FULL_ENV}=1): real data sizes and epochs, expect hours"
