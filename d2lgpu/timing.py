@@ -90,30 +90,23 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def timing_device(device: DeviceLike) -> torch.device | None:
-    """The device a timer waits on, checked: a CPU, a CUDA GPU or Apple's MPS (None: whatever
-    the timed function uses)."""
+    """The device a timer waits on, checked: the CPU or a CUDA GPU (None: whatever the timed
+    function uses)."""
     if device is None:
         return None
     dev = require_cuda_device(device, "timing")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError("'mps' was asked for, but Apple's MPS backend is not available")
-    if dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"cannot time work on a {dev.type!r} device: only 'cpu', 'cuda' and "
-                         "'mps' are supported")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"cannot time work on a {dev.type!r} device: pass 'cpu' or a CUDA GPU")
     return dev
 
 
 def synchronize(device: torch.device | None) -> None:
     """Wait until all work queued on ``device`` has finished; None waits for the current CUDA
     device (waiting for every GPU would create a CUDA context on each)."""
-    if device is None:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
+    elif device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def timed_calls(fn: Callable[[], object], device: torch.device | None, repeats: int) -> Timing:
