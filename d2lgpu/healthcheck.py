@@ -17,8 +17,14 @@ import torch
 import torch.distributed as dist
 
 from d2lgpu.report import nccl_version
-from d2lgpu.runtime.checks import positive_number_flag
-from d2lgpu.runtime.distributed import DistContext, end_process, mark_progress, process_group
+from d2lgpu.runtime.cli import add_job_flags
+from d2lgpu.runtime.distributed import (
+    DistContext,
+    all_reduce_sum,
+    end_process,
+    mark_progress,
+    process_group,
+)
 
 __all__ = ["health_check", "main"]
 
@@ -33,10 +39,8 @@ def health_check(ctx: DistContext) -> tuple[bool, list[str]]:
     """Run the checks in the current process group; every rank gets the same (all OK?,
     report lines), so that every rank exits with the same status."""
     expected = ctx.world_size * (ctx.world_size + 1) / 2
-    mark_progress("health check: all_reduce")
-    total = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    got = total.item()
+    got = all_reduce_sum([ctx.rank + 1], ctx)[0]
+    mark_progress("health check: barrier")
     dist.barrier()
     mine = {"rank": ctx.rank, "local_rank": ctx.local_rank, "host": socket.gethostname(),
             "pid": os.getpid(), "device": _device_name(ctx.device), "all_reduce": got}
@@ -63,8 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line for torchrun; returns the exit status (0 healthy, 1 not)."""
     parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m d2lgpu.healthcheck",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--timeout", type=positive_number_flag, default=60.0,
-                        help="seconds to wait for the other ranks (default %(default)s)")
+    add_job_flags(parser, data=False, timeout_s=60.0)
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "?")
     try:

@@ -1,4 +1,4 @@
-"""d2lgpu.ddp_train without a process group: settings, snapshots and the command line.
+"""d2lgpu.ddp_train without a process group: settings, checkpoints and the command line.
 
 All in this process on small synthetic tensors (seconds in all); the
 multi-process runs are in test_distributed.py.
@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 
 import pytest
 import torch
 
 from d2lgpu import ddp_train
-from d2lgpu.ddp_train import DDPConfig, SnapshotError, main, read_snapshot, train_ddp
-from d2lgpu.training import History
+from d2lgpu.ddp_train import DDPConfig, main, train_ddp
+from d2lgpu.runtime.checkpoints import CheckpointError, latest_checkpoint, read_checkpoint_extra
 
-COMMON = dict(batch_size=32, lr=0.1, model="small_cnn", seed=0, quick=True, log=False)
+COMMON = dict(batch_size=32, lr=0.1, model="small_cnn", seed=0, log=False)
 
 
 def _images(n_train: int = 64, n_test: int = 32):
@@ -39,7 +38,6 @@ def _images(n_train: int = 64, n_test: int = 32):
         ({"seed": -5}, "seed"),
         ({"seed": 1.5}, "seed"),
         ({"epochs": 0}, "epochs"),
-        ({"fail_after_epoch": 0}, "fail_after_epoch"),
     ],
 )
 def test_bad_settings_are_refused_by_name(change, name):
@@ -59,6 +57,8 @@ def test_bad_settings_are_refused_by_name(change, name):
         (["--timeout", "0"], "--timeout"),
         (["--fail-after-epoch", "0"], "--fail-after-epoch"),
         (["--precision", "half"], "--precision"),
+        (["--fail-after-epoch", "1"], "--fail-after-epoch needs --checkpoint-dir"),
+        (["--checkpoint-dir", "/proc/d2lgpu/ckpt"], "--checkpoint-dir"),
     ],
 )
 def test_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
@@ -69,7 +69,7 @@ def test_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
         main([*argv, "--data-root", str(not_a_directory)])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}:" in err and "Traceback" not in err, err
+    assert flag in err and "Traceback" not in err, err
 
 
 def test_bad_precision_is_refused_naming_the_word_to_write():
@@ -139,26 +139,6 @@ def test_low_precision_trains_under_autocast_and_fp16_scales_the_loss(
 # --- training that goes wrong -------------------------------------------------------------
 
 
-def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_snapshot(tmp_path, monkeypatch):
-    snapshot = tmp_path / "snap.pt"
-    good = _images()
-    train_ddp(DDPConfig(epochs=1, snapshot=str(snapshot), **COMMON), None, good)
-    # NaN in the data is named as such, before training: not "diverged".
-    poisoned = (good[0].float(), *good[1:])
-    poisoned[0][5, 0, 3, 3] = math.nan
-    with pytest.raises(ValueError, match=r"train images hold nan or inf"):
-        train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **COMMON), None, poisoned)
-    # A loss that stops being finite (a diverging run) stops training at that epoch.
-    class InfiniteLoss(torch.nn.CrossEntropyLoss):
-        def forward(self, logits, target):
-            return super().forward(logits, target) * math.inf
-
-    monkeypatch.setattr(ddp_train.nn, "CrossEntropyLoss", InfiniteLoss)
-    with pytest.raises(FloatingPointError, match=r"became (nan|inf) in epoch 2 \(steps 3-4\)"):
-        train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **COMMON), None, good)
-    assert read_snapshot(snapshot)["epochs_done"] == 1
-
-
 def test_a_loss_that_grows_tenfold_in_the_first_epoch_is_divergence(monkeypatch):
     # The first epoch's mean is measured against the first step's loss, not against itself:
     # a run that blows up within epoch 1 stops there, finite or not.
@@ -187,155 +167,120 @@ def test_an_empty_data_set_is_refused_before_training(which):
         train_ddp(DDPConfig(epochs=1, **COMMON), None, (x_train, y_train, x_test, y_test))
 
 
-# --- snapshots ----------------------------------------------------------------------------
+def test_nan_in_the_data_is_named_before_training():
+    x_train, *rest = _images()
+    x_train = x_train.float()
+    x_train[5, 0, 3, 3] = math.nan
+    with pytest.raises(ValueError, match=r"train images hold nan or inf"):
+        train_ddp(DDPConfig(epochs=1, **COMMON), None, (x_train, *rest))
 
 
-@pytest.fixture(scope="module")
-def _trained_once(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trained") / "snap.pt"
-    train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
-    return path
-
-
-@pytest.fixture
-def one_epoch_snapshot(_trained_once, tmp_path):
-    """A fresh copy, per test, of a snapshot after one epoch (trained once per module)."""
-    path = tmp_path / "snap.pt"
-    shutil.copy(_trained_once, path)
-    return path
-
-
-def test_resuming_with_other_settings_is_refused_naming_each(one_epoch_snapshot):
-    path = one_epoch_snapshot
-    written = path.read_bytes()
-    changed = {**COMMON, "lr": 0.05, "batch_size": 16, "seed": 3, "quick": False,
-               "precision": "bf16"}
-    with pytest.raises(ValueError) as info:
-        train_ddp(DDPConfig(epochs=2, snapshot=str(path), **changed), None, _images())
-    message = str(info.value)
-    assert str(path) in message
-    assert "--lr 0.1 in the snapshot, 0.05 now" in message
-    assert "--batch-size 32 in the snapshot, 16 now" in message
-    assert "--seed 0 in the snapshot, 3 now" in message
-    assert "--quick in the snapshot, --full now" in message
-    assert "--precision fp32 in the snapshot, bf16 now" in message
-    assert "--model" not in message  # only the settings that differ
-    assert "another --snapshot path" in message and "delete" in message
-    assert path.read_bytes() == written  # the refused run did not touch it
-
-
-def test_fewer_epochs_than_the_snapshot_holds_is_refused(one_epoch_snapshot):
-    path = one_epoch_snapshot
-    train_ddp(DDPConfig(epochs=2, snapshot=str(path), **COMMON), None, _images())
-    with pytest.raises(ValueError, match=r"already holds 2 epochs, more than --epochs 1"):
-        train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
-
-
-def test_as_many_epochs_as_the_snapshot_holds_trains_nothing_and_says_so(
-    one_epoch_snapshot, capsys
-):
-    path = one_epoch_snapshot
-    result = train_ddp(
-        DDPConfig(epochs=1, snapshot=str(path), **{**COMMON, "log": True}), None, _images()
-    )
-    out = capsys.readouterr().out
-    assert f"{path} already holds all 1 epochs: nothing left to train" in out, out
-    assert result.resumed_from_epoch == 1 and result.num_epochs == 1
-    assert "epoch 1/1" not in out  # no epoch was trained
-    # A DDP result is a History: the epoch it did not train came back from the snapshot.
-    assert isinstance(result, History) and result.device == "cpu"
-    assert result.summary().endswith("examples/sec on cpu"), result.summary()
-
-
-def _garbage(path):
-    path.write_bytes(b"this is not a snapshot\x00\x01")
-
-
-def _empty(path):
-    path.write_bytes(b"")
-
-
-def _wrong_dict(path):
-    # Checksummed, but everything except the settings it was written with.
-    ddp_train._save_snapshot(path, {"model": {}, "optimizer": {}, "epochs_done": 1, "history": {}})
-
-
-def _unchecked(path):
-    # A plain torch.save of the right keys: an older format, or another program's file.
-    torch.save({"model": {}, "optimizer": {}, "epochs_done": 1, "history": {}, "config": {}}, path)
-
-
-def _directory(path):
-    path.mkdir()
-
-
-@pytest.mark.parametrize(
-    "make, what",
-    [
-        (_garbage, "cannot read"),
-        (_empty, "is empty"),
-        (_wrong_dict, "lacks 'config'"),
-        (_unchecked, "not a checksummed snapshot"),
-        (_directory, "is a directory"),
-    ],
-)
-def test_unusable_snapshots_name_the_file_the_problem_and_the_way_out(tmp_path, make, what):
-    path = tmp_path / "snap.pt"
-    make(path)
-    with pytest.raises(ValueError) as info:
-        train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
-    message = str(info.value)
-    assert str(path) in message and what in message, message
-    assert "--snapshot" in message, message
-
-
-def test_snapshot_errors_on_the_command_line_print_the_message_and_exit_1(tmp_path, capsys):
-    path = tmp_path / "snap.pt"
-    _garbage(path)
-    status = ddp_train.command_line(["--snapshot", str(path), "--data-root", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert status == 1
-    assert f"error: cannot read snapshot {path}" in err and "Traceback" not in err, err
-
-
-def test_a_snapshot_with_flipped_bytes_is_refused_naming_the_file(one_epoch_snapshot):
-    path = one_epoch_snapshot
-    raw = bytearray(path.read_bytes())
-    middle = len(raw) // 2
-    raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
-    path.write_bytes(bytes(raw))
-    with pytest.raises(SnapshotError) as info:
-        train_ddp(DDPConfig(epochs=2, snapshot=str(path), **COMMON), None, _images())
-    message = str(info.value)
-    assert str(path) in message and ("damaged" in message or "cannot read" in message), message
-    assert "to start fresh" in message, message
-
-
-@pytest.mark.parametrize("where", ["under_a_file", "under_proc"])
-def test_an_unwritable_snapshot_path_fails_before_training(where, tmp_path, monkeypatch):
-    def no_training(*args, **kwargs):
-        raise AssertionError("trained before checking the snapshot path")
-
-    monkeypatch.setattr(ddp_train, "build_model", no_training)
-    if where == "under_a_file":
-        (tmp_path / "file").write_text("x")
-        path, what = tmp_path / "file" / "snap.pt", "is a regular file, not a directory"
-    else:
-        path, what = "/proc/d2lgpu/snap.pt", "cannot write snapshot"
-    with pytest.raises(SnapshotError, match=what) as info:
-        train_ddp(DDPConfig(epochs=1, snapshot=str(path), **COMMON), None, _images())
-    assert str(path) in str(info.value)
-
-
-@pytest.mark.parametrize(
-    "change, name",
-    [({"snapshot": 3}, "snapshot"), ({"data_root": 1.5}, "data_root"), ({"log": "no"}, "log")],
-)
-def test_settings_of_the_wrong_type_are_refused_by_name(change, name):
-    with pytest.raises(TypeError, match=rf"^{name} must be"):
-        DDPConfig(**{**COMMON, **change})
+def test_settings_of_the_wrong_type_are_refused_by_name():
+    with pytest.raises(TypeError, match=r"^log must be"):
+        DDPConfig(**{**COMMON, "log": "no"})
 
 
 def test_train_ddp_refuses_data_that_is_not_four_tensors():
     with pytest.raises(TypeError, match="data must be a tuple of 4 tensors"):
         train_ddp(DDPConfig(**COMMON), None, [1, 2])
+
+
+# --- the command line: checkpoints and resume ---------------------------------------------
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch):
+    """Run the command line in this process (no torchrun: one process, on the CPU) on
+    synthetic images, with a checkpoint directory; returns (run, checkpoint directory)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(ddp_train, "try_gpu", lambda: torch.device("cpu"))
+    train, test = _images()[:2], _images()[2:]
+    monkeypatch.setattr("d2lgpu.data.fashion_mnist_tensors",
+                        lambda train, root, quick: train_set if train else test_set)
+    train_set, test_set = train, test
+    root = tmp_path / "ckpt"
+
+    def run(*flags, checkpoints=True):
+        argv = ["--batch-size=32", "--model=small_cnn", *flags]
+        argv += [] if "--full" in flags else ["--quick"]
+        return main(argv + ([f"--checkpoint-dir={root}"] if checkpoints else []))
+
+    return run, root
+
+
+def test_a_resumed_run_continues_exactly_as_one_without_a_crash(cli, capsys):
+    run, root = cli
+    with pytest.raises(RuntimeError, match="simulated failure of rank 0 after epoch 1"):
+        run("--epochs=2", "--fail-after-epoch=1")
+    assert latest_checkpoint(root).name == "step-000001"
+    resumed = run("--epochs=2")
+    assert f"resuming from {root / 'step-000001'} after epoch 1" in capsys.readouterr().out
+    straight = run("--epochs=2", checkpoints=False)
+    assert resumed.resumed_from_epoch == 1 and resumed.num_epochs == 2
+    assert resumed.train_loss[0] == straight.train_loss[0]  # epoch 1 came from the checkpoint
+    for name, tensor in straight.state_dict.items():
+        assert torch.allclose(resumed.state_dict[name], tensor, atol=1e-6), name
+    extra = read_checkpoint_extra(latest_checkpoint(root))
+    assert extra["step"] == 2 and extra["history"]["train_loss"] == resumed.train_loss
+
+
+def test_resuming_with_other_settings_is_refused_naming_each(cli):
+    run, root = cli
+    run("--epochs=1")
+    written = {p.name: p.read_bytes() for p in latest_checkpoint(root).iterdir()}
+    with pytest.raises(CheckpointError) as info:
+        run("--epochs=2", "--lr=0.05", "--batch-size=16", "--seed=3", "--full",
+            "--precision=bf16", "--model=resnet18")
+    message = str(info.value)
+    assert str(root) in message
+    for difference in ("--lr 0.1 in the checkpoint, 0.05 now",
+                       "--batch-size 32 in the checkpoint, 16 now",
+                       "--seed 0 in the checkpoint, 3 now",
+                       "--quick True in the checkpoint, False now",
+                       "--precision fp32 in the checkpoint, bf16 now",
+                       "--model small_cnn in the checkpoint, resnet18 now"):
+        assert difference in message, message
+    assert "--epochs" not in message  # only the settings that must match
+    assert "delete" in message and "another checkpoint directory" in message
+    assert written == {p.name: p.read_bytes() for p in latest_checkpoint(root).iterdir()}
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_no_more_epochs_than_the_checkpoint_holds_is_refused(cli, epochs):
+    run, _ = cli
+    run("--epochs=2")
+    with pytest.raises(CheckpointError, match=rf"already holds 2 epochs, and --epochs {epochs} is "
+                                              r"the total.*pass --epochs 3 or more"):
+        run(f"--epochs={epochs}")
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, monkeypatch):
+    run, root = cli
+    run("--epochs=1")
+
+    class InfiniteLoss(torch.nn.CrossEntropyLoss):
+        def forward(self, logits, target):
+            return super().forward(logits, target) * math.inf
+
+    monkeypatch.setattr(ddp_train.nn, "CrossEntropyLoss", InfiniteLoss)
+    with pytest.raises(FloatingPointError, match=r"became (nan|inf) in epoch 2 \(steps 3-4\)"):
+        run("--epochs=2")
+    assert latest_checkpoint(root).name == "step-000001"
+
+
+def test_a_damaged_checkpoint_is_refused_on_the_command_line_with_the_message_alone(
+    cli, capsys
+):
+    run, root = cli
+    run("--epochs=1")
+    shard = next(latest_checkpoint(root).glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    capsys.readouterr()
+    status = ddp_train.command_line(["--batch-size=32", "--model=small_cnn", "--quick",
+                                     "--epochs=2", f"--checkpoint-dir={root}"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert f"d2lgpu.ddp_train: error: checkpoint {root / 'step-000001'}" in err, err
+    assert "checksums" in err and "to start fresh" in err and "Traceback" not in err, err

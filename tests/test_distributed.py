@@ -18,10 +18,10 @@ from d2lgpu.ddp_train import (
     DDPConfig,
     build_model,
     ddp_worker,
-    read_snapshot,
     strip_batchnorm,
     train_ddp,
 )
+from d2lgpu.runtime.checkpoints import latest_checkpoint, read_checkpoint_extra
 from d2lgpu.runtime.distributed import (
     DistContext,
     RemoteTraceback,
@@ -111,7 +111,7 @@ def test_launch_refuses_functions_a_spawned_process_cannot_import():
         launch(faulty_worker, 0)
 
 
-# --- training in one process: snapshots and resume -------------------------------------
+# --- training in one process (resume: test_ddp_train.py) --------------------------------
 
 
 def test_strip_batchnorm_removes_every_batchnorm():
@@ -120,32 +120,6 @@ def test_strip_batchnorm_removes_every_batchnorm():
     net = strip_batchnorm(small_cnn())
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in net.modules())
     assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
-
-
-def test_resume_from_snapshot_continues_the_epoch_count(tmp_path):
-    data = _synthetic_images()
-    snapshot = tmp_path / "snap.pt"
-    common = dict(batch_size=32, lr=0.1, model="small_cnn", log=False)
-    first = train_ddp(DDPConfig(epochs=1, snapshot=str(snapshot), **common), None, data)
-    assert first.num_epochs == 1 and first.resumed_from_epoch == 0
-    saved = read_snapshot(snapshot)
-    assert saved["epochs_done"] == 1 and not snapshot.with_name("snap.pt.tmp").exists()
-
-    resumed = train_ddp(DDPConfig(epochs=2, snapshot=str(snapshot), **common), None, data)
-    straight = train_ddp(DDPConfig(epochs=2, **common), None, data)
-    assert resumed.resumed_from_epoch == 1
-    assert resumed.num_epochs == 2  # history of epoch 1 came back from the snapshot
-    assert resumed.train_loss[0] == first.train_loss[0]
-    # Interrupted + resumed training is the same computation as uninterrupted training.
-    assert _max_abs_diff(resumed.state_dict, straight.state_dict) < 1e-6
-    assert read_snapshot(snapshot)["epochs_done"] == 2
-
-    with pytest.raises(ValueError, match="--model small_cnn in the snapshot, resnet18 now"):
-        train_ddp(
-            DDPConfig(epochs=3, snapshot=str(snapshot), **{**common, "model": "resnet18"}),
-            None,
-            data,
-        )
 
 
 def test_global_batch_must_split_evenly():
@@ -237,17 +211,17 @@ def test_hogwild_refuses_mismatched_data():
 
 def test_torchrun_on_two_nodes_trains_one_job_that_only_global_rank_0_reports(tmp_path):
     # Two pretend machines (c10d rendezvous on the loopback), one process each: both
-    # processes have LOCAL_RANK 0, and only the global rank 0 may log and write the
-    # snapshot. A crash, a restart and the resume from the snapshot under torchrun are
-    # run and checked by chapter 5's notebook (section "torchrun: the same training from
-    # the command line"), which the same pytest command runs under nbval.
-    snapshot = tmp_path / "snapshot.pt"
+    # processes have LOCAL_RANK 0, and only the global rank 0 may log. A crash, a restart
+    # and the resume from the checkpoint under torchrun are run and checked by chapter 5's
+    # notebook (section "torchrun: the same training from the command line"), which the
+    # same pytest command runs under nbval.
+    checkpoints = tmp_path / "checkpoints"
     port = find_free_port()
     nodes = run_together(
         [
             two_node_torchrun(node, port)
             + ["-m", "d2lgpu.ddp_train", "--quick", "--epochs=2", "--batch-size=64",
-               f"--snapshot={snapshot}", "--timeout=60"]
+               f"--checkpoint-dir={checkpoints}", "--timeout=60"]
             for node in (0, 1)
         ],
         env=CHILD_ENV,
@@ -259,9 +233,9 @@ def test_torchrun_on_two_nodes_trains_one_job_that_only_global_rank_0_reports(tm
     # One job of two ranks (one per "node"); only global rank 0 logs.
     assert combined.count("2 ranks, backend gloo") == 1, combined[-3000:]
     assert combined.count("epoch 2/2") == 1 and combined.count("done: 2 epochs") == 1
-    saved = read_snapshot(snapshot)
-    assert saved["epochs_done"] == 2 and len(saved["history"]["train_loss"]) == 2
-    assert saved["config"]["model"] == "small_cnn"  # quick mode picks the small model
+    saved = read_checkpoint_extra(latest_checkpoint(checkpoints))
+    assert saved["step"] == 2 and len(saved["history"]["train_loss"]) == 2
+    assert saved["config"]["--model"] == "small_cnn"  # quick mode picks the small model
 
 
 # --- DataParallel against DDP: the counts and the verdicts on them ----------------------

@@ -205,11 +205,17 @@ def end_process(status: int = 0) -> NoReturn:
         os._exit(status)
 
 
-def exit_status_of(main: Callable[[], object]) -> int:
-    """Run an entry point's ``main()``: 0 when it returns, 1 (traceback printed) when it
-    raises; pass it to :func:`end_process`, so that a failed rank leaves at once."""
+def exit_status_of(
+    main: Callable[[], object], *, brief: tuple[type[Exception], ...] = ()
+) -> int:
+    """Run an entry point's ``main()``: 0 when it returns, 1 when it raises, with the traceback
+    printed (for the ``brief`` exceptions, whose message says it all, only the message); pass
+    it to :func:`end_process`, so that a failed rank leaves at once."""
     try:
         main()
+    except brief as exc:
+        print(f"{main.__module__}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except Exception:
         traceback.print_exc()
         return 1
