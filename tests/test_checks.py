@@ -66,22 +66,18 @@ def test_booleans_are_real_booleans(value):
         check_bool("shuffle", value)
 
 
-def test_tensors_are_checked_for_type_dtype_shape_and_content():
+def test_tensors_are_checked_for_type_and_dtype():
     with pytest.raises(TypeError, match=r"X must be a torch.Tensor, got None: pass a tensor"):
         check_tensor("X", None)
-    with pytest.raises(TypeError, match=r"y must be an integer tensor, got torch.float32.*long"):
-        check_tensor("y", torch.zeros(3), dtype="integer")
-    with pytest.raises(TypeError, match="floating-point"):
+    with pytest.raises(TypeError, match=r"X must be a floating-point tensor, got torch.int64"):
         check_tensor("X", torch.zeros(3, dtype=torch.int64), dtype="floating")
-    with pytest.raises(ValueError, match=r"at least 1 dimension.*shape \(\)"):
-        check_tensor("X", torch.tensor(1.0), min_ndim=1)
-    with pytest.raises(ValueError, match=r"must have 2 dimension"):
-        check_tensor("X", torch.zeros(3), ndim=2)
-    with pytest.raises(ValueError, match="is on cpu, expected meta"):
-        check_tensor("X", torch.zeros(3), device="meta")
+    assert check_tensor("y", torch.zeros(3, dtype=torch.int64)) is not None
+
+
+def test_finite_tensors_count_nan_and_inf():
     bad = torch.tensor([1.0, math.nan, math.inf, math.nan])
     with pytest.raises(ValueError, match=r"^X hold 2 NaN and 1 inf value"):
-        check_tensor("X", bad, finite=True)
+        check_finite_tensors("X", [bad])
     check_finite_tensors("ints", [torch.arange(3)])  # integers hold neither
 
 

@@ -109,40 +109,17 @@ def check_module(name: str, value: object):
     return value
 
 
-def check_tensor(
-    name: str, value: object, *, dtype: str | object | None = None, ndim: int | None = None,
-    min_ndim: int | None = None, device: object | None = None, finite: bool = False,
-):
-    """``value`` if it is a torch.Tensor as asked; else an error naming ``name``.
-
-    ``dtype``: a ``torch.dtype``, or ``"floating"`` / ``"integer"``; ``finite=True`` also
-    refuses NaN and inf (one host read: for inputs, not inside a loop).
-    """
+def check_tensor(name: str, value: object, *, dtype: str | None = None):
+    """``value`` if it is a torch.Tensor, floating-point with ``dtype="floating"``; else a
+    TypeError naming ``name`` and the fix."""
     import torch
 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {_given(value)}: pass a tensor "
                         "(torch.as_tensor converts lists and NumPy arrays)")
-    if isinstance(dtype, str):
-        floating = value.dtype.is_floating_point
-        integer = not floating and not value.dtype.is_complex and value.dtype != torch.bool
-        if (dtype == "floating" and not floating) or (dtype == "integer" and not integer):
-            kind, convert = ("a floating-point", ".float()") if dtype == "floating" else (
-                "an integer", ".long()")
-            raise TypeError(
-                f"{name} must be {kind} tensor, got {value.dtype}: convert it with {convert}"
-            )
-    elif dtype is not None and value.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {value.dtype}: convert it with .to({dtype})")
-    if ndim is not None and value.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
-    if min_ndim is not None and value.dim() < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dimension(s) (a batch dimension "
-                         f"first), got shape {tuple(value.shape)}")
-    if device is not None and value.device != torch.device(device):
-        raise ValueError(f"{name} is on {value.device}, expected {device}: move it with .to()")
-    if finite:
-        check_finite_tensors(name, [value])
+    if dtype == "floating" and not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}: convert it "
+                        "with .float()")
     return value
 
 
