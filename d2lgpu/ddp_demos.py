@@ -4,8 +4,12 @@ in bytes over the busiest GPU's link."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from d2lgpu.runtime.checks import (
@@ -17,7 +21,7 @@ from d2lgpu.runtime.checks import (
     check_tensor,
     check_training_loss,
 )
-from d2lgpu.runtime.distributed import launch, process_group
+from d2lgpu.runtime.distributed import process_group
 
 __all__ = ["busiest_gpu_bytes", "faulty_worker", "hogwild_train"]
 
@@ -55,6 +59,22 @@ def _hogwild_worker(
             optimizer.step()
 
 
+def _run_workers(fn: Callable[..., None], nprocs: int, args: tuple, timeout_s: float) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` processes. Hogwild's workers wait for no peer, so
+    torch.multiprocessing's own report of a failure (that process's traceback, or its signal)
+    says all there is; at ``timeout_s`` the workers still running are stopped."""
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    workers = mp.start_processes(fn, args, nprocs, join=False, start_method=method)
+    deadline = time.monotonic() + timeout_s
+    while not workers.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in workers.processes:
+                process.kill()
+            raise TimeoutError(f"hogwild_train's {nprocs} processes did not finish within "
+                               f"timeout_s={timeout_s:g} s and were stopped: pass a larger "
+                               "timeout_s, or fewer epochs")
+
+
 def hogwild_train(
     model: nn.Module, features: torch.Tensor, targets: torch.Tensor, nprocs: int = 2, *,
     epochs: int = 1, batch_size: int = 32, lr: float = 0.05, seed: int = 0,
@@ -81,7 +101,7 @@ def hogwild_train(
         before = nn.functional.mse_loss(model(features), targets).item()
     model.share_memory()
     args = (model, features, targets, nprocs, epochs, batch_size, lr, seed)
-    launch(_hogwild_worker, nprocs, args, timeout_s=timeout_s)
+    _run_workers(_hogwild_worker, nprocs, args, timeout_s)
     # The ranks' steps race: the loss over all the data, before and after, is what is judged.
     with torch.no_grad():
         after = nn.functional.mse_loss(model(features), targets).item()

@@ -117,3 +117,21 @@ def claim_rank(rank: int, ranks: list[int], world_size: int, master_port: int) -
     """Process ``rank`` joins the group as rank ``ranks[rank]``: two processes may claim one."""
     with process_group(ranks[rank], world_size, master_port=master_port, timeout_s=5):
         pass
+
+
+class FailsInAWorker(torch.nn.Linear):
+    """A layer that works in the parent process; in a Hogwild worker it raises, or with
+    ``hang=True`` never returns."""
+
+    def __init__(self, *args, hang: bool = False) -> None:
+        super().__init__(*args)
+        self.hang = hang
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:
+            if self.hang:
+                time.sleep(3600)
+            raise ValueError("failed in a worker (raised on purpose)")
+        return super().forward(x)

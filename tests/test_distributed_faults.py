@@ -20,6 +20,7 @@ import _fault_workers as workers
 import pytest
 import torch
 
+from d2lgpu import ddp_demos
 from d2lgpu.ddp_demos import hogwild_train
 from d2lgpu.runtime import distributed
 from d2lgpu.runtime.distributed import (
@@ -464,11 +465,11 @@ def test_hogwild_refuses_bad_input_naming_it(args, error, match):
 def test_hogwild_that_diverges_raises_instead_of_returning_exploded_weights(monkeypatch):
     # The ranks run one after the other in this process: the check after training is
     # what is tested, not the processes (test_distributed.py starts real ones).
-    def in_process(fn, nprocs, args, **_):
+    def in_process(fn, nprocs, args, timeout_s):
         for rank in range(nprocs):
             fn(rank, *args)
 
-    monkeypatch.setattr(distributed, "launch", in_process)
+    monkeypatch.setattr(ddp_demos, "_run_workers", in_process)
     gen = torch.Generator().manual_seed(0)
     X = torch.randn(64, 2, generator=gen)
     y = X @ torch.tensor([[2.0], [-3.0]])
@@ -479,6 +480,20 @@ def test_hogwild_that_diverges_raises_instead_of_returning_exploded_weights(monk
         hogwild_train(torch.nn.Linear(2, 1), X, y, lr=1.2, epochs=2, batch_size=64)
     model = hogwild_train(torch.nn.Linear(2, 1), X, y, lr=0.1, epochs=10, batch_size=8)  # sane
     assert torch.allclose(model.weight.detach(), torch.tensor([[2.0, -3.0]]), atol=0.1)
+
+
+def test_a_failing_hogwild_worker_is_reported_with_its_traceback():
+    with pytest.raises(Exception, match=r"(?s)Process \d terminated.*failed in a worker"):
+        hogwild_train(workers.FailsInAWorker(2, 1), torch.zeros(8, 2), torch.zeros(8, 1),
+                      timeout_s=120)
+
+
+def test_hogwild_workers_still_running_at_the_timeout_are_stopped_and_named():
+    model = workers.FailsInAWorker(2, 1, hang=True)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"2 processes did not finish within timeout_s=3 s"):
+        hogwild_train(model, torch.zeros(8, 2), torch.zeros(8, 1), timeout_s=3)
+    assert time.monotonic() - started < 60
 
 
 def test_exit_status_of_is_0_after_a_return_and_1_after_a_raise_with_the_traceback(capsys):
