@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from d2lgpu.runtime.checks import check_positive_int, check_warmup_repeats
-from d2lgpu.timing import DeviceLike, Timing, gbps, synchronize, time_fn, timing_device
+from d2lgpu.timing import (
+    DeviceLike,
+    Timing,
+    gbps,
+    synchronize,
+    time_fn,
+    timed_calls,
+    timing_device,
+)
 
 __all__ = [
     "ElementwiseRow", "TransferRow", "FUSED_TENSOR_PASSES", "MULTIPLY_ADD_HEADERS",
@@ -43,13 +51,17 @@ def time_naive(fn: Callable[[], object], device: DeviceLike = None, *, warmup: i
     dev = timing_device(device)
     for _ in range(warmup):
         fn()
+    return _naive_calls(fn, dev, repeats)
+
+
+def _naive_calls(fn: Callable[[], object], device: torch.device | None, repeats: int) -> Timing:
     times = []
     for _ in range(repeats):
-        synchronize(dev)  # start from an idle device so earlier work does not leak in
+        synchronize(device)  # start from an idle device so earlier work does not leak in
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)  # no synchronisation: the mistake
-    synchronize(dev)
+    synchronize(device)
     return Timing(tuple(times))
 
 
@@ -390,9 +402,9 @@ def compare_timers(fn: Callable[[], object], device: DeviceLike, *, warmup: int 
     for _ in range(warmup):
         fn()
     naive, synced = [], []
-    for _ in range(repeats):
-        naive += time_naive(fn, dev, warmup=0, repeats=1).times
-        synced += time_fn(fn, dev, warmup=0, repeats=1).times
+    for _ in range(repeats):  # the device was checked once, above
+        naive += _naive_calls(fn, dev, 1).times
+        synced += timed_calls(fn, dev, 1).times
     return TimerComparison(str(dev), Timing(tuple(naive)), Timing(tuple(synced)))
 
 
@@ -551,7 +563,7 @@ def interleaved_times(loops: Mapping[str, Callable[[], object]], device: DeviceL
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             before = _minor_page_faults()
-            seconds[name] += time_fn(loops[name], dev, warmup=0, repeats=1).times
+            seconds[name] += timed_calls(loops[name], dev, 1).times  # dev checked above
             after = _minor_page_faults()
             if before is not None and after is not None:
                 faults[name].append(after - before)

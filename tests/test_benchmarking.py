@@ -391,3 +391,14 @@ def test_compile_or_reason_refuses_a_silent_fallback() -> None:
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             compiled(x, x, x)
     torch._dynamo.reset()
+
+
+def test_compare_timers_checks_the_device_once_not_on_every_repeat(monkeypatch):
+    import d2lgpu.benchmarking as bm
+
+    checked = []
+    real = bm.timing_device
+    monkeypatch.setattr(bm, "timing_device", lambda device: checked.append(device) or real(device))
+    timers = bm.compare_timers(lambda: None, "cpu", warmup=1, repeats=4)
+    assert checked == ["cpu"]
+    assert len(timers.naive.times) == len(timers.synchronised.times) == 4
