@@ -68,13 +68,11 @@ def resolve_devices(devices: torch.device | str | Sequence[torch.device | str] |
                             f"or d2lgpu.gpu({d}) for a GPU, 'cpu' for the CPU")
     resolved = [require_cuda_device(d, what) for d in devices]
     types, names = [d.type for d in resolved], [str(d) for d in resolved]
-    if any(t not in ("cpu", "cuda") for t in types):
-        raise ValueError(f"{what} cannot use {names}: pass 'cpu', 'cuda', 'cuda:1', a list of "
-                         "CUDA devices, or None for all GPUs")
-    if len(resolved) > 1 and "cpu" in types:
-        raise ValueError(f"cannot train on {names}: data parallelism here needs CUDA devices "
-                         "only. Use one CPU device (devices=[d2lgpu.cpu()]), or see chapter 3 for "
-                         "splitting a batch by hand with d2lgpu.split_batch.")
+    if types != ["cpu"] and set(types) != {"cuda"}:
+        raise ValueError(f"{what} cannot use {names}: it runs on one CPU device ('cpu') or on "
+                         "CUDA devices only ('cuda:1', a list of them, or None for all GPUs), as "
+                         "DataParallel needs. To split a batch by hand, see chapter 3's "
+                         "d2lgpu.split_batch.")
     if len(set(resolved)) < len(resolved):
         raise ValueError(f"devices repeats a GPU: {names}")
     return resolved
