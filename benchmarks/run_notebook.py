@@ -11,19 +11,66 @@ cell fails, so the error can be read in the notebook.
 from __future__ import annotations
 
 import argparse
+import html
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
 import nbclient
 import nbformat
+from tqdm.std import Bar
 
 # tqdm.auto draws a widget bar where ipywidgets is installed (a learner's JupyterLab with the
-# course extra) and a text bar where it is not, warning once. The committed outputs keep the
-# text bars, which show the final count on GitHub; the warning is about this machine. Only
-# cells whose output nbval ignores lose it: a checked cell must show what CI's run shows.
+# course extra, Colab, Kaggle) and a text bar on stderr where it is not, warning once. Run
+# with ipywidgets (the course extra), the committed notebook keeps the widgets' final state
+# (nbclient's store_widget_state), so JupyterLab redraws each bar as it ended; readers that
+# draw no widgets (GitHub) show the output's text/plain, which final_bar_text sets to the
+# bar's last frame instead of the 0 % frame it was displayed with. Without ipywidgets only
+# ignored cells lose the warning: a checked cell must show what CI's run shows.
 _WIDGET_WARNING = ("TqdmWarning: IProgress not found",
                    "from .autonotebook import tqdm as notebook_tqdm")
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+_WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def final_bar_text(hbox: str, states: dict) -> str | None:
+    """The text a finished tqdm widget bar shows: its left label, the bar drawn as tqdm draws
+    it on a terminal, and its right label (tqdm.notebook splits the same frame into three
+    widgets). None when the model is not tqdm's three-part box."""
+    children = states.get(hbox, {}).get("state", {}).get("children", [])
+    parts = [states.get(child.removeprefix("IPY_MODEL_"), {}) for child in children]
+    if [p.get("model_name") for p in parts] != ["HTMLModel", "FloatProgressModel", "HTMLModel"]:
+        return None
+    left, progress, right = (p["state"] for p in parts)
+    def text(label):
+        return html.unescape(label.get("value", "")).replace("\u2007", " ")
+    if not text(left):  # a bar_format without {bar}, e.g. "{desc}: {elapsed}"
+        return text(right)
+    fraction = progress["value"] / progress["max"] if progress.get("max") else 0.0
+    return f"{text(left)}|{Bar(min(max(fraction, 0.0), 1.0), 10)}|{text(right)}"
+
+
+def finish_widget_bars(nb) -> None:
+    """Give every stored widget bar its final frame as text/plain; drop the output of a bar
+    whose state is gone (closed with leave=False: JupyterLab shows nothing there)."""
+    states = nb.metadata.get("widgets", {}).get(_WIDGET_STATE, {}).get("state", {})
+    for cell in nb.cells:
+        kept = []
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(_WIDGET_VIEW)
+            if view is None:
+                kept.append(output)
+                continue
+            box = states.get(view["model_id"], {}).get("state", {})
+            layout = states.get(box.get("layout", "").removeprefix("IPY_MODEL_"), {})
+            if not box or layout.get("state", {}).get("visibility") == "hidden":
+                continue
+            final = final_bar_text(view["model_id"], states)
+            if final is not None:
+                output["data"]["text/plain"] = final
+            kept.append(output)
+        cell["outputs"] = kept
 
 
 def drop_widget_warning(cell) -> None:
@@ -99,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                      "notebooks/01_cuda_checks.ipynb")
     if args.timeout < 1:
         parser.error(f"--timeout must be >= 1 second, got {args.timeout}")
+    if importlib.util.find_spec("ipywidgets") is None:
+        print("note: ipywidgets is not installed, so the progress bars are committed as text "
+              "on stderr; install the course extra for widget bars", file=sys.stderr)
     nb = nbformat.read(args.notebook, as_version=4)
+    nb.metadata.pop("widgets", None)  # the last run's; this run stores its own
     client = nbclient.NotebookClient(
         nb, timeout=args.timeout, kernel_name="python3",
         resources={"metadata": {"path": str(args.notebook.parent)}},
@@ -116,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 cell.outputs, cell.execution_count = [], None
             drop_widget_warning(cell)
             keep_last_frame(cell)
+        finish_widget_bars(nb)
         nbformat.write(nb, args.notebook)
     print(f"executed {args.notebook} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

@@ -61,3 +61,56 @@ def test_a_text_bar_keeps_only_its_last_frame():
                        {"output_type": "stream", "name": "stderr", "text": "\rbar 2/2\n"}]
     run_notebook.keep_last_frame(cell)
     assert [o["text"] for o in cell["outputs"]] == ["start\n", "bar 2/2\n"]
+
+
+def _widget_bar_notebook(left: str, value: float, total: float, right: str, hidden=False):
+    """A notebook holding one tqdm widget bar as nbclient stores it: a display of an HBox
+    whose final state (an HTML label, a FloatProgress, an HTML label) sits in the metadata."""
+    import nbformat
+
+    states = {
+        "box": {"model_name": "HBoxModel", "state": {
+            "children": ["IPY_MODEL_left", "IPY_MODEL_bar", "IPY_MODEL_right"],
+            "layout": "IPY_MODEL_layout"}},
+        "layout": {"model_name": "LayoutModel",
+                   "state": {"visibility": "hidden" if hidden else None}},
+        "left": {"model_name": "HTMLModel", "state": {"value": left}},
+        "bar": {"model_name": "FloatProgressModel", "state": {"value": value, "max": total}},
+        "right": {"model_name": "HTMLModel", "state": {"value": right}},
+    }
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": states}}
+    nb.cells = [nbformat.v4.new_code_cell("for _ in tqdm(range(20)): ...")]
+    nb.cells[0].outputs = [nbformat.v4.new_output(
+        "display_data", data={"text/plain": "study runs:   0%|          | 0/20 [00:00<?, ?it/s]",
+                              "application/vnd.jupyter.widget-view+json": {"model_id": "box"}})]
+    return nb
+
+
+def test_a_widget_bar_is_committed_with_its_last_frame_as_text():
+    # tqdm.notebook writes spaces as U+2007 and escapes HTML; the text is the terminal's bar.
+    nb = _widget_bar_notebook("study\u2007runs:\u2007100%", 20.0, 20.0,
+                              "\u200720/20\u2007[00:49&lt;00:00,\u2007\u20072.48s/it]")
+    run_notebook.finish_widget_bars(nb)
+    assert nb.cells[0].outputs[0]["data"]["text/plain"] == (
+        "study runs: 100%|██████████| 20/20 [00:49<00:00,  2.48s/it]")
+    # A bar stopped part way (an error) shows where it stopped.
+    nb = _widget_bar_notebook("broken:\u2007\u200740%", 4.0, 10.0, "\u20074/10")
+    run_notebook.finish_widget_bars(nb)
+    assert nb.cells[0].outputs[0]["data"]["text/plain"] == "broken:  40%|████      | 4/10"
+    # A bar_format without {bar} (elapsed_bar's) has only its right-hand label.
+    nb = _widget_bar_notebook("", 0.0, 1.0, "torchrun,\u20072\u2007ranks:\u200700:13")
+    run_notebook.finish_widget_bars(nb)
+    assert nb.cells[0].outputs[0]["data"]["text/plain"] == "torchrun, 2 ranks: 00:13"
+
+
+def test_a_closed_widget_bar_leaves_no_output():
+    # leave=False hides the bar when it ends (JupyterLab draws nothing there) ...
+    nb = _widget_bar_notebook("x:\u2007100%", 1.0, 1.0, "\u20071/1", hidden=True)
+    run_notebook.finish_widget_bars(nb)
+    assert nb.cells[0].outputs == []
+    # ... and a bar whose state was not stored would show its 0 % frame forever.
+    nb = _widget_bar_notebook("x:\u2007100%", 1.0, 1.0, "\u20071/1")
+    nb.metadata["widgets"] = {}
+    run_notebook.finish_widget_bars(nb)
+    assert nb.cells[0].outputs == []
