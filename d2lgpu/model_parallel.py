@@ -22,7 +22,7 @@ from d2lgpu.models import MLPBlock
 from d2lgpu.profiling import idle_gaps
 from d2lgpu.runtime.checks import check_positive_int, check_training_loss
 from d2lgpu.runtime.distributed import DistContext, mark_progress
-from d2lgpu.sharding import CollectiveCounter, CommStats
+from d2lgpu.sharding import CollectiveCounter, CommStats, full_cpu_state
 from d2lgpu.timing import synchronize
 
 #: Pipeline schedules by name: (class in torch.distributed.pipelining, stages per rank).
@@ -555,14 +555,6 @@ def tp_plan(spec: ModelSpec, sequence_parallel: bool = False) -> dict[str, Any]:
     return plan
 
 
-def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gathered whole (a collective: every rank calls it)."""
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-            for k, v in model.state_dict().items()}
-
-
 def _local_bytes(tensors) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -619,14 +611,15 @@ class TensorParallelRun:
                 loss = loss.detach().clone()
                 dist.all_reduce(loss)
             losses.append(loss.item())
-        return TrainResult(_full_state(model), losses, {"comm": comm})
+        return TrainResult(full_cpu_state(model), losses, {"comm": comm})
 
 
 @dataclass(frozen=True)
 class TwoDRun:
     """FSDP2 over ``dp`` and tensor parallel over ``tp`` of ``mesh_shape = (dp, tp)``, the batch
     split over ``dp`` (chapter 9); ``extra["bytes_per_rank"]``: each rank's parameter and
-    optimizer bytes. ``checkpoints``: the entry point's hooks to resume and save."""
+    optimizer bytes. The blocks compute in ``param_dtype`` (None: fp32; fp16 scales the loss);
+    ``hooks`` resume and save, e.g. :class:`d2lgpu.runtime.checkpoints.Checkpoints`."""
 
     spec: ModelSpec = ModelSpec()
     mesh_shape: tuple[int, int] = (2, 2)
@@ -636,12 +629,22 @@ class TwoDRun:
     lr: float = 0.05
     seed: int = 0
     param_dtype: torch.dtype | None = None
+    hooks: Any = None
 
-    def run(self, ctx: DistContext, checkpoints: Any = None) -> TrainResult:
-        return _train_2d(self, ctx, checkpoints)
+    def run(self, ctx: DistContext) -> TrainResult:
+        return _train_2d(self, ctx)
+
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint of this run records and a resumed run must repeat, by name."""
+        spec = self.spec
+        return {"model (kind, width, hidden, depth, heads, norm)":
+                [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
+                "global batch size": self.batch_size, "sequence length": self.seq_len,
+                "learning rate": self.lr, "optimizer": "sgd, momentum 0.9", "seed": self.seed,
+                "compute dtype": str(self.param_dtype or torch.float32).removeprefix("torch.")}
 
 
-def _train_2d(run: TwoDRun, ctx: DistContext, checkpoints: Any) -> TrainResult:
+def _train_2d(run: TwoDRun, ctx: DistContext) -> TrainResult:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -659,17 +662,18 @@ def _train_2d(run: TwoDRun, ctx: DistContext, checkpoints: Any) -> TrainResult:
     opt = _optimizer(model.parameters(), run.lr)
     # fp16: the scaler agrees over all ranks whether any gradient overflowed.
     scaler = ShardedGradScaler(ctx.device.type, enabled=run.param_dtype == torch.float16)
-    start, losses = 0, []
-    if checkpoints is not None:
-        start, losses = checkpoints.resume(model, opt, scaler, ctx)
+    hooks, start, losses = run.hooks, 0, []
+    if hooks:
+        resumed = hooks.resume(model, opt, scaler, run.settings(), run.steps)
+        start, losses = resumed.step, list(resumed.extra.get("losses", []))
     dp_rank, local = mesh["dp"].get_local_rank(), run.batch_size // dp
     rows = slice(dp_rank * local, (dp_rank + 1) * local)  # this dp group's share of a batch
     for step in range(start, run.steps):
         mark_progress(f"step {step + 1}")
         X, Y = run.spec.data(run.batch_size, run.seq_len, step, run.seed, ctx.device)
         loss = F.mse_loss(model(X[rows]).float(), Y[rows])
-        if checkpoints is not None:
-            checkpoints.after_forward(step, ctx)
+        if hooks:
+            hooks.after_forward(step)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -681,15 +685,16 @@ def _train_2d(run: TwoDRun, ctx: DistContext, checkpoints: Any) -> TrainResult:
         check_training_loss(losses[-1], when=f"step {step + 1}", lr=run.lr,
                             first_loss=losses[0] if len(losses) > 1 else None,
                             advice=f"try {run.lr / 10:g}")
-        if checkpoints is not None:
-            checkpoints.after_step(step + 1, model, opt, scaler, losses, ctx)
+        if hooks:
+            hooks.after_step(step + 1, model, opt, scaler, run.settings(), run.steps,
+                             {"losses": losses, "mesh": [dp, tp]})
     sizes: list[Any] = [None] * ctx.world_size
     optim = (v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     dist.all_gather_object(sizes, (_local_bytes(model.parameters()), _local_bytes(optim)))
     # Gathering a tensor split over both dimensions takes two all-gathers, and torch >= 2.10
     # warns about it on every rank; for one gather at the end that is fine.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    return TrainResult(_full_state(model), losses, {"bytes_per_rank": sizes})
+    return TrainResult(full_cpu_state(model), losses, {"bytes_per_rank": sizes})
 
 
 def check_2d(spec: ModelSpec, mesh_shape: Sequence[int], world_size: int,

@@ -12,24 +12,22 @@ import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from d2lgpu.model_parallel import ModelSpec, TrainResult, TwoDRun, check_2d
 from d2lgpu.precision import PRECISIONS, precision_policy
-from d2lgpu.runtime.checkpoints import (
-    CheckpointError,
-    check_resumable,
-    latest_checkpoint,
-    load_checkpoint,
-    prepare_checkpoint_root,
-    read_checkpoint_extra,
-    save_checkpoint,
+from d2lgpu.runtime.checkpoints import Checkpoints, Resumed
+from d2lgpu.runtime.cli import (
+    add_job_flags,
+    add_training_flags,
+    check_checkpoint_flags,
+    positive_int_flag,
 )
-from d2lgpu.runtime.checks import positive_int_flag, positive_number_flag, seed_flag
-from d2lgpu.runtime.distributed import DistContext, add_job_flags, process_group
+from d2lgpu.runtime.distributed import process_group
 from d2lgpu.sharding import fsdp2_unavailable_reason
 
 __all__ = ["main"]
@@ -37,71 +35,39 @@ __all__ = ["main"]
 _COMMAND = "torchrun --standalone --nproc_per_node=N -m d2lgpu.model_parallel_train"
 
 
-@dataclass(frozen=True)
-class ResumableTwoDRun:
-    """A :class:`TwoDRun` that writes a distributed checkpoint to ``checkpoint_root`` every
-    ``save_every`` steps and after the last, and resumes from the latest one there."""
+@dataclass
+class EntryHooks(Checkpoints):
+    """:class:`Checkpoints` as the command line trains on the mesh ``mesh_shape``: it says
+    where it resumed from and when it saved, and kills the last rank (SIGKILL, as the
+    out-of-memory killer does) after the forward of step ``kill_at_step`` (from 0), while the
+    others wait for it."""
 
-    two_d: TwoDRun
-    checkpoint_root: str
-    save_every: int
-    precision: str = "fp32"  # the policy's name for it: recorded and checked
-    #: The last rank is killed (SIGKILL, as the out-of-memory killer does) after the forward
-    #: of step ``kill_at_step`` (from 0), while the others wait for it.
+    mesh_shape: tuple[int, int] = (1, 1)
     kill_at_step: int | None = None
 
-    def run(self, ctx: DistContext) -> TrainResult:
-        return self.two_d.run(ctx, self)
-
-    def _config(self) -> dict[str, Any]:
-        """The settings a resumed run must repeat, by the words that name them."""
-        run, spec = self.two_d, self.two_d.spec
-        return {"model (kind, width, hidden, depth, heads, norm)":
-                [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
-                "global batch size": run.batch_size, "sequence length": run.seq_len,
-                "learning rate": run.lr, "optimizer": "sgd, momentum 0.9", "seed": run.seed,
-                "precision": self.precision}
-
-    def resume(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
-               ctx: DistContext) -> tuple[int, list[float]]:
-        """Load the latest checkpoint, if there is one: (its step, the losses so far)."""
-        path = latest_checkpoint(self.checkpoint_root)
-        if path is None:
-            return 0, []
-        extra = read_checkpoint_extra(path)  # damage named first, before the settings
-        check_resumable(extra, self._config(), path)
-        if extra["step"] >= self.two_d.steps:
-            raise CheckpointError(
-                f"checkpoint {path} is at step {extra['step']} and this run ends at step "
-                f"{self.two_d.steps}: ask for more steps (counted from the start), or delete "
-                f"{path.parent} or pass another checkpoint directory to start fresh")
-        load_checkpoint(path, model, opt)
-        if "scaler" in extra:
-            scaler.load_state_dict(extra["scaler"])
-        if ctx.is_main:
-            print(f"resuming from {path} (step {extra['step']})", flush=True)
-            if (saved := tuple(extra["mesh"])) != self.two_d.mesh_shape:
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
+               settings: dict, end: int) -> Resumed:
+        resumed = super().resume(model, optimizer, scaler, settings, end)
+        if resumed.path is not None and dist.get_rank() == 0:
+            print(f"resuming from {resumed.path} (step {resumed.step})", flush=True)
+            if (saved := tuple(resumed.extra["mesh"])) != self.mesh_shape:
                 print(f"the checkpoint was written on a mesh (dp, tp) = {saved}, this run has "
-                      f"{self.two_d.mesh_shape}: each rank reads its own pieces", flush=True)
-        return extra["step"], list(extra["losses"])
+                      f"{self.mesh_shape}: each rank reads its own pieces", flush=True)
+        return resumed
 
-    def after_forward(self, step: int, ctx: DistContext) -> None:
-        if (ctx.world_size - 1, self.kill_at_step) == (ctx.rank, step):
-            print(f"rank {ctx.rank} is killed (SIGKILL) in step {step + 1}, after its "
-                  "forward; the others wait for it in backward", flush=True)
+    def after_forward(self, step: int) -> None:
+        rank = dist.get_rank()
+        if (dist.get_world_size() - 1, self.kill_at_step) == (rank, step):
+            print(f"rank {rank} is killed (SIGKILL) in step {step + 1}, after its forward; the "
+                  "others wait for it in backward", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def after_step(self, done: int, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any,
-                   losses: list[float], ctx: DistContext) -> None:
-        if done % self.save_every and done != self.two_d.steps:
-            return
-        extra = {"losses": losses, "mesh": list(self.two_d.mesh_shape), "config": self._config()}
-        if scaler.is_enabled():
-            extra["scaler"] = scaler.state_dict()
-        path = save_checkpoint(self.checkpoint_root, done, model, opt, extra)
-        if ctx.is_main:
-            print(f"step {done}/{self.two_d.steps}: loss {losses[-1]:.4f}; saved {path}",
-                  flush=True)
+    def after_step(self, done: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scaler, settings: dict, end: int, extra: dict) -> Path | None:
+        path = super().after_step(done, model, optimizer, scaler, settings, end, extra)
+        if path is not None and dist.get_rank() == 0:
+            print(f"step {done}/{end}: loss {extra['losses'][-1]:.4f}; saved {path}", flush=True)
+        return path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,13 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--hidden", type=positive_int_flag, default=ModelSpec.hidden, help="MLP hidden units")
     add("--depth", type=positive_int_flag, default=ModelSpec.depth)
     add("--heads", type=positive_int_flag, default=ModelSpec.heads)
-    add("--batch-size", type=positive_int_flag, default=16, help="split over the dp groups")
     add("--seq-len", type=positive_int_flag, default=16)
-    add("--lr", type=positive_number_flag, default=0.05, help="SGD's learning rate (momentum 0.9)")
-    add("--seed", type=seed_flag, default=0)
-    add("--precision", choices=PRECISIONS, default="auto", help="bf16/fp16: FSDP2 computes in "
-        "it, reducing gradients in fp32; auto: the device's fast format (default %(default)s)")
-    add("--checkpoint-dir", help="resume from its latest checkpoint; save every --save-every steps")
+    add_training_flags(parser, batch_size=16, lr=0.05, seed=0, precisions=PRECISIONS,
+                       precision="auto", lr_help="SGD's learning rate (momentum 0.9)",
+                       checkpoint_help="resume from its latest checkpoint; save every "
+                       "--save-every steps")
     add_job_flags(parser, data=False,
                   crash_point="this epoch's checkpoint (an epoch here is --save-every steps)")
     return parser
@@ -143,17 +107,11 @@ def _parse_args(argv: Sequence[str] | None,
     """The flags, and (given the job's ``world_size``) the checked run they describe."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.fail_after_epoch is not None and args.checkpoint_dir is None:
-        parser.error("--fail-after-epoch needs --checkpoint-dir, to resume from after the crash")
+    check_checkpoint_flags(parser, args)  # before any work: not after the first checkpoint's
     try:
         spec = ModelSpec(args.width, args.hidden, args.depth, args.kind, args.heads)
     except ValueError as exc:  # e.g. a width that does not split into the heads
         parser.error(f"{exc} (--width, --heads)")
-    if args.checkpoint_dir is not None:
-        try:  # before any work: not after the first checkpoint's
-            prepare_checkpoint_root(args.checkpoint_dir)
-        except (CheckpointError, TypeError) as exc:  # TypeError: an empty path
-            parser.error(f"argument --checkpoint-dir: {exc}")
     if world_size is None:
         return args, None
     mesh = _mesh(args, world_size)
@@ -178,13 +136,15 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
         if reason := fsdp2_unavailable_reason(ctx.device.type):
             raise RuntimeError(reason)
         policy = precision_policy(ctx.device, args.precision)
-        two_d = job = replace(two_d, param_dtype=policy.dtype)
+        two_d = replace(two_d, param_dtype=policy.dtype)
         if args.checkpoint_dir is not None:
             # A crash on the first attempt only: a restarted job (torchrun counts them) runs on.
             crash = args.fail_after_epoch is not None and os.environ.get(
                 "TORCHELASTIC_RESTART_COUNT", "0") == "0"
-            job = ResumableTwoDRun(two_d, args.checkpoint_dir, args.save_every, policy.name,
-                                   args.fail_after_epoch * args.save_every if crash else None)
+            hooks = EntryHooks(args.checkpoint_dir, args.save_every, {"precision": policy.name},
+                               two_d.mesh_shape,
+                               args.fail_after_epoch * args.save_every if crash else None)
+            two_d = replace(two_d, hooks=hooks)
         if ctx.is_main:
             params = sum(p.numel() for p in two_d.spec.build().parameters())
             print(f"{ctx.world_size} ranks, backend {ctx.backend}; mesh (dp, tp) = "
@@ -192,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> TrainResult:
                   f"parameters; precision {policy.name}; global batch {two_d.batch_size} x "
                   f"{two_d.seq_len} positions, {two_d.steps} steps", flush=True)
         with policy.matmul_precision():  # TF32 on or off
-            result = job.run(ctx)
+            result = two_d.run(ctx)
         if ctx.is_main:
             print(f"done: {two_d.steps} steps, final loss {result.losses[-1]:.4f}", flush=True)
         return result

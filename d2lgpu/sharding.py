@@ -1,13 +1,12 @@
-"""Sharded data parallelism with FSDP2 (``fully_shard``): every rank keeps 1/N of the model,
-counts the collectives it issues, and writes distributed checkpoints (chapter 8)."""
+"""Sharded data parallelism with FSDP2 (``fully_shard``): every rank keeps 1/N of the model
+and counts the collectives it issues (chapter 8)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Iterable, Sequence
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -23,11 +22,6 @@ from torch.utils._pytree import tree_flatten
 
 from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
 from d2lgpu.models import MLPBlock, residual_mlp
-from d2lgpu.precision import check_precision, precision_policy
-from d2lgpu.runtime.checkpoints import (
-    prepare_checkpoint_root,
-    save_checkpoint,
-)
 from d2lgpu.runtime.checks import (
     check_bool,
     check_finite_tensors,
@@ -80,8 +74,7 @@ class MLPShape:
 @dataclass(frozen=True)
 class TrainPlan:
     """A training run fixed down to the last example, so that runs on any number of ranks can
-    be compared number for number (chapter 8): rank ``r`` of ``W`` takes the ``r``-th of ``W``
-    equal slices of each global batch."""
+    be compared number for number: rank r of W takes slice r of W of each batch (chapter 8)."""
 
     shape: MLPShape
     images: torch.Tensor
@@ -119,32 +112,28 @@ class TrainPlan:
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The examples of step ``step``: the same whatever the number of ranks."""
         epoch, position = divmod(step, self.steps_per_epoch)
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(len(self.labels), generator=gen)
-        else:
-            order = torch.arange(len(self.labels))
-        idx = order[(position * self.batch_size + torch.arange(self.batch_size)) % len(order)]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        n = len(self.labels)
+        order = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
+        idx = order[(position * self.batch_size + torch.arange(self.batch_size)) % n]
         return _as_float(self.images[idx]), self.labels[idx]
 
     def local_batch(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.batch_size % world:
             raise ValueError(f"the global batch of {self.batch_size} does not split evenly over "
                              f"{world} ranks: use a multiple of {world}")
-        X, y = self.global_batch(step)
-        local = self.batch_size // world
-        return X[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+        X, y = self.global_batch(step)  # equal slices: the check above
+        return X.chunk(world)[rank], y.chunk(world)[rank]
 
 
 def _as_float(images: torch.Tensor) -> torch.Tensor:
     return images.float() / 255 if images.dtype == torch.uint8 else images.float()
 
 
-def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full model state on the CPU; a collective under FSDP (every rank must call it)."""
-    state = model.state_dict()
-    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-    return {k: v.detach().float().cpu().clone() for k, v in full.items()}
+def full_cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full model state on the CPU: a collective for DTensors (every rank must call it)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu().clone()
+            for k, v in model.state_dict().items()}
 
 
 @dataclass
@@ -171,20 +160,21 @@ def train_single(plan: TrainPlan, device: torch.device | str = "cpu") -> SingleR
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         _check_loss(losses, plan)
-    return SingleResult(losses, _cpu_state(model))
+    return SingleResult(losses, full_cpu_state(model))
 
 
-def _shard_model(model: nn.Module, mesh: Any, reshard_after_forward: bool,
-                 param_dtype: torch.dtype | None) -> nn.Module:
-    """``fully_shard`` every MLPBlock, then the root (bottom-up, as FSDP2 requires): one
-    all-gather and one reduce-scatter per block; a 16-bit ``param_dtype`` reduces in fp32."""
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if param_dtype is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype, reduce_dtype=torch.float32)
-    for module in model.modules():
-        if isinstance(module, MLPBlock):
-            fully_shard(module, **kwargs)
-    return fully_shard(model, **kwargs)
+def _shard_model(run: FSDPRun, ctx: DistContext) -> nn.Module:
+    """The run's model, ``fully_shard`` on every MLPBlock, then on the root (bottom-up, as FSDP2
+    requires): one all-gather and one reduce-scatter per block; a 16-bit ``param_dtype``
+    reduces in fp32."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    policy = MixedPrecisionPolicy(run.param_dtype, reduce_dtype=torch.float32)
+    model = run.plan.shape.build(run.plan.seed)
+    blocks = [module for module in model.modules() if isinstance(module, MLPBlock)]
+    for module in (*blocks, model):
+        fully_shard(module, mesh=mesh, reshard_after_forward=run.reshard_after_forward,
+                    mp_policy=policy)
+    return model
 
 
 @dataclass(frozen=True)
@@ -233,11 +223,10 @@ class CommStats:
     nbytes: int = 0
     dtypes: set[str] = field(default_factory=set)
 
-    def add(self, nbytes: int, dtype: torch.dtype | None = None) -> None:
+    def add(self, nbytes: int, dtype: torch.dtype) -> None:
         self.calls += 1
         self.nbytes += nbytes
-        if dtype is not None:
-            self.dtypes.add(str(dtype).removeprefix("torch."))
+        self.dtypes.add(str(dtype).removeprefix("torch."))
 
 
 def _payload(args: tuple[Any, ...]) -> tuple[int, torch.dtype | None]:
@@ -270,7 +259,7 @@ class CollectiveCounter(TorchDispatchMode):
 def collective_formula(model: nn.Module, world_size: int, *, reshard_after_forward: bool,
                        param_dtype: torch.dtype | None = None) -> dict[str, int]:
     """Predicted payload bytes of one FSDP2 step, at the padded size: all-gathers before forward
-    and (resharded) before backward, in ``param_dtype``; one fp32 reduce-scatter."""
+    and (resharded) before backward, in ``param_dtype``; one fp32 reduce-scatter (chapter 8)."""
     padded = padded_parameter_bytes(model, world_size)
     gathers = 2 if reshard_after_forward else 1
     gather_bytes = padded // 2 if param_dtype in (torch.float16, torch.bfloat16) else padded
@@ -296,26 +285,33 @@ counting_allreduce_hook.__annotations__.update(
 
 @dataclass(frozen=True)
 class FSDPRun:
-    """One run of :func:`train_fsdp`: the plan, how to shard, when to checkpoint (chapter 8)."""
+    """One run of :func:`train_fsdp`: the plan, how to shard, the dtype the layers compute in
+    (None: fp32), and ``hooks`` to resume and save, e.g. ``Checkpoints`` (chapter 8)."""
 
     plan: TrainPlan
     reshard_after_forward: bool = True
-    precision: str = "fp32"  # a word of d2lgpu.precision.PRECISIONS
-    checkpoint_root: str | None = None
-    save_every: int | None = None
-
-    def run(self, ctx: DistContext, hooks: Any = None) -> FSDPResult:
-        return train_fsdp(self, ctx, hooks)
+    param_dtype: torch.dtype | None = None
+    hooks: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, TrainPlan):
             raise TypeError(f"plan must be a TrainPlan, got {type(self.plan).__name__}")
         check_bool("reshard_after_forward", self.reshard_after_forward)
-        check_precision(self.precision)
-        if self.save_every is not None:
-            check_positive_int("save_every", self.save_every)
-            if self.checkpoint_root is None:
-                raise ValueError("save_every needs checkpoint_root, the directory to write to")
+        if self.param_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError("param_dtype must be torch.bfloat16, torch.float16 or None (fp32), "
+                             f"got {self.param_dtype!r}")
+
+    def run(self, ctx: DistContext) -> FSDPResult:
+        return train_fsdp(self, ctx)
+
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint of this run records and a resumed run must repeat, by name."""
+        plan = self.plan
+        return {"model shape (width, hidden, depth, in, classes)": list(astuple(plan.shape)),
+                "global batch size": plan.batch_size, "learning rate": plan.lr,
+                "optimizer": plan.optimizer, "seed": plan.seed, "shuffle": plan.shuffle,
+                "training examples": len(plan.labels),
+                "compute dtype": _dtype_name(self.param_dtype)}
 
 
 @dataclass
@@ -340,7 +336,6 @@ class FSDPResult:
     parameter_bytes: list[int]
     optimizer_bytes: list[int]
     watch: list[StepWatch]  # the last step
-    comm_formula: dict[str, int]
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -348,32 +343,28 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                scaler: ShardedGradScaler | None, X: torch.Tensor, y: torch.Tensor,
-                watch: StepWatch | None, after_forward: Callable[[], None] | None) -> torch.Tensor:
+                scaler: ShardedGradScaler, X: torch.Tensor, y: torch.Tensor,
+                watch: StepWatch | None, hooks: Any, step: int) -> torch.Tensor:
     """One optimizer step; a watched step counts its collectives and measures memory into
     ``watch``."""
-    on_cuda = X.device.type == "cuda"
-    if watch is not None and on_cuda:
+    if watch is not None and X.is_cuda:
         torch.cuda.reset_peak_memory_stats(X.device)
     with CollectiveCounter() if watch is not None else contextlib.nullcontext() as counter:
         out = model(X)  # in the dtype the layers computed in
-        if watch is not None:
-            full = [p for p in model.parameters() if not isinstance(p, DTensor)]
-            watch.held_after_forward = storage_bytes(full)
-        if after_forward is not None:
-            after_forward()
+        if watch is not None:  # the parameters not resharded after forward are plain tensors
+            watch.held_after_forward = storage_bytes(
+                p for p in model.parameters() if not isinstance(p, DTensor))
+        if hooks:
+            hooks.after_forward(step)
         loss = nn.functional.cross_entropy(out.float(), y)
-        (loss if scaler is None else scaler.scale(loss)).backward()
+        scaler.scale(loss).backward()  # the loss itself unless fp16 scales it
     if watch is not None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         watch.comm, watch.gradient_bytes = counter.stats, _local_bytes(grads)
         watch.compute_dtype, watch.grad_dtype = _dtype_name(out.dtype), _dtype_name(grads[0].dtype)
-        watch.cuda_peak = torch.cuda.max_memory_allocated(X.device) if on_cuda else None
-    if scaler is None:
-        optimizer.step()
-    else:  # skips the step where a gradient overflowed, on every rank alike
-        scaler.step(optimizer)
-        scaler.update()
+        watch.cuda_peak = torch.cuda.max_memory_allocated(X.device) if X.is_cuda else None
+    scaler.step(optimizer)  # fp16: skips a step where a gradient overflowed, on every rank
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
 
@@ -385,47 +376,36 @@ def _check_loss(losses: list[float], plan: TrainPlan) -> None:
                         advice=f"e.g. {plan.lr / 10:g}; stopped before writing a checkpoint")
 
 
-def train_fsdp(run: FSDPRun, ctx: DistContext, hooks: Any = None) -> FSDPResult:
+def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     """Train ``run.plan`` with FSDP2 over the ranks of ``ctx``; every rank calls it. The same
-    seed builds the same model on every rank; ``fully_shard`` keeps each rank's slice.
-    ``hooks``: the entry point's resume, log and failure (:mod:`d2lgpu.fsdp_train`)."""
-    plan = run.plan
-    if run.checkpoint_root is not None:
-        prepare_checkpoint_root(run.checkpoint_root)  # before any training
-    policy = precision_policy(ctx.device, run.precision)
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    model = _shard_model(plan.shape.build(plan.seed), mesh, run.reshard_after_forward,
-                         policy.dtype)
+    seed builds the same model on every rank; ``fully_shard`` keeps each rank's slice."""
+    plan, hooks = run.plan, run.hooks
+    model = _shard_model(run, ctx)
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
     # fp16 needs loss scaling (chapter 6); the sharded scaler agrees on overflows over ranks.
-    scaler = ShardedGradScaler(ctx.device.type) if policy.use_scaler else None
-    start, losses = hooks.resume(model, optimizer, ctx) if hooks else (0, [])
+    scaler = ShardedGradScaler(ctx.device.type, enabled=run.param_dtype == torch.float16)
+    start, losses = 0, []
+    if hooks:
+        resumed = hooks.resume(model, optimizer, scaler, run.settings(), plan.steps)
+        start, losses = resumed.step, list(resumed.extra.get("losses", []))
     watch = StepWatch()
-    with policy.matmul_precision():  # TF32 on or off for fp32 matmuls (CUDA only)
-        for step in range(start, plan.steps):
-            X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
-            watched = watch if step == plan.steps - 1 else None
-            after_forward = partial(hooks.after_forward, step, ctx) if hooks else None
-            total = _train_step(model, optimizer, scaler, X, y, watched, after_forward).double()
-            dist.all_reduce(total)
-            losses.append(total.item() / ctx.world_size)
-            # On the mean every rank shares, so all ranks stop together, before a save.
-            _check_loss(losses, plan)
-            done = step + 1
-            if run.save_every and done % run.save_every == 0:
-                save_checkpoint(run.checkpoint_root, done, model, optimizer,
-                                {"losses": losses, "world_size": ctx.world_size})
-            if hooks:
-                hooks.after_step(done, model, optimizer, losses, ctx)
+    for step in range(start, plan.steps):
+        X, y = (t.to(ctx.device) for t in plan.local_batch(step, ctx.rank, ctx.world_size))
+        watched = watch if step == plan.steps - 1 else None
+        total = _train_step(model, optimizer, scaler, X, y, watched, hooks, step).double()
+        dist.all_reduce(total)
+        losses.append(total.item() / ctx.world_size)
+        # On the mean every rank shares, so all ranks stop together, before a save.
+        _check_loss(losses, plan)
+        if hooks:
+            hooks.after_step(step + 1, model, optimizer, scaler, run.settings(), plan.steps,
+                             {"losses": losses, "world_size": ctx.world_size})
 
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     per_rank: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(per_rank, (_local_bytes(model.parameters()), _local_bytes(state), watch))
-    formula = collective_formula(plan.shape.build(), ctx.world_size, param_dtype=policy.dtype,
-                                 reshard_after_forward=run.reshard_after_forward)
-    return FSDPResult(losses, _cpu_state(model), _describe_shards(model),
-                      [r[0] for r in per_rank], [r[1] for r in per_rank],
-                      [r[2] for r in per_rank], formula)
+    return FSDPResult(losses, full_cpu_state(model), _describe_shards(model),
+                      [r[0] for r in per_rank], [r[1] for r in per_rank], [r[2] for r in per_rank])
 
 
 def sharding_worker(rank: int, world_size: int, master_port: int,
@@ -489,4 +469,4 @@ class AccumulationRun:
                     loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return stats, _cpu_state(model)
+        return stats, full_cpu_state(model)

@@ -17,7 +17,7 @@ import torch
 from _torchrun import CHILD_ENV, TORCHRUN
 
 from d2lgpu.model_parallel import ModelSpec, TwoDRun, max_abs_diff, train_reference
-from d2lgpu.model_parallel_train import ResumableTwoDRun
+from d2lgpu.model_parallel_train import EntryHooks
 from d2lgpu.runtime.checkpoints import CheckpointError, load_checkpoint
 from d2lgpu.runtime.distributed import find_free_port, process_group
 from d2lgpu.sharding import fsdp2_unavailable_reason
@@ -141,10 +141,15 @@ def one_rank(monkeypatch):
         yield ctx
 
 
+def _resumable(run: TwoDRun, root, every: int, precision: str = "fp32") -> TwoDRun:
+    """The command line's run: its checkpoints also record the precision word."""
+    return replace(run, hooks=EntryHooks(str(root), every, {"precision": precision}))
+
+
 @needs_fsdp2_on_cpu
 def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank):
     base = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR)
-    first = ResumableTwoDRun(base, str(tmp_path), save_every=2).run(one_rank)
+    first = _resumable(base, tmp_path, 2).run(one_rank)
     changed = [
         (dict(lr=0.1), "learning rate 0.05 in the checkpoint, 0.1 now"),
         (dict(batch_size=8), "global batch size 4 in the checkpoint, 8 now"),
@@ -154,14 +159,13 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
     ]
     for change, words in changed:
         name = "bf16" if "param_dtype" in change else "fp32"
-        run = ResumableTwoDRun(replace(base, steps=4, **change), str(tmp_path), save_every=2,
-                               precision=name)
+        run = _resumable(replace(base, steps=4, **change), tmp_path, 2, name)
         with pytest.raises(CheckpointError, match=words) as info:
             run.run(one_rank)
         assert "Rerun with the checkpoint's settings" in str(info.value)
     with pytest.raises(CheckpointError, match="at step 2 and this run ends at step 2"):
-        ResumableTwoDRun(base, str(tmp_path), save_every=2).run(one_rank)
-    resumed = ResumableTwoDRun(replace(base, steps=3), str(tmp_path), save_every=2).run(one_rank)
+        _resumable(base, tmp_path, 2).run(one_rank)
+    resumed = _resumable(replace(base, steps=3), tmp_path, 2).run(one_rank)
     ref = train_reference(SPEC, batch_size=BATCH, seq_len=SEQ, steps=3, lr=LR)
     assert resumed.losses[:2] == first.losses  # the history came from the checkpoint
     assert max_abs_diff(resumed.state_dict, ref.state_dict) < TOL
@@ -174,7 +178,7 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
 def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, dtype, one_rank,
                                                              tmp_path):
     run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR, param_dtype=dtype)
-    result = ResumableTwoDRun(run, str(tmp_path), save_every=2, precision=precision).run(one_rank)
+    result = _resumable(run, tmp_path, 2, precision).run(one_rank)
     ref = train_reference(SPEC, batch_size=BATCH, seq_len=SEQ, steps=2, lr=LR)
     assert all(v.dtype == torch.float32 for v in result.state_dict.values())
     # Close to fp32, but not equal: the matmuls ran in 16 bits.
@@ -189,12 +193,12 @@ def test_low_precision_computes_in_it_and_keeps_fp32_weights(precision, dtype, o
 def test_a_damaged_extra_json_is_named_with_the_step_to_resume_from(tmp_path, one_rank):
     # Damage is checked before the settings: never "does not record the settings".
     base = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=3, lr=LR)
-    ResumableTwoDRun(base, str(tmp_path), save_every=1).run(one_rank)
+    _resumable(base, tmp_path, 1).run(one_rank)
     extra = tmp_path / "step-000003" / "extra.json"
     for damage in (lambda: extra.write_text(""), extra.unlink):
         damage()
         with pytest.raises(CheckpointError, match=r"file extra\.json is (empty|missing)") as info:
-            ResumableTwoDRun(replace(base, steps=4), str(tmp_path), save_every=1).run(one_rank)
+            _resumable(replace(base, steps=4), tmp_path, 1).run(one_rank)
         assert "Delete " in str(info.value) and "resume from step-000002" in str(info.value)
 
 
@@ -208,7 +212,7 @@ def test_a_loss_that_explodes_but_stays_finite_stops_at_the_step_it_grew_tenfold
                   steps=3, lr=100.0)
     with pytest.raises(FloatingPointError,
                        match=r"more than 10 times the .* in step 2: training diverged at lr 100"):
-        ResumableTwoDRun(run, str(tmp_path), save_every=1).run(one_rank)
+        _resumable(run, tmp_path, 1).run(one_rank)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
 
 
@@ -216,5 +220,5 @@ def test_a_loss_that_explodes_but_stays_finite_stops_at_the_step_it_grew_tenfold
 def test_a_diverging_run_stops_before_saving_the_diverged_weights(tmp_path, one_rank):
     run = TwoDRun(SPEC, (1, 1), batch_size=BATCH, seq_len=SEQ, steps=4, lr=1e30)
     with pytest.raises(FloatingPointError, match="diverged.*try 1e[+]29"):
-        ResumableTwoDRun(run, str(tmp_path), save_every=1).run(one_rank)
+        _resumable(run, tmp_path, 1).run(one_rank)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]

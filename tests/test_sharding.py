@@ -9,6 +9,7 @@ Every launch and subprocess has a timeout.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -18,9 +19,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from d2lgpu.fsdp_train import ResumableFSDPRun
+from d2lgpu.fsdp_train import EntryHooks
 from d2lgpu.memory import make_optimizer
-from d2lgpu.runtime.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from d2lgpu.runtime.checkpoints import (
+    CheckpointError,
+    Checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from d2lgpu.runtime.distributed import (
     RemoteTraceback,
     find_free_port,
@@ -138,6 +145,38 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
         load_checkpoint(tmp_path / "step-000008", fresh, fresh_optimizer)
 
 
+def test_resume_latest_restores_model_optimizer_and_scaler_hashing_each_file_once(
+    tmp_path, monkeypatch
+):
+    import d2lgpu.runtime.checkpoints as checkpoints
+
+    model = SHAPE.build()
+    optimizer = make_optimizer("sgd_momentum", model.parameters(), lr=1e-2)
+    X, y = _plan().global_batch(0)
+    nn.functional.cross_entropy(model(X), y).backward()
+    optimizer.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    hooks = Checkpoints(str(tmp_path), every=2, config={"precision": "fp16"})
+    assert hooks.after_step(1, model, optimizer, scaler, {"lr": 0.01}, 3, {"losses": [2.3]}) is None
+    hooks.after_step(2, model, optimizer, scaler, {"lr": 0.01}, 3, {"losses": [2.3, 2.2]})
+
+    fresh = SHAPE.build(seed=1)
+    fresh_optimizer = make_optimizer("sgd_momentum", fresh.parameters(), lr=1e-2)
+    fresh_scaler = torch.amp.GradScaler("cpu")
+    hashed = []
+    digests = checkpoints._file_digests
+    monkeypatch.setattr(checkpoints, "_file_digests", lambda d: hashed.append(d) or digests(d))
+    resumed = hooks.resume(fresh, fresh_optimizer, fresh_scaler, {"lr": 0.01}, 3)
+    assert (resumed.step, resumed.extra["losses"]) == (2, [2.3, 2.2]) and len(hashed) == 1
+    assert _max_abs_diff(fresh.state_dict(), model.state_dict()) == 0.0
+    assert fresh_scaler.get_scale() == 2.0**10
+    assert len(fresh_optimizer.state) == len(list(fresh.parameters()))
+    with pytest.raises(CheckpointError, match="lr 0.01 in the checkpoint, 0.1 now"):
+        hooks.resume(fresh, fresh_optimizer, fresh_scaler, {"lr": 0.1}, 3)
+    assert Checkpoints(str(tmp_path / "empty")).resume(fresh, fresh_optimizer, None, {}, 3) == (
+        0, {}, None)
+
+
 def test_counters_see_collectives_and_ddp_buckets():
     with process_group(0, 1, master_port=find_free_port(), timeout_s=20):
         with CollectiveCounter() as counter:
@@ -175,11 +214,10 @@ def two_ranks(tmp_path_factory):
     jobs: list = [AccumulationRun(replace(plan, steps=3, batch_size=16, optimizer="sgd"), 4)]
     if NO_FSDP2_ON_CPU is None:
         jobs += [
-            # the command line's run: its checkpoints record the settings, to resume from
-            ResumableFSDPRun(FSDPRun(plan), checkpoint_root=str(checkpoints), save_every=2),
+            # its checkpoints record the settings, to resume from
+            FSDPRun(plan, hooks=Checkpoints(str(checkpoints), every=2)),
             FSDPRun(replace(plan, steps=1), reshard_after_forward=False),
-            # bf16 by name: "auto" would follow the CPU (tested on both branches below).
-            FSDPRun(replace(plan, steps=2), precision="bf16"),
+            FSDPRun(replace(plan, steps=2), param_dtype=torch.bfloat16),
         ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CUDA_VISIBLE_DEVICES", "")  # the spawned ranks use gloo on CPUs
@@ -202,7 +240,7 @@ def test_ddp_no_sync_all_reduces_once_per_step(two_ranks):
 
 @needs_fsdp2_on_cpu
 def test_fsdp_on_two_ranks_shards_and_matches_one_process(two_ranks):
-    plan, checkpoints, _, (_, full, kept, mixed) = two_ranks
+    plan, checkpoints, jobs, (_, full, kept, mixed) = two_ranks
     one = train_single(plan)
     # Every parameter is a DTensor sharded on dim 0; each rank holds half the rows.
     for shard in full.shards:
@@ -219,9 +257,10 @@ def test_fsdp_on_two_ranks_shards_and_matches_one_process(two_ranks):
     assert _max_abs_diff(full.state_dict, SHAPE.build().state_dict()) > 1e-3
     assert full.losses == pytest.approx(one.losses, rel=1e-5)
     # Collectives of one step, counted on rank 0, equal the formula.
-    for result in (full, kept, mixed):
+    for job, result in zip(jobs[1:], (full, kept, mixed), strict=True):
         counted = {kind: stats.nbytes for kind, stats in result.watch[0].comm.items()}
-        assert counted == result.comm_formula
+        assert counted == collective_formula(model, 2, param_dtype=job.param_dtype,
+                                             reshard_after_forward=job.reshard_after_forward)
     # reshard_after_forward=False keeps the full (padded) parameters from forward to backward.
     assert [w.held_after_forward for w in full.watch] == [0, 0]
     assert [w.held_after_forward for w in kept.watch] == [padded, padded]
@@ -244,13 +283,9 @@ def test_three_ranks_resume_the_two_rank_checkpoint_and_a_failing_rank_ends_the_
 
     plan, checkpoints, _, (_, full, _, _) = two_ranks
     one = train_single(plan)
-    resume = ResumableFSDPRun(
-        FSDPRun(plan),
-        resume_from=str(checkpoints / "step-000002"),
-        checkpoint_root=str(tmp_path),
-        save_every=2,
-    )
-    failing = ResumableFSDPRun(FSDPRun(_plan(steps=3)), fail_rank=1, fail_at_step=1)
+    shutil.copytree(checkpoints / "step-000002", tmp_path / "step-000002")
+    resume = FSDPRun(plan, hooks=Checkpoints(str(tmp_path), every=2))
+    failing = FSDPRun(_plan(steps=3), hooks=EntryHooks(None, fail_rank=1, fail_at_step=1))
     started = time.monotonic()
     # A process-group timeout far longer than any launch on a loaded machine: a job that
     # ended only by timing out would take 300 s; launch must end it at once.
@@ -329,68 +364,31 @@ def one_rank(monkeypatch):
         yield ctx
 
 
-def test_fsdp_run_names_a_bad_precision():
-    with pytest.raises(ValueError, match="precision='yes' is not one of"):
-        FSDPRun(_plan(), precision="yes")
-    with pytest.raises(ValueError, match="write precision='auto'"):
-        FSDPRun(_plan(), precision=True)
+def test_fsdp_run_names_a_bad_param_dtype():
+    for bad in ("bf16", torch.float64):
+        with pytest.raises(ValueError, match="param_dtype must be torch.bfloat16, torch.float16"):
+            FSDPRun(_plan(), param_dtype=bad)
 
 
-@needs_fsdp2_on_cpu
-def test_precision_auto_computes_in_the_devices_dtype(one_rank, monkeypatch):
-    import d2lgpu.precision as precision
-
-    for native, dtype in ((False, "float32"), (True, "bfloat16")):
-        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
-        result = FSDPRun(_plan(steps=1), precision="auto").run(one_rank)
-        assert result.watch[0].compute_dtype == dtype
+_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16}
 
 
-@needs_fsdp2_on_cpu
-@pytest.mark.parametrize("precision, during", [("fp32", "highest"), ("tf32", "high")])
-def test_precision_sets_tf32_while_training_on_cuda_and_restores_it(
-    one_rank, monkeypatch, precision, during
-):
-    # The policy a CUDA device would get for the same word: fp32 layers either way, and
-    # TF32 off (strict fp32) or on for their matmuls while training.
-    import d2lgpu.sharding as sharding
-
-    policy = sharding.precision_policy
-    monkeypatch.setattr(
-        sharding,
-        "precision_policy",
-        lambda device, word, **kw: replace(policy(device, word, **kw), device_type="cuda"),
-    )
-    seen = []
-    train_step = sharding._train_step
-
-    def spy(*args, **kwargs):
-        seen.append(torch.get_float32_matmul_precision())
-        return train_step(*args, **kwargs)
-
-    monkeypatch.setattr(sharding, "_train_step", spy)
-    before = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("medium")
-        result = FSDPRun(_plan(steps=1), precision=precision).run(one_rank)
-        assert seen == [during] and result.watch[0].compute_dtype == "float32"
-        assert torch.get_float32_matmul_precision() == "medium"
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-def _resumable(plan: TrainPlan, precision: str = "fp32", **kw) -> ResumableFSDPRun:
-    return ResumableFSDPRun(FSDPRun(plan, precision=precision), **kw)
+def _resumable(plan: TrainPlan, root: Path, precision: str = "fp32", every: int = 2) -> FSDPRun:
+    """The command line's run: its checkpoints also record the precision word."""
+    hooks = EntryHooks(str(root), every, {"precision": precision})
+    return FSDPRun(plan, param_dtype=_DTYPES[precision], hooks=hooks)
 
 
 @needs_fsdp2_on_cpu
 def test_fsdp_run_saves_every_save_every_steps(tmp_path, one_rank):
-    result = FSDPRun(_plan(steps=2), checkpoint_root=str(tmp_path), save_every=1).run(one_rank)
+    run = FSDPRun(_plan(steps=2), hooks=Checkpoints(str(tmp_path), every=1))
+    result = run.run(one_rank)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
     model = SHAPE.build(seed=5)
     optimizer = make_optimizer("sgd_momentum", model.parameters(), lr=1e-2)
     extra = load_checkpoint(latest_checkpoint(tmp_path), model, optimizer)
-    assert extra == {"step": 2, "losses": result.losses, "world_size": 1}
+    assert extra == {"step": 2, "losses": result.losses, "world_size": 1,
+                     "config": run.settings()}
     assert _max_abs_diff(model.state_dict(), result.state_dict) == 0.0
 
 
@@ -491,10 +489,9 @@ def test_a_checkpoint_without_metadata_is_an_error_not_a_fresh_start(tmp_path, o
     (path / ".metadata").unlink()
     with pytest.raises(CheckpointError, match="has no .metadata"):
         load_checkpoint(path, model, optimizer)
-    if NO_FSDP2_ON_CPU is None:  # resuming from the root or from the directory itself
-        for resume_from in (tmp_path, path):
-            with pytest.raises(CheckpointError, match="has no .metadata"):
-                _resumable(_plan(), resume_from=str(resume_from)).run(one_rank)
+    if NO_FSDP2_ON_CPU is None:  # resuming from the root: refused, not a fresh start
+        with pytest.raises(CheckpointError, match="has no .metadata"):
+            _resumable(_plan(), tmp_path).run(one_rank)
 
 
 @needs_fsdp2_on_cpu
@@ -502,7 +499,7 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
     from d2lgpu.runtime.checkpoints import CheckpointError
 
     plan = _plan(steps=2)
-    first = _resumable(plan, checkpoint_root=str(tmp_path), save_every=2).run(one_rank)
+    first = _resumable(plan, tmp_path).run(one_rank)
     changed = [
         (dict(lr=0.1), "learning rate 0.01 in the checkpoint, 0.1 now"),
         (dict(batch_size=24), "global batch size 12 in the checkpoint, 24 now"),
@@ -510,24 +507,23 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, one_rank)
     ]
     for change, words in changed:
         with pytest.raises(CheckpointError, match=words):
-            _resumable(replace(plan, steps=4, **change), resume_from=str(tmp_path)).run(one_rank)
-    with pytest.raises(CheckpointError, match="precision fp32 in the checkpoint, bf16 now"):
-        _resumable(replace(plan, steps=4), "bf16", resume_from=str(tmp_path)).run(one_rank)
+            _resumable(replace(plan, steps=4, **change), tmp_path).run(one_rank)
+    with pytest.raises(CheckpointError, match="compute dtype float32 in the checkpoint, bfloat16 "
+                                              "now; precision fp32 in the checkpoint, bf16 now"):
+        _resumable(replace(plan, steps=4), tmp_path, "bf16").run(one_rank)
     # tf32 computes in fp32 too, but it is another setting: refused as well.
     with pytest.raises(CheckpointError, match="precision fp32 in the checkpoint, tf32 now"):
-        _resumable(replace(plan, steps=4), "tf32", resume_from=str(tmp_path)).run(one_rank)
+        _resumable(replace(plan, steps=4), tmp_path, "tf32").run(one_rank)
     with pytest.raises(CheckpointError, match="at step 2 and this run ends at step 2"):
-        _resumable(plan, resume_from=str(tmp_path)).run(one_rank)
-    resumed = _resumable(replace(plan, steps=3), resume_from=str(tmp_path)).run(one_rank)
+        _resumable(plan, tmp_path).run(one_rank)
+    resumed = _resumable(replace(plan, steps=3), tmp_path).run(one_rank)
     assert resumed.losses[:2] == first.losses and len(resumed.losses) == 3  # more steps: allowed
 
 
 @needs_fsdp2_on_cpu
 @pytest.mark.parametrize("lr", [100.0, 1e6])
 def test_fsdp_stops_when_training_diverges(tmp_path, one_rank, lr):
-    run = FSDPRun(
-        _plan(steps=6, optimizer="adam", lr=lr), checkpoint_root=str(tmp_path), save_every=3
-    )
+    run = FSDPRun(_plan(steps=6, optimizer="adam", lr=lr), hooks=Checkpoints(str(tmp_path), 3))
     with pytest.raises(FloatingPointError, match="diverged"):
         run.run(one_rank)
     assert latest_checkpoint(tmp_path) is None  # stopped before saving the diverged weights
@@ -584,7 +580,7 @@ def test_bad_input_to_sharding_names_the_fix(call, words):
 @needs_fsdp2_on_cpu
 def test_fp16_precision_scales_the_loss(one_rank):
     # fp16 (a T4's or V100's choice) on the CPU: the same code path, with a loss scaler.
-    result = FSDPRun(_plan(steps=2), precision="fp16").run(one_rank)
+    result = FSDPRun(_plan(steps=2), param_dtype=torch.float16).run(one_rank)
     assert result.watch[0].compute_dtype == "float16"
     assert result.watch[0].grad_dtype == "float32"
     assert all(math.isfinite(v) for v in result.losses)
@@ -603,4 +599,4 @@ def test_an_empty_checkpoint_dir_is_a_usage_error(capsys):
         _parse_args(["--checkpoint-dir="])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --checkpoint-dir: cannot write checkpoints: the checkpoint directory is" in err
+    assert "argument --checkpoint-dir: the checkpoint directory must be a path" in err

@@ -282,7 +282,7 @@ def resume_latest(
     return Resumed(extra["step"], extra, path)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Checkpoints:
     """The hooks that make a training loop resumable (chapter 8's ``FSDPRun``, chapter 9's
     ``TwoDRun``, the entry points): it continues from the newest checkpoint under ``root``
