@@ -157,55 +157,37 @@ def _make_loaders(
             DataLoader(test_set, batch_size=local_batch))
 
 
-def _train_epoch(
-    net: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, policy: PrecisionPolicy,
-    scaler: torch.amp.GradScaler, device: torch.device,
+def _epoch(
+    net: nn.Module, loader: DataLoader, device: torch.device, policy: PrecisionPolicy,
+    optimizer: torch.optim.Optimizer | None = None, scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[float, float, int, float]:
-    """One pass over this rank's batches: (summed loss, correct, examples, first loss)."""
+    """One pass over this rank's batches, training when given an ``optimizer``: (summed loss,
+    correct, examples, first loss), read from the device once, at the end."""
     loss_fn = nn.CrossEntropyLoss()
-    net.train()
+    net.train(optimizer is not None)
     loss_sum, correct = torch.zeros((), device=device), torch.zeros((), device=device)
     first_loss, seen = None, 0
-    for X, y in loader:
-        X, y = X.to(device), y.to(device)
-        optimizer.zero_grad(set_to_none=True)
-        with policy.autocast():
-            logits = net(X)
-            loss = loss_fn(logits.float(), y)
-        if first_loss is None:
-            first_loss = loss.detach().clone()  # read with the sums, at the epoch's end
-        # The gradients arrive averaged over the ranks, so every rank's scaler skips alike.
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        loss_sum += loss.detach() * len(y)
-        correct += (logits.argmax(dim=1) == y).sum()
-        seen += len(y)
-    return loss_sum.item(), correct.item(), seen, first_loss.item()
-
-
-def _count_correct(net: nn.Module, loader: DataLoader, device: torch.device,
-                   policy: PrecisionPolicy) -> tuple[int, int]:
-    net.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=device)  # read once, not per batch
-    seen = 0
-    with torch.no_grad():
+    with torch.set_grad_enabled(optimizer is not None):
         for X, y in loader:
             X, y = X.to(device), y.to(device)
             with policy.autocast():
                 logits = net(X)
+                loss = loss_fn(logits.float(), y)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+                # The gradients arrive averaged over the ranks: every rank's scaler skips alike.
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            first_loss = loss.detach().clone() if first_loss is None else first_loss
+            loss_sum += loss.detach() * len(y)
             correct += (logits.argmax(dim=1) == y).sum()
             seen += len(y)
-    return int(correct), seen
+    return loss_sum.item(), correct.item(), seen, first_loss.item()
 
 
-def train_ddp(
-    cfg: DDPConfig,
-    ctx: DistContext | None,
-    data: Tensors4,
-    device: torch.device | None = None,
-    hooks: Any = None,
-) -> DDPResult:
+def train_ddp(cfg: DDPConfig, ctx: DistContext | None, data: Tensors4,
+              device: torch.device | None = None, hooks: Any = None) -> DDPResult:
     """Train ``cfg.model`` on ``data`` with DDP inside the process group ``ctx`` (chapter 5);
     ``ctx=None`` trains in this one process, the baseline DDP must reproduce. ``hooks``: the
     command line's resume, checkpoints and crash on purpose (``_Checkpoints``)."""
@@ -233,11 +215,11 @@ def train_ddp(
             sampler.set_epoch(epoch)  # a new shuffle each epoch, identical on all ranks
             mark_progress(f"epoch {epoch + 1} started")  # named if a peer times out waiting
             started = time.perf_counter()
-            stats = [*_train_epoch(net, train_loader, optimizer, policy, scaler, device),
-                     *_count_correct(net, test_loader, device, policy)]
+            stats = [*_epoch(net, train_loader, device, policy, optimizer, scaler),
+                     *_epoch(net, test_loader, device, policy)]
             if ctx is not None:
                 stats = all_reduce_sum(stats, ctx)  # whole-job totals on every rank
-            loss_sum, correct, seen, first_loss, test_correct, test_seen = stats
+            loss_sum, correct, seen, first_loss, _, test_correct, test_seen, _ = stats
             if start_loss is None:
                 start_loss = first_loss / world_size  # the mean of the ranks' first batches
             # Judged on totals every rank shares: all stop together, before any checkpoint.

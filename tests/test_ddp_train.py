@@ -96,21 +96,21 @@ def test_precision_sets_tf32_during_training_on_cuda_and_restores_it(
     precision, during, monkeypatch
 ):
     seen = []
-    count_correct = ddp_train._count_correct
+    epoch = ddp_train._epoch
 
     def spy(*args, **kwargs):
         seen.append((torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32))
-        return count_correct(*args, **kwargs)
+        return epoch(*args, **kwargs)
 
     _precision_on_cuda(monkeypatch)
-    monkeypatch.setattr(ddp_train, "_count_correct", spy)
+    monkeypatch.setattr(ddp_train, "_epoch", spy)
     previous = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     opposite = ("high", True) if precision == "fp32" else ("highest", False)
     torch.set_float32_matmul_precision(opposite[0])
     torch.backends.cudnn.allow_tf32 = opposite[1]
     try:
         train_ddp(DDPConfig(epochs=1, precision=precision, **COMMON), None, _images())
-        assert seen == [during]
+        assert seen == [during, during]  # the training pass and the test pass
         assert torch.get_float32_matmul_precision() == opposite[0]
         assert torch.backends.cudnn.allow_tf32 is opposite[1]
     finally:
@@ -123,13 +123,14 @@ def test_low_precision_trains_under_autocast_and_fp16_scales_the_loss(
     precision, dtype, monkeypatch
 ):
     seen = []
-    train_epoch = ddp_train._train_epoch
+    epoch = ddp_train._epoch
 
-    def spy(net, loader, optimizer, policy, scaler, device):
-        seen.append((policy.dtype, scaler.is_enabled()))
-        return train_epoch(net, loader, optimizer, policy, scaler, device)
+    def spy(net, loader, device, policy, optimizer=None, scaler=None):
+        if optimizer is not None:
+            seen.append((policy.dtype, scaler.is_enabled()))
+        return epoch(net, loader, device, policy, optimizer, scaler)
 
-    monkeypatch.setattr(ddp_train, "_train_epoch", spy)
+    monkeypatch.setattr(ddp_train, "_epoch", spy)
     # One batch of 32: enough to run the autocast path (fp16 is slow on a CPU).
     result = train_ddp(DDPConfig(epochs=1, precision=precision, **COMMON), None, _images(32, 8))
     assert seen == [(dtype, precision == "fp16")]

@@ -403,6 +403,25 @@ def test_a_native_crash_is_blamed_before_the_peers_the_watchdog_aborted():
         _raise_first_failure(_outcome([-signal.SIGABRT, 0], [0], []))
 
 
+def test_local_rank_0_makes_the_nccl_p2p_decision_and_the_other_ranks_take_it(monkeypatch):
+    store = torch.distributed.HashStore()
+    decided = []
+
+    def decide():  # what apply_nccl_p2p_decision does on two T4s
+        decided.append(True)
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+
+    monkeypatch.setattr(distributed, "apply_nccl_p2p_decision", decide)
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    distributed._agree_on_nccl_p2p(store, 0)
+    monkeypatch.delenv("NCCL_P2P_DISABLE")  # another rank of the machine: its own process
+    distributed._agree_on_nccl_p2p(store, 1)
+    assert decided == [True] and os.environ["NCCL_P2P_DISABLE"] == "1"
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")  # set before the job: it stands
+    distributed._agree_on_nccl_p2p(store, 1)
+    assert os.environ["NCCL_P2P_DISABLE"] == "0"
+
+
 def test_nccl_refuses_a_local_rank_without_a_gpu_of_its_own(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

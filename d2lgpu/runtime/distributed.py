@@ -1,8 +1,8 @@
 """torch.distributed made safe to use from a notebook or a laptop.
 
 * :func:`process_group` joins a process group (from torchrun's variables, or the
-  arguments :func:`launch` passes), picks the backend, binds the rank to its GPU, and
-  always leaves the group; a rank that never comes or never arrives ends in an error
+  arguments :func:`launch` passes), picks the backend, binds the rank to its GPU (with
+  NCCL's peer-to-peer decision), and always leaves the group; a rank that never comes or never arrives ends in an error
   that names it, not in a hang.
 * :func:`launch` runs ``fn(rank, *args)`` in fresh processes and returns rank 0's
   result; when a rank fails, the caller gets *that* rank's error.
@@ -480,6 +480,8 @@ def process_group(
     store = _rendezvous(under_torchrun, master_addr, master_port, rank, world_size, timeout_s)
     progress = dist.PrefixStore("d2lgpu/progress", store)
     _meet(progress, rank, world_size, timeout_s)
+    if backend == "nccl":
+        _agree_on_nccl_p2p(progress, local_rank)
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
         device_id=device if backend == "nccl" else None,
@@ -502,6 +504,18 @@ def process_group(
         # end (launch and torchrun end it).
         if not (failed and backend == "nccl" and world_size > 1):
             dist.destroy_process_group()
+
+
+def _agree_on_nccl_p2p(store: dist.Store, local_rank: int) -> None:
+    """Before NCCL connects the GPUs: local rank 0 makes the NCCL peer-to-peer decision of its
+    machine (apply_nccl_p2p_decision; its check starts a process), the machine's other ranks
+    take it. A NCCL_P2P_DISABLE set before the job stands."""
+    key = f"nccl_p2p/{socket.gethostname()}"
+    if local_rank == 0:
+        apply_nccl_p2p_decision()
+        store.set(key, os.environ.get("NCCL_P2P_DISABLE", ""))
+    if value := store.get(key).decode():
+        os.environ.setdefault("NCCL_P2P_DISABLE", value)
 
 
 def _meet(progress: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
@@ -764,12 +778,11 @@ def _rank_start_method(fn: Callable[..., Any]) -> str:
 
 def _rank_environment() -> dict[str, str]:
     """The ranks' environment: gloo on the loopback interface (a container's host name may
-    resolve to an unreachable address), and the NCCL peer-to-peer decision."""
+    resolve to an unreachable address)."""
     environment = dict(os.environ)
     loopback = {"linux": "lo", "darwin": "lo0"}.get(sys.platform)
     if loopback:
         environment.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    apply_nccl_p2p_decision(environment)
     return environment
 
 
