@@ -2,8 +2,8 @@
 
 * :func:`process_group` joins a process group (from torchrun's variables, or the
   arguments :func:`launch` passes), picks the backend, binds the rank to its GPU (with
-  NCCL's peer-to-peer decision), and always leaves the group; a rank that never comes or never arrives ends in an error
-  that names it, not in a hang.
+  NCCL's peer-to-peer decision), and always leaves the group; a rank that never comes or
+  never arrives ends in an error that names it, not in a hang.
 * :func:`launch` runs ``fn(rank, *args)`` in fresh processes and returns rank 0's
   result; when a rank fails, the caller gets *that* rank's error.
 * :func:`run_together` runs several command lines at once (pretend machines).
@@ -826,14 +826,8 @@ def _check_launch(
         raise TypeError(f"args must be a tuple of fn's arguments after the rank, got {args!r}")
 
 
-def launch(
-    fn: Callable[..., Any],
-    nprocs: int,
-    args: tuple[Any, ...] = (),
-    *,
-    timeout_s: float | None = None,
-    grace_s: float = 5.0,
-) -> Any:
+def launch(fn: Callable[..., Any], nprocs: int, args: tuple[Any, ...] = (), *,
+           timeout_s: float | None = None, grace_s: float = 5.0) -> Any:
     """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes and return rank 0's result
     (chapter 5). A failure raises the error of the rank that failed *first* (its exception,
     its traceback as ``__cause__``, or a :class:`RankError`); ranks still running ``grace_s``
