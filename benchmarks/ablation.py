@@ -54,15 +54,20 @@ def skip_compiled_rows() -> dict[str, str]:
             "cuda_graphs": "left out (--skip-compile: compiled too)"}
 
 
-def format_ablation_table(rows: list[profiling.AblationRow]) -> str:
+def format_ablation_table(
+    rows: list[profiling.AblationRow], flops_per_example: float | None = None,
+    peak: float | None = None, counted: dict[str, tuple[float, float]] | None = None,
+) -> str:
     """``profiling.ablation_numbers`` as a text table of at most 100 characters a line, with
     each row's first-epoch seconds (compiling included) and test accuracy, skipped rows' reasons
-    and counted rows' counts. No verdict: the reader draws it."""
+    and the ``counted`` rows' counts (``profiling.count_effects``). No verdict: the reader
+    draws it."""
     width = max(len(r.label) for r in rows)
     header = (f"{'step':<{width}}  {'x prev':>6}  {'pairs':>9}  {'img/s':>7}  {'x base':>6}  "
               f"{'MFU':>5}  {'epoch1 s':>8}  {'test acc':>8}")
     lines = [header, "-" * len(header)]
-    for r, n in zip(rows, profiling.ablation_numbers(rows), strict=True):
+    numbers = profiling.ablation_numbers(rows, flops_per_example, peak)
+    for r, n in zip(rows, numbers, strict=True):
         if n is None:
             lines.append(f"{r.label:<{width}}  skipped: {r.step.skip_reason}")
             continue
@@ -75,8 +80,8 @@ def format_ablation_table(rows: list[profiling.AblationRow]) -> str:
                  "their range")
     lines.append("img/s: the baseline's median times the x prev of every row down to this one")
     units = profiling.COUNT_UNITS
-    lines.extend(f"  {r.label}: {units[r.step.technique]} {r.counted[0]:.3g} -> "
-                 f"{r.counted[1]:.3g}, counted" for r in rows if r.ran and r.counted)
+    lines.extend(f"  {r.label}: {units[r.step.technique]} {counted[r.label][0]:.3g} -> "
+                 f"{counted[r.label][1]:.3g}, counted" for r in rows if r.label in (counted or {}))
     return "\n".join(lines)
 
 
@@ -130,9 +135,12 @@ def main() -> None:
 
     rows = profiling.run_ablation(
         settings.make_model, plan, data, resident, settings.num_epochs, settings.lr, device,
-        seed=args.seed, flops_per_example=flops, peak=peak, on_run=report, repeats=repeats,
+        seed=args.seed, on_run=report, repeats=repeats,
     )
-    table = format_ablation_table(rows)
+    # On a CPU the techniques that save what a GPU has are counted as well as timed.
+    counted = (profiling.count_effects(plan, settings.make_model, resident[0], settings.lr, device)
+               if device.type == "cpu" else {})
+    table = format_ablation_table(rows, flops, peak, counted)
     print(table)
     print(f"total {time.perf_counter() - start:.0f} s")
     if args.output is not None:

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PrecisionPolicy, check_precision, precision_policy
 from d2lgpu.runtime import checks
 from d2lgpu.runtime.config import smoke_mode
@@ -159,10 +158,9 @@ def compile_model(net: nn.Module, techniques: Techniques, device: torch.device |
     if techniques.compile and device.type == "cpu":
         # Inductor's C++ backend warns that it found no CUDA runtime: true, and irrelevant.
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # fullgraph=True: a graph break, or dynamo's recompile limit reached, raises instead of
-    # running eager code under a compiled label. dynamic=False with CUDA graphs records a
-    # graph per shape: with automatic dynamic shapes torch 2.11's cudagraph trees replayed
-    # the batch-64 graph on a batch of 52 (H200).
+    # fullgraph=True: a graph break, or dynamo's recompile limit, raises instead of running
+    # eager code under a compiled label. dynamic=False with CUDA graphs: a graph per shape
+    # (torch 2.11's cudagraph trees replayed a batch-64 graph on a batch of 52, H200).
     graphs = techniques.cuda_graphs
     if techniques.compile:
         return torch.compile(net, mode="reduce-overhead" if graphs else None, fullgraph=True,
@@ -227,17 +225,18 @@ def _check_loaders(device_data: bool, train_iter: object, test_iter: object) -> 
 
 def train_fast(
     net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,
-    device: torch.device | str | None = None, *, techniques: Techniques | None = None,
-    seed: int | None = 0, precision: str | None = None, progress: bool = True,
+    device: torch.device | str, *, techniques: Techniques | None = None, seed: int | None = 0,
+    precision: str | None = None, progress: bool = True,
 ) -> History:
-    """Chapter 4's :func:`d2lgpu.train` on one device (None: :func:`d2lgpu.try_gpu`) with the
-    switches of ``techniques`` (None: :meth:`Techniques.fast`) (chapter 7). With ``device_data``
+    """Chapter 4's :func:`d2lgpu.train` on one ``device`` with the switches of ``techniques``
+    (None: :meth:`Techniques.fast`) (chapter 7). With ``device_data``
     the loaders hold the data on the device (:func:`d2lgpu.fashion_mnist_on_device`);
     ``precision`` overrides the techniques' word."""
     checks.check_module("net", net)
     checks.check_positive_int("num_epochs", num_epochs)
     checks.check_positive_float("lr", lr)
-    device = try_gpu() if device is None else require_cuda_device(device, "train_fast")
+    checks.check_bool("progress", progress)
+    device = require_cuda_device(device, "train_fast")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"train_fast cannot use {device.type!r} devices: pass 'cpu' or 'cuda:0'")
     techniques = Techniques.fast(device) if techniques is None else techniques

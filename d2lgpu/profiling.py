@@ -22,22 +22,30 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from d2lgpu import models, precision
-from d2lgpu.benchmarking import measure_copy_bandwidth
 from d2lgpu.chips import peak_format
 from d2lgpu.data import DeviceLoader, fashion_mnist_tensors, load_data_fashion_mnist
-from d2lgpu.fast import TECHNIQUES, Techniques, make_sgd, technique_skip_reason, train_fast
+from d2lgpu.fast import (
+    TECHNIQUES,
+    Techniques,
+    fast_epoch,
+    make_sgd,
+    technique_skip_reason,
+    train_fast,
+)
 from d2lgpu.runtime.config import small_data, smoke_mode, workload
 from d2lgpu.runtime.gpus import as_device, cuda_usable
-from d2lgpu.timing import format_table, gbps, tflops, time_fn
+from d2lgpu.timing import format_table, gbps, tflops, time_fn, timed_calls
 from d2lgpu.training import History
 
 __all__ = [
     "ABLATION_LABELS", "COUNT_UNITS", "AblationRow", "AblationStep", "Roofline", "RooflinePoint",
     "SlowStorage", "TraceEvent", "TraceSummary", "ablation_data", "ablation_numbers",
-    "ablation_plan", "ablation_settings", "compare_compile_modes", "explain_graph_breaks",
-    "fresh_compile", "idle_gaps", "measure_roofline", "measure_stream_bandwidth",
+    "ablation_plan", "ablation_settings", "compare_compile_modes", "count_effects",
+    "count_technique_effect", "explain_graph_breaks", "fresh_compile", "idle_gaps",
+    "measure_roofline", "measure_stream_bandwidth",
     "memory_timeline_from_snapshot", "memory_timeline_from_trace", "merge_intervals", "mfu_note",
     "op_table", "paired_multiply_add_ratio", "plot_memory_timeline", "plot_roofline",
     "plot_timeline", "previous_ran", "profiler_activities", "read_trace", "roofline_points",
@@ -421,10 +429,12 @@ class Roofline:
 
 def _best_seconds(fn: Callable[[], object], device: torch.device, *, warmup: int = 1,
                   repeats: int = 5) -> float:
-    """The best of ``repeats`` timings of ``fn()``: other work only ever slows a run down.
-    On a GPU from CUDA events on ``device``'s stream, the GPU's own clock."""
+    """The best of ``repeats`` timings of ``fn()`` after ``warmup`` calls: other work only ever
+    slows a run down. On a GPU from CUDA events on ``device``'s stream, the GPU's own clock."""
     if device.type != "cuda":
-        return time_fn(fn, device, warmup=warmup, repeats=repeats).min
+        for _ in range(warmup):
+            fn()
+        return timed_calls(fn, device, repeats).min
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
         for _ in range(warmup):
@@ -470,22 +480,21 @@ def paired_multiply_add_ratio(
 
 
 def measure_roofline(
-    device: torch.device | str, matmul_n: int, *, stream_numel: int, repeats: int = 5,
+    device: torch.device | str, matmul_n: int, *, bandwidths: Mapping[str, float],
+    repeats: int = 5,
 ) -> tuple[Roofline, RooflinePoint]:
-    """The device's roofline, measured, and its matmul as a point (chapter 7): the best of
-    ``repeats`` ``matmul_n``-square matmuls in the "auto" format (else fp32), under the higher
-    of a copy's and an add's bandwidth (:func:`measure_stream_bandwidth`)."""
+    """The device's roofline and its matmul as a point (chapter 7): the compute roof is the
+    best of ``repeats`` ``matmul_n``-square matmuls in the "auto" format (else fp32), the memory
+    roof the highest of ``bandwidths`` (GB/s by kernel, e.g. a copy's and an add's)."""
     device = as_device(device)
     dtype = precision.precision_policy(device, "auto").dtype or torch.float32
     a, b = (torch.randn(matmul_n, matmul_n, device=device).to(dtype) for _ in range(2))
     seconds = _best_seconds(lambda: a @ b, device, repeats=repeats)
     flops = 2 * matmul_n**3
     dtype_name = str(dtype).replace("torch.", "")
-    bandwidths = {"copy": measure_copy_bandwidth(device),
-                  "add": measure_stream_bandwidth(device, stream_numel, repeats=repeats)}
     memory_label = max(bandwidths, key=bandwidths.__getitem__)
     roof = Roofline(tflops(flops, seconds), bandwidths[memory_label],
-                    f"best {dtype_name} matmul", memory_label, bandwidths)
+                    f"best {dtype_name} matmul", memory_label, dict(bandwidths))
     nbytes = 3 * matmul_n * matmul_n * a.element_size()
     return roof, RooflinePoint(f"matmul {matmul_n}x{matmul_n} {dtype_name}", flops, nbytes, seconds)
 
@@ -603,14 +612,11 @@ def ablation_plan(
 @dataclass(frozen=True)
 class AblationRow:
     """A measured (or skipped) row of the ablation (chapter 7). ``round_speeds``: per run, the
-    images/s of its epochs after the first; ``history`` is the first run's; ``counted`` is
-    (before, after) in ``COUNT_UNITS[technique]`` for the techniques a CPU counts."""
+    images/s of its epochs after the first; ``history`` is the first run's."""
 
     step: AblationStep
     history: History | None = None
     round_speeds: tuple[tuple[float, ...], ...] = ()
-    mfu: float | None = None  # achieved FLOP/s over the device's peak
-    counted: tuple[float, float] | None = None
 
     @property
     def label(self) -> str:
@@ -758,13 +764,16 @@ def count_technique_effect(
     if technique == "no_sync":
         per_step = []
         for no_sync in (False, True):
-            switches = dataclasses.replace(before, no_sync=no_sync, device_data=False)
+            switches = dataclasses.replace(before, no_sync=no_sync)
+            policy = precision.precision_policy(device, switches.precision)
             reads = []
-            for n in (2, 4):  # epochs of 2 and 4 steps: what an epoch's ends read cancels
-                events = _profiled_events(lambda n=n, switches=switches: train_fast(
-                    make_model().to(device), batches[:n], batches[:1], 1, lr, device, seed=0,
-                    techniques=switches, progress=False))
-                reads.append(sum(e.name == "aten::_local_scalar_dense" for e in events))
+            for n in (2, 4):  # epochs of 2 and 4 steps: what an epoch's end reads cancels
+                net = make_model().to(device)
+                optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+                with torch.profiler.profile(activities=profiler_activities(device)) as prof:
+                    fast_epoch(net, batches[:n], optimizer, device, policy, policy.make_scaler(),
+                               switches, tqdm(disable=True))
+                reads.append(sum(e.name == "aten::_local_scalar_dense" for e in prof.events()))
             per_step.append((reads[1] - reads[0]) / 2)
         return per_step[0], per_step[1]
     X, y = batches[0]
@@ -792,14 +801,12 @@ def run_ablation(
     make_model: Callable[[], nn.Module], plan: Sequence[AblationStep],
     dataloaders: tuple[Iterable, Iterable], device_loaders: tuple[Iterable, Iterable],
     num_epochs: int, lr: float, device: torch.device | str, *, seed: int = 0,
-    flops_per_example: float | None = None, peak: float | None = None,
     on_run: Callable[[AblationStep], None] | None = None, repeats: int = 1,
 ) -> list[AblationRow]:
     """Train a fresh ``make_model()`` with :func:`d2lgpu.train_fast` for every row of ``plan``
     not skipped, on ``device_loaders`` with ``device_data``, else ``dataloaders`` (chapter 7).
     ``repeats`` rounds run the rows forwards, then backwards, and so on, so that a busy spell
     favours no row; ``on_run`` gets the step of every run."""
-    device = as_device(device)
     plan = list(plan)
     histories: list[list[History]] = [[] for _ in plan]
     for round_ in range(repeats):
@@ -815,21 +822,27 @@ def run_ablation(
                     techniques=step.techniques, progress=False))
             if on_run is not None:
                 on_run(step)
-    rows: list[AblationRow] = []
-    for step, runs in zip(plan, histories, strict=True):
-        row = AblationRow(step)
-        if runs:
-            row = AblationRow(step, runs[0], tuple(
-                tuple(h.examples_per_second[1:] or h.examples_per_second) for h in runs))
-            if peak is not None and flops_per_example is not None:
-                mfu = row.images_per_second * flops_per_example / (peak * 1e12)
-                row = dataclasses.replace(row, mfu=mfu)
-            if device.type == "cpu" and step.technique in COUNTED_ON_CPU:
-                before = next(r for r in reversed(rows) if r.ran).step.techniques
-                row = dataclasses.replace(row, counted=count_technique_effect(
-                    step.technique, make_model, device_loaders[0], lr, device, before))
-        rows.append(row)
-    return rows
+    return [AblationRow(step, runs[0], tuple(tuple(h.examples_per_second[1:]
+                                                   or h.examples_per_second) for h in runs))
+            if runs else AblationRow(step) for step, runs in zip(plan, histories, strict=True)]
+
+
+def count_effects(
+    plan: Sequence[AblationStep], make_model: Callable[[], nn.Module],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]], lr: float, device: torch.device | str,
+) -> dict[str, tuple[float, float]]:
+    """``{label: (without, with)}`` for the rows of ``plan`` that run a technique of
+    :data:`COUNTED_ON_CPU`: :func:`count_technique_effect` on top of the row before that runs,
+    in ``COUNT_UNITS[technique]`` (chapter 7)."""
+    device = as_device(device)
+    counts, before = {}, None
+    for step in plan:
+        if step.skip_reason is None:
+            if step.technique in COUNTED_ON_CPU:
+                counts[step.label] = count_technique_effect(
+                    step.technique, make_model, batches, lr, device, before)
+            before = step.techniques
+    return counts
 
 
 #: One row of the ablation in numbers that agree (chapter 7): ``x_prev``, the median of the
@@ -838,9 +851,12 @@ def run_ablation(
 AblationNumbers = namedtuple("AblationNumbers", "x_prev low high images_per_second x_base mfu")
 
 
-def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None]:
+def ablation_numbers(
+    rows: Sequence[AblationRow], flops_per_example: float | None = None, peak: float | None = None
+) -> list[AblationNumbers | None]:
     """:class:`AblationNumbers` for every row of :func:`run_ablation`'s result, None for a
-    skipped row; the first row that ran is the baseline (chapter 7)."""
+    skipped row; the first row that ran is the baseline (chapter 7). MFU needs the FLOPs per
+    training example and the device's ``peak`` TFLOP/s (else None)."""
     numbers: list[AblationNumbers | None] = []
     base_speed = speed = None
     for r in rows:
@@ -854,7 +870,8 @@ def ablation_numbers(rows: Sequence[AblationRow]) -> list[AblationNumbers | None
         else:
             ratios = speed_ratios(r, before)
             speed *= statistics.median(ratios)
-        mfu = None if r.mfu is None else r.mfu * speed / r.images_per_second
+        mfu = None if None in (flops_per_example, peak) else (
+            speed * flops_per_example / (peak * 1e12))
         numbers.append(AblationNumbers(statistics.median(ratios), min(ratios), max(ratios),
                                        speed, speed / base_speed, mfu))
     return numbers

@@ -350,7 +350,7 @@ def _pin_auto_format(monkeypatch, dtype):
 def test_measured_roofline_follows_the_automatic_format(monkeypatch, dtype, element_size):
     # Both branches of the CPU's bf16 decision, on any CPU.
     _pin_auto_format(monkeypatch, dtype)
-    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, stream_numel=1 << 16)
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, bandwidths={"add": 1.0})
     assert matmul.nbytes == 3 * 64 * 64 * element_size
     assert matmul.intensity == pytest.approx(2 * 64**3 / (3 * 64 * 64 * element_size))
     name = str(dtype).replace("torch.", "")
@@ -361,7 +361,7 @@ def test_measured_roofline_and_points_on_the_cpu():
     import matplotlib
 
     matplotlib.use("Agg")
-    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, stream_numel=1 << 16)
+    roof, matmul = P.measure_roofline(CPU, 64, repeats=2, bandwidths={"add": 10.0})
     assert roof.peak_tflops > 0 and roof.bandwidth_gbps > 0
     assert matmul.flops == 2 * 64**3 and matmul.intensity == pytest.approx(
         2 * 64**3 / matmul.nbytes)
@@ -418,11 +418,11 @@ def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
     matplotlib.use("Agg")
     dataloaders, resident = tiny_loaders(n=64, batch=16)
     plan = P.ablation_plan(CPU, skip={"compile": "slow in tests"})[:4]
-    rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU,
-                          flops_per_example=1e6, peak=None)
+    rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU)
     assert [r.label for r in rows] == [s.label for s in plan]
     ran = [r for r in rows if r.ran]
-    assert all(r.images_per_second > 0 and r.mfu is None for r in ran)
+    assert all(r.images_per_second > 0 for r in ran)
+    assert all(n is None or n.mfu is None for n in P.ablation_numbers(rows, 1e6, None))
     assert all(r.history.num_epochs == 2 for r in ran)
     # Rows 2 and 3 differ only in when the loss is read: on the CPU, the same run
     # (its mean is summed in float64 on the host in one, in float32 on the device in the other).
@@ -433,10 +433,8 @@ def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
     assert [line.split("  ")[0].strip() for line in table.splitlines()[2:2 + len(rows)]] == [
         r.label for r in rows]
 
-    with_peak = P.run_ablation(tiny_net, plan[:1], dataloaders, resident, 1, 0.1, CPU,
-                               flops_per_example=1e6, peak=1.0)
-    row = with_peak[0]
-    assert row.mfu == pytest.approx(row.images_per_second * 1e6 / 1e12)
+    baseline = P.ablation_numbers(rows, flops_per_example=1e6, peak=1.0)[0]
+    assert baseline.mfu == pytest.approx(rows[0].images_per_second * 1e6 / 1e12)
 
 
 def test_mfu_note_on_a_cpu():
@@ -612,7 +610,7 @@ class _FakeCuda:
 
 def test_gpu_timings_come_from_cuda_events_on_the_given_device(monkeypatch):
     cuda = _FakeCuda(monkeypatch)
-    monkeypatch.setattr(P, "time_fn", lambda *a, **k: pytest.fail("host clock used on a GPU"))
+    monkeypatch.setattr(P, "timed_calls", lambda *a, **k: pytest.fail("host clock used on a GPU"))
     calls = []
     seconds = P._best_seconds(lambda: calls.append(cuda.current), torch.device("cuda", 1),
                               warmup=2, repeats=3)
@@ -625,12 +623,12 @@ def test_gpu_timings_come_from_cuda_events_on_the_given_device(monkeypatch):
     assert {d for what, d in cuda.log if what == "record"} == {torch.device("cuda", 1)}
 
 
-def test_stream_bandwidth_counts_three_passes():
-    assert P.measure_stream_bandwidth(CPU, 1 << 16, repeats=2) > 0
-    roof, _ = P.measure_roofline(CPU, 32, repeats=2, stream_numel=1 << 16)
+def test_stream_bandwidth_counts_three_passes_and_the_highest_roof_is_the_memory_roof():
+    add = P.measure_stream_bandwidth(CPU, 1 << 16, repeats=2)
+    assert add > 0
+    roof, _ = P.measure_roofline(CPU, 32, repeats=2, bandwidths={"copy": add / 2, "add": add})
     assert set(roof.bandwidths) == {"copy", "add"}
-    assert roof.bandwidth_gbps == max(roof.bandwidths.values())
-    assert roof.memory_label == max(roof.bandwidths, key=roof.bandwidths.get)
+    assert roof.bandwidth_gbps == add and roof.memory_label == "add"
 
 
 def _row(label_index, speeds, ran=True, runs=2):
@@ -681,7 +679,6 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
                               test_acc=[0.9] * num_epochs, epoch_seconds=[1.0] * num_epochs)
 
     monkeypatch.setattr(P, "train_fast", fake_train)
-    monkeypatch.setattr(P, "count_technique_effect", lambda *args: (2.0, 0.0))  # no data here
     plan = P.ablation_plan(CPU, skip={"compile": "not here"})[:3]
     ran = []
     rows = P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU,
@@ -807,10 +804,11 @@ def test_on_a_cpu_the_gpu_techniques_are_counted_as_well_as_timed(monkeypatch, n
 
     plan = P.ablation_plan(CPU, skip={"compile": "slow in tests"})[:3]
     rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU)
+    counted = P.count_effects(plan, tiny_net, batches, 0.1, CPU)
     # Counted as well as timed: the row keeps its paired ratios.
-    assert rows[1].counted is None and rows[2].counted == (2, 0)
+    assert counted == {plan[2].label: (2, 0)}  # the data-on-device row counts nothing
     assert P.ablation_numbers(rows)[2].x_prev > 0
-    table = ablation_benchmark().format_ablation_table(rows).splitlines()
+    table = ablation_benchmark().format_ablation_table(rows, counted=counted).splitlines()
     assert table[-1] == f"  + no per-step sync: {P.COUNT_UNITS['no_sync']} 2 -> 0, counted"
     assert all(len(line) <= 100 for line in table)
 

@@ -42,8 +42,9 @@ VALID = {
     fast.make_sgd: lambda: dict(params=list(_linear().parameters()), lr=0.1, device=CPU),
     fast.compile_model: lambda: dict(net=_linear(), techniques=fast.Techniques(), device=CPU),
     fast.train_fast: lambda: dict(
-        net=_linear(), train_data=_uint8_pair(), test_data=_uint8_pair(), num_epochs=1, lr=0.1,
-        device=CPU, batch_size=10, progress=False),
+        net=_linear(), train_iter=data.DeviceLoader(*_uint8_pair(), 10, device=CPU),
+        test_iter=data.DeviceLoader(*_uint8_pair(), 10, device=CPU), num_epochs=1, lr=0.1,
+        device=CPU, progress=False),
 }
 
 NONE_MEANT: set = set()  # (function, parameter) pairs where None means something unannotated
