@@ -170,8 +170,7 @@ def train(net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs:
         check_epoch_loss(loss, epoch, steps, lr, first, train_iter,
                          "" if init else "or init=True if the weights kept were broken")
         test_acc = evaluate_accuracy(model, test_iter, devices[0])
-        history.add(loss, train_acc, test_acc, time.perf_counter() - start,
-                    count / train_seconds)
+        history.add(loss, train_acc, test_acc, time.perf_counter() - start, count / train_seconds)
         bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.3f}", test_acc=f"{test_acc:.3f}")
     bar.close()
     return history

@@ -48,7 +48,9 @@ def build_runs_on(capability: tuple[int, int], arch_list: Sequence[str]) -> bool
 def cuda_arch_list() -> list[str] | None:
     """``torch.cuda.get_arch_list()``; None for a ROCm build or a build that recorded no
     list (the cases torch's own start-up check skips)."""
-    return (torch.cuda.get_arch_list() or None) if torch.version.cuda is not None else None
+    if torch.version.cuda is None:  # a ROCm or CPU-only build
+        return None
+    return torch.cuda.get_arch_list() or None
 
 
 def capability_or_none(index: int) -> tuple[int, int] | None:
