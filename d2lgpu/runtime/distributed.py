@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import datetime
 import os
@@ -34,17 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from d2lgpu.runtime.checks import (
-    check_positive_float,
-    check_positive_int,
-    positive_int_flag,
-    positive_number_flag,
-)
+from d2lgpu.runtime.checks import check_positive_float, check_positive_int
 from d2lgpu.runtime.gpus import apply_nccl_p2p_decision, num_gpus
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "CollectiveTimeout", "DistContext", "RemoteTraceback", "RankError",
-    "add_job_flags", "all_reduce_sum", "choose_backend", "end_process", "find_free_port",
+    "all_reduce_sum", "choose_backend", "end_process", "find_free_port",
     "launch", "mark_progress", "process_group", "exit_status_of", "run_together",
     "CommandResult",
 ]
@@ -54,22 +48,6 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 
 LOOPBACK = "127.0.0.1"
-
-
-def add_job_flags(parser: argparse.ArgumentParser, *, crash_point: str, data: bool = True) -> None:
-    """The flags every torchrun trainer shares: ``--data-root``, ``--quick``/``--full``
-    (left out with ``data=False``), ``--timeout`` and ``--fail-after-epoch``."""
-    if data:
-        parser.add_argument("--data-root", default=None, help="directory holding FashionMNIST/raw")
-        mode = parser.add_mutually_exclusive_group()
-        mode.add_argument("--quick", dest="quick", action="store_true", default=None,
-                          help="small balanced data subset (default: follow D2LGPU_QUICK)")
-        mode.add_argument("--full", dest="quick", action="store_false", help="the whole data set")
-    parser.add_argument("--timeout", type=positive_number_flag, default=DEFAULT_TIMEOUT_S,
-                        help="seconds a collective waits for the other ranks (default %(default)s)")
-    parser.add_argument("--fail-after-epoch", type=positive_int_flag, default=None,
-                        help=f"make the last rank crash once after {crash_point} "
-                        "(to try --max-restarts)")
 
 
 # --- Progress marks: which rank never arrived ---
