@@ -1,6 +1,5 @@
 """Tests of d2lgpu.devices: naming the CPU and GPUs, and refusing bad indices."""
 
-import os
 
 import numpy as np
 import pytest
@@ -396,14 +395,3 @@ def test_p2p_copy_check_runs(monkeypatch):
     # to copy between, and says OK.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpus._peer_copies_correct() == (True, "")
-
-
-def test_launcher_rank_environment_applies_the_decision(monkeypatch):
-    from d2lgpu.runtime import distributed
-
-    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
-    _fake_gpus(monkeypatch, ["Tesla T4", "Tesla T4"])
-    assert distributed._rank_environment()["NCCL_P2P_DISABLE"] == "1"
-    assert "NCCL_P2P_DISABLE" not in os.environ  # the ranks' copy only
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
-    assert distributed._rank_environment()["NCCL_P2P_DISABLE"] == "0"
