@@ -230,6 +230,21 @@ def synthetic_regression(num_examples: int, num_features: int, noise: float = 0.
     return X, y
 
 
+def _check_images_and_labels(images: object, labels: object) -> None:
+    """A ValueError unless ``images`` is uint8 [N, C, H, W] and ``labels`` N integer classes."""
+    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
+        got = (f"{images.dtype} of shape {tuple(images.shape)}"
+               if isinstance(images, torch.Tensor) else type(images).__name__)
+        raise ValueError(f"images must be a uint8 tensor [N, C, H, W], got {got}; d2lgpu."
+                         "fashion_mnist_tensors() returns one (or add a channel with unsqueeze(1))")
+    if not (isinstance(labels, torch.Tensor) and labels.dim() == 1
+            and not labels.is_floating_point() and labels.dtype != torch.bool):
+        raise ValueError("labels must be a 1-d tensor of integers, one class per image")
+    if not 0 < labels.numel() == images.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {labels.numel()} labels: they must "
+                         "match one to one (and not be empty)")
+
+
 def _normalization(mean: float | Sequence[float], std: float | Sequence[float],
                    channels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, shift), per channel, with ``x * scale + shift == (x / 255 - mean) / std``: one
@@ -258,18 +273,7 @@ class DeviceLoader:
                  drop_last: bool = False, mean: float | Sequence[float] = FASHION_MNIST_MEAN,
                  std: float | Sequence[float] = FASHION_MNIST_STD, channels_last: bool = False,
     ) -> None:
-        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 4:
-            got = (f"{images.dtype} of shape {tuple(images.shape)}"
-                   if isinstance(images, torch.Tensor) else type(images).__name__)
-            raise ValueError(f"images must be a uint8 tensor [N, C, H, W], got {got}; d2lgpu."
-                             "fashion_mnist_tensors() returns one (or add a channel with "
-                             "unsqueeze(1))")
-        if not (isinstance(labels, torch.Tensor) and labels.dim() == 1
-                and not labels.is_floating_point() and labels.dtype != torch.bool):
-            raise ValueError("labels must be a 1-d tensor of integers, one class per image")
-        if not 0 < labels.numel() == images.shape[0]:
-            raise ValueError(f"{images.shape[0]} images but {labels.numel()} labels: they must "
-                             "match one to one (and not be empty)")
+        _check_images_and_labels(images, labels)
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.shuffle = check_bool("shuffle", shuffle)
         self.drop_last = check_bool("drop_last", drop_last)
