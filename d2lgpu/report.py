@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from d2lgpu.chips import CUDA_13_DROPPED_BELOW, GPU_DATASHEETS, native_tensor_core_formats
+from d2lgpu.runtime.checks import error_line
 from d2lgpu.runtime.config import describe_mode
 from d2lgpu.runtime.gpus import (
     as_device,
@@ -431,9 +432,8 @@ def _read_gpu(index: int, pycuda_attributes: dict[str, int] | None, nvml: NvmlVi
     try:
         props = torch.cuda.get_device_properties(index)
     except Exception as exc:  # any failure of one GPU is reported, not raised
-        first = str(exc).strip().split("\n")[0]
         return GpuInfo(index, "?", (0, 0), None, None, 0, (), "", pycuda_attributes,
-                       error=f"properties: {type(exc).__name__}: {first}")
+                       error=f"properties: {error_line(exc)}")
     uuid, capability = str(props.uuid), (props.major, props.minor)
     free, total = None, props.total_memory
     for reading in nvml.gpus if uuid else ():  # an empty UUID would match every GPU

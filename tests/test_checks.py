@@ -17,6 +17,7 @@ from d2lgpu.runtime.checks import (
     check_tensor,
     check_training_loss,
     check_writable_path,
+    error_line,
     find_non_finite_batch,
     loss_diverged,
 )
@@ -147,3 +148,9 @@ def test_paths_that_cannot_be_written_are_refused_before_any_work(tmp_path):
         with pytest.raises(PermissionError, match="not writable"):
             check_writable_path("snapshot", locked / "s.pt")
     assert not Path(tmp_path / "new").exists()  # nothing was created
+
+
+def test_an_error_as_one_line_keeps_its_type_and_first_line():
+    assert error_line(RuntimeError("CUDA error: out of memory\nCompile with ...")) == (
+        "RuntimeError: CUDA error: out of memory")
+    assert error_line(ValueError()) == "ValueError: "

@@ -13,7 +13,7 @@ __all__ = [
     "DIVERGENCE_FACTOR", "check_batch", "check_bool", "check_capability", "check_finite_tensors",
     "check_loader", "check_module", "check_positive_float", "check_positive_int", "check_seed",
     "check_tensor", "check_training_loss", "check_warmup_repeats", "check_writable_path",
-    "find_non_finite_batch", "flag_type", "loss_diverged", "positive_int_flag",
+    "error_line", "find_non_finite_batch", "flag_type", "loss_diverged", "positive_int_flag",
     "positive_number_flag", "seed_flag",
 ]
 
@@ -90,6 +90,12 @@ def flag_type(check: Callable[[str, object], object], parse: type) -> Callable[[
 positive_int_flag = flag_type(check_positive_int, int)
 seed_flag = flag_type(lambda _name, value: check_seed(value), int)
 positive_number_flag = flag_type(check_positive_float, float)
+
+
+def error_line(error: BaseException) -> str:
+    """An error as one line of a message: ``"TypeName: the first line of its text"``."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _given(value: object) -> str:
