@@ -223,15 +223,26 @@ def _check_loaders(device_data: bool, train_iter: object, test_iter: object) -> 
         checks.check_loader(name, loader)
 
 
+def _model_and_optimizer(
+    net: nn.Module, techniques: Techniques, device: torch.device, lr: float
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``net`` moved to ``device`` in the techniques' layout, the model to call (compiled or
+    not) and the SGD that updates ``net``'s weights (fused or not)."""
+    net.to(device, memory_format=torch.channels_last if techniques.channels_last
+           else torch.preserve_format)
+    optimizer = (make_sgd(net.parameters(), lr, device) if techniques.fused_optimizer
+                 else torch.optim.SGD(net.parameters(), lr=lr))
+    return compile_model(net, techniques, device), optimizer
+
+
 def train_fast(
     net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,
     device: torch.device | str, *, techniques: Techniques | None = None, seed: int | None = 0,
     precision: str | None = None, progress: bool = True,
 ) -> History:
     """Chapter 4's :func:`d2lgpu.train` on one ``device`` with the switches of ``techniques``
-    (None: :meth:`Techniques.fast`) (chapter 7). With ``device_data``
-    the loaders hold the data on the device (:func:`d2lgpu.fashion_mnist_on_device`);
-    ``precision`` overrides the techniques' word."""
+    (None: :meth:`Techniques.fast`) (chapter 7); with ``device_data`` the loaders hold the data
+    there (:func:`d2lgpu.fashion_mnist_on_device`). ``precision`` overrides their word."""
     checks.check_module("net", net)
     checks.check_positive_int("num_epochs", num_epochs)
     checks.check_positive_float("lr", lr)
@@ -249,11 +260,7 @@ def train_fast(
         if hasattr(train_iter, "manual_seed"):  # a DeviceLoader shuffles with its own generator
             train_iter.manual_seed(seed)
     init_weights(net)  # fresh weights, as chapter 4's train starts
-    net.to(device, memory_format=torch.channels_last if techniques.channels_last
-           else torch.preserve_format)
-    model = compile_model(net, techniques, device)
-    optimizer = (make_sgd(net.parameters(), lr, device) if techniques.fused_optimizer
-                 else torch.optim.SGD(net.parameters(), lr=lr))
+    model, optimizer = _model_and_optimizer(net, techniques, device, lr)
     policy = precision_policy(device, techniques.precision)
     scaler = policy.make_scaler()
     # fp16 overflows above 65504: the divergence message says so
