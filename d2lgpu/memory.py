@@ -52,11 +52,17 @@ def parameter_bytes(model: nn.Module) -> int:
     return storage_bytes(model.parameters())
 
 
+def check_optimizer(name: object) -> str:
+    """``name`` if it is one of :data:`OPTIMIZERS`; else a ValueError listing them."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
+    return name
+
+
 def make_optimizer(name: str, params: Iterable[nn.Parameter],
                    lr: float = 0.01) -> torch.optim.Optimizer:
     """One of :data:`OPTIMIZERS` by name: ``"sgd"``, ``"sgd_momentum"`` (0.9) or ``"adam"``."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, got {name!r}")
+    check_optimizer(name)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
     return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "sgd_momentum" else 0.0)

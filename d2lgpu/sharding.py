@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from d2lgpu.memory import OPTIMIZERS, make_optimizer, storage_bytes
+from d2lgpu.memory import check_optimizer, make_optimizer, storage_bytes
 from d2lgpu.models import MLPBlock, residual_mlp
 from d2lgpu.runtime.checks import (
     check_bool,
@@ -96,9 +96,7 @@ class TrainPlan:
         check_positive_float("lr", self.lr)
         check_seed(self.seed)
         check_bool("shuffle", self.shuffle)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {tuple(OPTIMIZERS)}, "
-                             f"got {self.optimizer!r}")
+        check_optimizer(self.optimizer)
         fix = "Find the broken examples with (~images.isfinite()).flatten(1).any(1)"
         check_finite_tensors("images", [self.images], fix=fix)
         if len(self.images) != len(self.labels):
