@@ -1,7 +1,8 @@
 """Distributed checkpoints that a run can trust and resume from: torch.distributed.checkpoint
 (DCP) directories, one per step, with a SHA-256 of every file, an atomic rename, and errors
-that name the damage and the way on. Chapter 8 writes the plain DCP calls in its cells; the
-entry points (``ddp_train``, ``fsdp_train``, ``model_parallel_train``) resume through this."""
+that name the damage and the way on. Chapter 8 writes the plain DCP calls in its cells, and
+its FSDP run saves through :class:`Checkpoints`; the entry points resume through
+:func:`resume_latest` (``fsdp_train`` and ``model_parallel_train`` by their Checkpoints hooks)."""
 
 from __future__ import annotations
 
