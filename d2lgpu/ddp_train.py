@@ -24,14 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from d2lgpu.devices import try_gpu
 from d2lgpu.precision import PRECISIONS, PrecisionPolicy, check_precision, precision_policy
-from d2lgpu.runtime.checkpoints import (
-    CheckpointError,
-    check_resumable,
-    latest_checkpoint,
-    load_checkpoint,
-    read_checkpoint_extra,
-    save_checkpoint,
-)
+from d2lgpu.runtime.checkpoints import CheckpointError, Checkpoints
 from d2lgpu.runtime.checks import (
     check_bool,
     check_positive_float,
@@ -190,7 +183,7 @@ def train_ddp(cfg: DDPConfig, ctx: DistContext | None, data: Tensors4,
               device: torch.device | None = None, hooks: Any = None) -> DDPResult:
     """Train ``cfg.model`` on ``data`` with DDP inside the process group ``ctx`` (chapter 5);
     ``ctx=None`` trains in this one process, the baseline DDP must reproduce. ``hooks``: the
-    command line's resume, checkpoints and crash on purpose (``_Checkpoints``)."""
+    command line's resume, checkpoints and crash on purpose (``_EntryHooks``)."""
     world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
     _check_data(data)
     if cfg.batch_size % world_size:
@@ -205,7 +198,7 @@ def train_ddp(cfg: DDPConfig, ctx: DistContext | None, data: Tensors4,
     scaler = policy.make_scaler()
     result = DDPResult(world_size=world_size, backend=ctx.backend if ctx else "none",
                        device=str(device))
-    start_loss = hooks.resume(result, model, optimizer, scaler, ctx) if hooks else None
+    start_loss = hooks.restore(result, model, optimizer, scaler, ctx) if hooks else None
     # DDP's hooks all-reduce gradient buckets while backward is still running.
     net = model if ctx is None else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -255,50 +248,33 @@ _HISTORY = ("train_loss", "train_acc", "test_acc", "epoch_seconds", "examples_pe
 
 
 @dataclass
-class _Checkpoints:
-    """:func:`train_ddp`'s hooks on the command line: continue from the newest checkpoint
-    under ``root`` (checked when made, before any data loads), write one after every epoch,
-    and make the last rank crash once after epoch ``fail_after_epoch``, on the first attempt."""
+class _EntryHooks(Checkpoints):
+    """The runtime's checkpoint hooks as the command line runs :func:`train_ddp`: a checkpoint
+    after every epoch (a step here) holding the history too, which a resumed run takes back,
+    and a crash of the last rank after epoch ``fail_after_epoch``, on the first attempt only."""
 
-    root: str
-    config: dict[str, Any]  # the settings a resumed run must repeat, by their flags
-    epochs: int
+    epochs: int = 1
     fail_after_epoch: int | None = None
 
-    def __post_init__(self) -> None:
-        self.path = latest_checkpoint(self.root)
-        self.extra = {} if self.path is None else read_checkpoint_extra(self.path)
-        if self.path is None:
-            return
-        check_resumable(self.extra, self.config, self.path)
-        if self.extra["step"] >= self.epochs:
-            raise CheckpointError(
-                f"checkpoint {self.path} already holds {self.extra['step']} epochs, and --epochs "
-                f"{self.epochs} is the total, not the number to add: pass --epochs "
-                f"{self.extra['step'] + 1} or more; or, to start fresh, delete {self.root} or "
-                "pass another --checkpoint-dir")
-
-    def resume(self, result: DDPResult, model: nn.Module, optimizer: torch.optim.Optimizer,
-               scaler: torch.amp.GradScaler, ctx: DistContext | None) -> float | None:
-        if self.path is None:
+    def restore(self, result: DDPResult, model: nn.Module, optimizer: torch.optim.Optimizer,
+                scaler: torch.amp.GradScaler, ctx: DistContext | None) -> float | None:
+        resumed = self.resume(model, optimizer, scaler, {}, end=self.epochs)
+        if resumed.path is None:
             return None
-        load_checkpoint(self.path, model, optimizer)
-        if self.extra["scaler"]:  # empty unless fp16 scales the loss
-            scaler.load_state_dict(self.extra["scaler"])
         for key in _HISTORY:
-            getattr(result, key).extend(self.extra["history"][key])
-        result.resumed_from_epoch = self.extra["step"]
+            getattr(result, key).extend(resumed.extra["history"][key])
+        result.resumed_from_epoch = resumed.step
         if ctx is None or ctx.is_main:
-            print(f"resuming from {self.path} after epoch {self.extra['step']}", flush=True)
-        return self.extra["start_loss"]
+            print(f"resuming from {resumed.path} after epoch {resumed.step}", flush=True)
+        return resumed.extra["start_loss"]
 
     def after_epoch(self, result: DDPResult, start_loss: float, model: nn.Module,
                     optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                     ctx: DistContext | None) -> None:
         done = result.num_epochs
-        extra = {"history": {key: getattr(result, key) for key in _HISTORY}, "config": self.config,
-                 "start_loss": start_loss, "scaler": scaler.state_dict()}
-        save_checkpoint(self.root, done, model, optimizer, extra)  # every rank, and a barrier
+        extra = {"history": {key: getattr(result, key) for key in _HISTORY},
+                 "start_loss": start_loss}
+        self.after_step(done, model, optimizer, scaler, {}, self.epochs, extra)  # every rank
         rank, last = (ctx.rank, ctx.world_size - 1) if ctx else (0, 0)
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         if self.fail_after_epoch == done and rank == last and not restarted:
@@ -330,11 +306,11 @@ def main(argv: Sequence[str] | None = None) -> DDPResult:
     from d2lgpu.data import fashion_mnist_tensors
 
     cfg, args = _parse_args(argv)
-    hooks = None
-    if args.checkpoint_dir is not None:
-        config = {"--model": cfg.model, "--batch-size": cfg.batch_size, "--lr": cfg.lr,
-                  "--seed": cfg.seed, "--precision": cfg.precision, "--quick": args.quick}
-        hooks = _Checkpoints(args.checkpoint_dir, config, cfg.epochs, args.fail_after_epoch)
+    # The settings a resumed run must repeat, by their flags.
+    config = {"--model": cfg.model, "--batch-size": cfg.batch_size, "--lr": cfg.lr,
+              "--seed": cfg.seed, "--precision": cfg.precision, "--quick": args.quick}
+    hooks = _EntryHooks(args.checkpoint_dir, config=config, epochs=cfg.epochs,
+                        fail_after_epoch=args.fail_after_epoch)
     data = (*fashion_mnist_tensors(train=True, root=args.data_root, quick=args.quick),
             *fashion_mnist_tensors(train=False, root=args.data_root, quick=args.quick))
     if "RANK" not in os.environ:
