@@ -392,6 +392,58 @@ def test_fsdp_run_saves_every_save_every_steps(tmp_path, one_rank):
     assert _max_abs_diff(model.state_dict(), result.state_dict) == 0.0
 
 
+@needs_fsdp2_on_cpu
+def test_fsdp_train_sets_tf32_while_training_resumes_and_refuses_other_settings(
+    tmp_path, monkeypatch, capsys
+):
+    """The entry point in this process, as torchrun's one rank: the device's policy for
+    --precision tf32 (a CUDA device's, here) holds TF32 on while training only; started again
+    with more epochs it resumes, with another learning rate it is refused."""
+    import d2lgpu.fsdp_train as fsdp_train
+    import d2lgpu.sharding as sharding
+    from d2lgpu.runtime.checkpoints import CheckpointError
+
+    gen = torch.Generator().manual_seed(0)
+    data = {train: (torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=gen),
+                    torch.randint(0, 10, (n,), generator=gen)) for train, n in ((True, 48),
+                                                                             (False, 12))}
+    monkeypatch.setattr("d2lgpu.data.fashion_mnist_tensors",
+                        lambda train, root, quick: data[train])
+    policy = fsdp_train.precision_policy
+    monkeypatch.setattr(fsdp_train, "precision_policy",
+                        lambda device, word: replace(policy(device, word), device_type="cuda"))
+    seen = []
+    train_step = sharding._train_step
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return train_step(*args, **kwargs)
+
+    monkeypatch.setattr(sharding, "_train_step", spy)
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": ""}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def run(*flags: str):
+        monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+        return fsdp_train.main(["--batch-size=12", "--precision=tf32", "--quick",
+                                f"--checkpoint-dir={tmp_path}", *flags])
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        first = run("--epochs=1")
+        assert seen == ["high"] * 4 and torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    resumed = run("--epochs=2")
+    assert f"resuming from {tmp_path / 'step-000004'} (step 4)" in capsys.readouterr().out
+    assert resumed.losses[:4] == first.losses and len(resumed.losses) == 8
+    with pytest.raises(CheckpointError, match="learning rate 0.001 in the checkpoint, 0.01 now"):
+        run("--epochs=3", "--lr=0.01")
+
+
 def _flip_bytes(path: Path, count: int = 64) -> None:
     data = bytearray(path.read_bytes())
     middle = len(data) // 2
