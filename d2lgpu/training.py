@@ -87,6 +87,8 @@ def evaluate_accuracy(net: nn.Module, data_iter: Iterable, device: torch.device)
             X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
             correct += (net(X).argmax(dim=1) == y).sum()
             total += y.numel()
+    if total == 0:  # an iterator without a length passes check_loader even when it is empty
+        raise ValueError("data_iter gave no examples: evaluate_accuracy needs a non-empty test set")
     return correct.item() / total
 
 

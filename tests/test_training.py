@@ -91,6 +91,11 @@ def test_evaluate_accuracy_counts():
     assert evaluate_accuracy(net, loader, "cpu") == 0.5
 
 
+def test_evaluate_accuracy_names_an_empty_test_set():
+    with pytest.raises(ValueError, match="no examples.*non-empty test set"):
+        evaluate_accuracy(ConstantClassifier(), iter([]), torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(num_epochs=1, lr=0.0), "lr"), (dict(num_epochs=1, lr=-0.1), "lr"),
