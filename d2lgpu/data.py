@@ -9,13 +9,12 @@ import hashlib
 import math
 import os
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.utils import data
 
-from d2lgpu.devices import try_gpu
 from d2lgpu.runtime.checks import check_bool, check_positive_int, check_seed, check_writable_path
 from d2lgpu.runtime.config import (
     DATA_ENV,
@@ -245,42 +244,22 @@ def _check_images_and_labels(images: object, labels: object) -> None:
                          "match one to one (and not be empty)")
 
 
-def _normalization(mean: float | Sequence[float], std: float | Sequence[float],
-                   channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, shift), per channel, with ``x * scale + shift == (x / 255 - mean) / std``: one
-    multiply and one add per element. The statistics are checked: a NaN would spoil every batch."""
-    stats = []
-    for name, given in (("mean", mean), ("std", std)):
-        values = torch.as_tensor(given, dtype=torch.float32).reshape(1, -1, 1, 1)
-        if values.numel() not in (1, channels):
-            raise ValueError(f"{name} has {values.numel()} values, but the images have {channels} "
-                             f"channel{'s' if channels != 1 else ''}: give one value for all "
-                             "channels or one per channel")
-        if not values.isfinite().all() or (name == "std" and not (values > 0).all()):
-            rule = "finite and positive" if name == "std" else "finite"
-            raise ValueError(f"{name} must be {rule}, got {given!r}")
-        stats.append(values)
-    mean_t, std_t = stats
-    return 1.0 / (255.0 * std_t), -mean_t / std_t
-
-
 class DeviceLoader:
-    """Batches ``(X, y)`` cut from uint8 images that live on ``device``, normalised there to
-    ``(x / 255 - mean) / std`` (chapter 7), shuffled on the device by a seeded generator."""
+    """Batches ``(X, y)`` cut from uint8 images that live on ``device``, normalised there with
+    Fashion-MNIST's statistics (chapter 7), shuffled on the device by a seeded generator."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, *,
-                 device: torch.device | str | None = None, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False, mean: float | Sequence[float] = FASHION_MNIST_MEAN,
-                 std: float | Sequence[float] = FASHION_MNIST_STD, channels_last: bool = False,
-    ) -> None:
+                 device: torch.device | str, shuffle: bool = False, seed: int = 0,
+                 channels_last: bool = False) -> None:
         _check_images_and_labels(images, labels)
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.shuffle = check_bool("shuffle", shuffle)
-        self.drop_last = check_bool("drop_last", drop_last)
         self.channels_last = check_bool("channels_last", channels_last)
-        self.device = try_gpu() if device is None else require_cuda_device(device, "DeviceLoader")
-        scale, shift = _normalization(mean, std, images.shape[1])
-        self._scale, self._shift = scale.to(self.device), shift.to(self.device)
+        self.device = require_cuda_device(device, "DeviceLoader")
+        # x * scale + shift == (x / 255 - mean) / std: one multiply and one add per element
+        std = torch.tensor(FASHION_MNIST_STD)
+        self._scale = (1.0 / (255.0 * std)).to(self.device)
+        self._shift = (-torch.tensor(FASHION_MNIST_MEAN) / std).to(self.device)
         self.images = images.to(self.device).contiguous()  # stays uint8 on the device
         self.labels = labels.to(self.device, torch.int64)
         self.generator = torch.Generator(device=self.device)
@@ -292,9 +271,7 @@ class DeviceLoader:
 
     @property
     def num_examples(self) -> int:
-        """Examples per epoch (a dropped partial batch not counted)."""
-        n = self.images.shape[0]
-        return n - n % self.batch_size if self.drop_last else n
+        return self.images.shape[0]
 
     def __len__(self) -> int:
         return math.ceil(self.num_examples / self.batch_size)
@@ -305,15 +282,15 @@ class DeviceLoader:
         return X.contiguous(memory_format=torch.channels_last) if self.channels_last else X
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        n = self.images.shape[0]
+        n = self.num_examples
         order = (torch.randperm(n, device=self.device, generator=self.generator) if self.shuffle
                  else torch.arange(n, device=self.device))
         # split() only slices the index tensor: no kernel launches, no host sync.
-        for idx in order[: self.num_examples].split(self.batch_size):
+        for idx in order.split(self.batch_size):
             yield self.normalize(self.images[idx]), self.labels[idx]
 
 
-def fashion_mnist_on_device(batch_size: int, device: torch.device | str | None = None, *,
+def fashion_mnist_on_device(batch_size: int, device: torch.device | str, *,
                             root: str | Path | None = None, quick: bool | None = None,
                             seed: int = 0, test_batch_size: int | None = None,
 ) -> tuple[DeviceLoader, DeviceLoader]:

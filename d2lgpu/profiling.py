@@ -719,8 +719,6 @@ def ablation_data(
     """The first ``train_size``/``test_size`` Fashion-MNIST examples (None: all) as DataLoaders
     and as :class:`d2lgpu.DeviceLoader` s on ``device``, for :func:`run_ablation` (chapter 7),
     from the quick subsets when ``quick`` (None: in quick and smoke mode)."""
-    device = as_device(device)
-    quick = small_data() if quick is None else quick
     loaders, resident = [], []
     for loader, size, train in zip(load_data_fashion_mnist(batch_size, quick=quick),
                                    (train_size, test_size), (True, False), strict=True):

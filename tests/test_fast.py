@@ -58,15 +58,6 @@ def test_each_epoch_is_a_permutation_with_an_explicit_last_batch():
             assert torch.equal(X, expected)
 
 
-def test_drop_last_gives_equal_batches_without_repeats():
-    images, labels = indexed_data(103)
-    loader = DeviceLoader(images, labels, 10, device=CPU, shuffle=True, drop_last=True)
-    batches = epoch_labels(loader)
-    assert len(loader) == len(batches) == 10 and loader.num_examples == 100
-    assert all(y.numel() == 10 for y in batches)
-    assert torch.cat(batches).unique().numel() == 100
-
-
 def test_shuffling_is_seeded_and_differs_between_epochs():
     images, labels = indexed_data(200)
 
@@ -94,20 +85,12 @@ def test_without_shuffle_batches_come_in_order():
 def test_normalisation_values_and_uint8_storage():
     values = torch.tensor([0, 51, 128, 255], dtype=torch.uint8)
     images = values.reshape(4, 1, 1, 1).expand(4, 1, 2, 2).contiguous()
-    loader = DeviceLoader(images, torch.arange(4), 4, device=CPU, mean=0.25, std=0.5)
+    loader = DeviceLoader(images, torch.arange(4), 4, device=CPU)
     assert loader.images.dtype == torch.uint8 and loader.images.device == CPU
     (X, _), = list(loader)
-    expected = (values.double() / 255 - 0.25) / 0.5
+    expected = (values.double() / 255 - FASHION_MNIST_MEAN) / FASHION_MNIST_STD
     torch.testing.assert_close(X[:, 0, 0, 0].double(), expected, rtol=0, atol=1e-6)
     assert loader.images.dtype == torch.uint8  # batches are converted, the store is not
-
-
-def test_per_channel_normalisation():
-    images = torch.full((2, 3, 2, 2), 255, dtype=torch.uint8)
-    loader = DeviceLoader(images, torch.zeros(2, dtype=torch.int64), 2, device=CPU,
-                          mean=(0.0, 0.5, 1.0), std=(1.0, 0.5, 0.25))
-    (X, _), = list(loader)
-    torch.testing.assert_close(X[0, :, 0, 0], torch.tensor([1.0, 1.0, 0.0]))
 
 
 def test_default_statistics_are_those_of_fashion_mnist():
@@ -136,43 +119,17 @@ def test_channels_last_batches():
 
 
 @pytest.mark.parametrize(
-    "images, labels, kwargs, message",
+    "images, labels, message",
     [
-        (torch.zeros(4, 1, 2, 2), torch.zeros(4, dtype=INT), {}, "uint8"),
-        (torch.zeros(4, 2, 2, dtype=U8), torch.zeros(4, dtype=INT), {}, "unsqueeze"),
-        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(3, dtype=INT), {}, "match"),
-        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(4), {}, "integers"),
-        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(4, dtype=INT), {"std": 0.0}, "positive"),
-        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(4, dtype=INT), {"mean": (0.1, 0.2)},
-         "per channel"),
+        (torch.zeros(4, 1, 2, 2), torch.zeros(4, dtype=INT), "uint8"),
+        (torch.zeros(4, 2, 2, dtype=U8), torch.zeros(4, dtype=INT), "unsqueeze"),
+        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(3, dtype=INT), "match"),
+        (torch.zeros(4, 1, 2, 2, dtype=U8), torch.zeros(4), "integers"),
     ],
 )
-def test_bad_loader_input_is_a_clear_error(images, labels, kwargs, message):
+def test_bad_loader_input_is_a_clear_error(images, labels, message):
     with pytest.raises(ValueError, match=message):
-        DeviceLoader(images, labels, 2, device=CPU, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [({"mean": float("nan")}, "mean must be finite"),
-     ({"mean": -float("inf")}, "mean must be finite"),
-     ({"std": float("nan")}, "std must be finite"),
-     ({"std": float("inf")}, "std must be finite")],
-)
-def test_non_finite_statistics_are_rejected(kwargs, message):
-    # NaN would otherwise turn every batch into NaN without a word.
-    images, labels = indexed_data(4)
-    with pytest.raises(ValueError, match=message):
-        DeviceLoader(images, labels, 2, device=CPU, **kwargs)
-
-
-def test_wrong_number_of_statistics_names_the_channels():
-    images, labels = indexed_data(4)  # one channel
-    with pytest.raises(ValueError, match=r"mean has 2 values, but the images have 1 channel"):
-        DeviceLoader(images, labels, 2, device=CPU, mean=[1, 2])
-    rgb = torch.zeros(4, 3, 2, 2, dtype=U8)
-    with pytest.raises(ValueError, match=r"std has 2 values, but the images have 3 channels"):
-        DeviceLoader(rgb, labels, 2, device=CPU, std=[1, 2])
+        DeviceLoader(images, labels, 2, device=CPU)
 
 
 @pytest.mark.parametrize("test_batch_size", [0, -5, 2.5])
@@ -598,7 +555,7 @@ def test_gpu_fast_path_with_cuda_graphs_learns():
 def test_device_loader_refuses_string_booleans():
     images = torch.zeros(4, 1, 2, 2, dtype=torch.uint8)
     labels = torch.zeros(4, dtype=torch.long)
-    for name, value in (("shuffle", "no"), ("drop_last", "false"), ("channels_last", 1)):
+    for name, value in (("shuffle", "no"), ("channels_last", 1)):
         with pytest.raises(TypeError, match=f"{name} must be True or False"):
             DeviceLoader(images, labels, 2, device=CPU, **{name: value})
 
