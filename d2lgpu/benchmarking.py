@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from d2lgpu.runtime.checks import check_positive_int, check_warmup_repeats
+from d2lgpu.runtime.checks import check_positive_int, check_warmup_repeats, error_line
 from d2lgpu.timing import (
     DeviceLike,
     Timing,
@@ -245,7 +245,7 @@ def multiply_add_benchmark(device: DeviceLike, numel: int, *, steps: int, step: 
         # compiled with fullgraph=True, dynamo raises where it would fall back to eager mode
         raise RuntimeError(
             f"the compiled {variant!r} step did not run compiled on {dev} at {numel:,} floats "
-            f"({_first_line(err)}). Call torch._dynamo.reset() before timing each device "
+            f"({error_line(err)}). Call torch._dynamo.reset() before timing each device "
             "(multiply_add_sweep does), or drop the compiled variant."
         ) from err
     achieved = gbps(multiply_add_bytes(numel, a.element_size(), steps, tensor_passes),
@@ -299,11 +299,6 @@ def multiply_add_table(rows: Sequence[ElementwiseRow]) -> list[list[Any]]:
     return table
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _reset_dynamo() -> None:
     import torch._dynamo  # loaded already wherever torch.compile made a step
 
@@ -328,7 +323,7 @@ def compile_or_reason(step: StepFn, device: DeviceLike, *,
         if not torch.allclose(got, step(torch.zeros_like(a), a, b)):
             return None, "torch.compile ran but its result differs from eager mode"
     except Exception as err:  # any failure means "not usable here"; the reason is shown
-        return None, f"torch.compile is not usable here: {_first_line(err)}"
+        return None, f"torch.compile is not usable here: {error_line(err)}"
     return compiled, f"torch.compile (backend={backend!r}) works here"
 
 

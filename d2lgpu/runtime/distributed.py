@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from d2lgpu.runtime.checks import check_positive_float, check_positive_int
+from d2lgpu.runtime.checks import check_positive_float, check_positive_int, error_line
 from d2lgpu.runtime.gpus import apply_nccl_p2p_decision, num_gpus
 
 __all__ = [
@@ -147,7 +147,7 @@ def _explain_timeout(
         missing = "which rank did not arrive is unknown (the job's store is gone)"
     return CollectiveTimeout(
         f"rank {rank} of {world_size} timed out in a collective after timeout_s={timeout_s:g} s: "
-        f"{missing}. {NCCL_ADVICE}. ({type(exc).__name__}: {_first_line(str(exc))})",
+        f"{missing}. {NCCL_ADVICE}. ({error_line(exc)})",
         rank, laggards,
     )
 
@@ -307,7 +307,7 @@ def _open_store(
         return outcome["store"]
     where = f"{host}:{port}"
     error = None if timed_out else outcome.get("error")
-    reason = f" ({type(error).__name__}: {_first_line(str(error))})" if error else ""
+    reason = f" ({error_line(error)})" if error else ""
     if serve:
         raise RuntimeError(
             f"rank {rank} could not serve the rendezvous at {where}{reason}: another program, an "
