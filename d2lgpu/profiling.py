@@ -4,6 +4,7 @@ fast path as an ablation, and torch.compile's graph breaks and modes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import itertools
 import json
@@ -575,16 +576,13 @@ ABLATION_LABELS: dict[str | None, str] = {
 
 @dataclass(frozen=True)
 class AblationStep:
-    """One row of the ablation: the techniques on so far, or why this row's technique is
-    skipped (then ``techniques`` are the previous row's) (chapter 7)."""
+    """One row of the ablation: its label, the techniques on so far, or why this row's
+    technique is skipped (then ``techniques`` are the previous row's) (chapter 7)."""
 
     technique: str | None  # None for the baseline
+    label: str
     techniques: Techniques
     skip_reason: str | None = None
-
-    @property
-    def label(self) -> str:
-        return ABLATION_LABELS[self.technique]
 
 
 def ablation_plan(
@@ -599,13 +597,13 @@ def ablation_plan(
         raise ValueError(f"skip names unknown techniques {sorted(set(skip) - set(TECHNIQUES))}; "
                          f"see {TECHNIQUES}")
     current = Techniques.d2l_style()
-    plan = [AblationStep(None, current)]
+    plan = [AblationStep(None, ABLATION_LABELS[None], current)]
     for name in TECHNIQUES:
         reason = skip.get(name) or technique_skip_reason(name, device)
         if reason is None:
             on = "auto" if name == "precision" else True
             current = dataclasses.replace(current, **{name: on})
-        plan.append(AblationStep(name, current, reason))
+        plan.append(AblationStep(name, ABLATION_LABELS[name], current, reason))
     return plan
 
 
@@ -759,21 +757,17 @@ def count_technique_effect(
     """What switching ``technique`` on (on top of ``before``) changes, counted without it and
     with it on the first 4 of ``batches``, in ``COUNT_UNITS[technique]`` (chapter 7)."""
     batches = list(itertools.islice(iter(batches), 4))
-    if technique == "no_sync":
-        per_step = []
-        for no_sync in (False, True):
+    if technique == "no_sync":  # epochs of 2 and 4 steps: what an epoch's end reads cancels
+        reads = {}
+        for no_sync, n in itertools.product((False, True), (2, 4)):
             switches = dataclasses.replace(before, no_sync=no_sync)
             policy = precision.precision_policy(device, switches.precision)
-            reads = []
-            for n in (2, 4):  # epochs of 2 and 4 steps: what an epoch's end reads cancels
-                net = make_model().to(device)
-                optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-                with torch.profiler.profile(activities=profiler_activities(device)) as prof:
-                    fast_epoch(net, batches[:n], optimizer, device, policy, policy.make_scaler(),
-                               switches, tqdm(disable=True))
-                reads.append(sum(e.name == "aten::_local_scalar_dense" for e in prof.events()))
-            per_step.append((reads[1] - reads[0]) / 2)
-        return per_step[0], per_step[1]
+            net = make_model().to(device)
+            events = _profiled_events(functools.partial(
+                fast_epoch, net, batches[:n], torch.optim.SGD(net.parameters(), lr=lr), device,
+                policy, policy.make_scaler(), switches, tqdm(disable=True)))
+            reads[no_sync, n] = sum(e.name == "aten::_local_scalar_dense" for e in events)
+        return (reads[False, 4] - reads[False, 2]) / 2, (reads[True, 4] - reads[True, 2]) / 2
     X, y = batches[0]
     if technique == "precision":
         saved = []
