@@ -115,8 +115,7 @@ def train_epoch(model: nn.Module, train_iter: Iterable, optimizer: torch.optim.O
 
 
 def start_run(net: nn.Module, seed: int | None, init: bool) -> None:
-    """Seed (unless ``seed`` is None), then fresh weights, or with ``init=False`` a check that
-    the weights kept are finite (chapter 4)."""
+    """Seed (unless None), then fresh weights, or with ``init=False`` check the kept are finite."""
     if seed is not None:
         set_seed(seed)
     if init:
