@@ -744,6 +744,7 @@ COUNT_UNITS = {
 
 
 def _profiled_events(fn: Callable[[], Any]) -> list:
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else Kineto logs every start and stop
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return prof.events()

@@ -442,6 +442,12 @@ def test_mfu_note_on_a_cpu():
     assert "989" in P.mfu_note(CPU, 989.0)
 
 
+def test_counting_keeps_kinetos_start_and_stop_lines_quiet(monkeypatch):
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    events = P._profiled_events(lambda: torch.ones(2).sum())
+    assert os.environ["KINETO_LOG_LEVEL"] == "6" and any(e.name == "aten::sum" for e in events)
+
+
 def test_ablation_data_holds_the_same_examples_both_ways():
     (train_iter, test_iter), (train_res, test_res) = P.ablation_data(
         32, CPU, train_size=100, test_size=50, quick=False)
