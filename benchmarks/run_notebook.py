@@ -56,8 +56,10 @@ def finish_widget_bars(nb) -> None:
     whose state is gone (closed with leave=False: JupyterLab shows nothing there)."""
     states = nb.metadata.get("widgets", {}).get(_WIDGET_STATE, {}).get("state", {})
     for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
         kept = []
-        for output in cell.get("outputs", []):
+        for output in cell.outputs:
             view = output.get("data", {}).get(_WIDGET_VIEW)
             if view is None:
                 kept.append(output)

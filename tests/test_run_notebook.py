@@ -80,7 +80,8 @@ def _widget_bar_notebook(left: str, value: float, total: float, right: str, hidd
     }
     nb = nbformat.v4.new_notebook()
     nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": states}}
-    nb.cells = [nbformat.v4.new_code_cell("for _ in tqdm(range(20)): ...")]
+    nb.cells = [nbformat.v4.new_code_cell("for _ in tqdm(range(20)): ..."),
+                nbformat.v4.new_markdown_cell("A markdown cell has no outputs, and gets none.")]
     nb.cells[0].outputs = [nbformat.v4.new_output(
         "display_data", data={"text/plain": "study runs:   0%|          | 0/20 [00:00<?, ?it/s]",
                               "application/vnd.jupyter.widget-view+json": {"model_id": "box"}})]
@@ -94,6 +95,10 @@ def test_a_widget_bar_is_committed_with_its_last_frame_as_text():
     run_notebook.finish_widget_bars(nb)
     assert nb.cells[0].outputs[0]["data"]["text/plain"] == (
         "study runs: 100%|██████████| 20/20 [00:49<00:00,  2.48s/it]")
+    assert "outputs" not in nb.cells[1]
+    import nbformat
+
+    nbformat.validate(nb)
     # A bar stopped part way (an error) shows where it stopped.
     nb = _widget_bar_notebook("broken:\u2007\u200740%", 4.0, 10.0, "\u20074/10")
     run_notebook.finish_widget_bars(nb)
