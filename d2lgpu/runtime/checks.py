@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-from collections.abc import Callable
 from numbers import Real
 from pathlib import Path
 
@@ -13,8 +11,7 @@ __all__ = [
     "DIVERGENCE_FACTOR", "check_batch", "check_bool", "check_capability", "check_finite_tensors",
     "check_loader", "check_module", "check_positive_float", "check_positive_int", "check_seed",
     "check_tensor", "check_training_loss", "check_warmup_repeats", "check_writable_path",
-    "error_line", "find_non_finite_batch", "flag_type", "loss_diverged", "positive_int_flag",
-    "positive_number_flag", "seed_flag",
+    "error_line", "find_non_finite_batch", "loss_diverged",
 ]
 
 
@@ -64,32 +61,6 @@ def check_positive_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
-
-
-def flag_type(check: Callable[[str, object], object], parse: type) -> Callable[[str], object]:
-    """An argparse ``type=`` that parses with ``parse`` and checks with ``check`` (a usage
-    error, exit 2, when either refuses)."""
-
-    def convert(text: str) -> object:
-        try:
-            value = parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be {'an int' if parse is int else 'a number'}, got {text!r}"
-            ) from None
-        try:
-            return check("value", value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
-
-    convert.__name__ = check.__name__.removeprefix("check_")
-    return convert
-
-
-#: argparse types for the command-line trainers: a positive int, a seed, a positive number.
-positive_int_flag = flag_type(check_positive_int, int)
-seed_flag = flag_type(lambda _name, value: check_seed(value), int)
-positive_number_flag = flag_type(check_positive_float, float)
 
 
 def error_line(error: BaseException) -> str:
