@@ -34,3 +34,30 @@ def restore_matmul_settings():
     torch.set_float32_matmul_precision(precision)
     torch.backends.cuda.matmul.fp32_precision = words[0]
     torch.backends.mkldnn.matmul.fp32_precision = mkldnn
+
+
+#: Variables that pytest, torch.compile and the package's profiling (Kineto's log level, kept
+#: quiet for the whole process on purpose) set for the process themselves.
+_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_", "KINETO_LOG_LEVEL")
+
+
+@pytest.fixture(autouse=True)
+def _environment_unchanged():
+    """Fail a test that leaves os.environ changed: the notebook kernels and the ranks that later
+    tests of this worker start inherit it (a leaked NCCL_P2P_DISABLE=1 changed what chapter 4
+    printed). monkeypatch.setenv/delenv restore, provided the first call sees the old value."""
+    import os
+
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    changed = sorted(k for k in before.keys() | after.keys()
+                     if before.get(k) != after.get(k) and not k.startswith(_OWN_VARIABLES))
+    if changed:
+        for key in changed:  # the next tests start clean, whatever this one left
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                del os.environ[key]
+        pytest.fail(f"the test left the environment changed: {', '.join(changed)} "
+                    "(use monkeypatch.setenv / delenv)", pytrace=False)

@@ -412,7 +412,10 @@ def test_local_rank_0_makes_the_nccl_p2p_decision_and_the_other_ranks_take_it(mo
         os.environ["NCCL_P2P_DISABLE"] = "1"
 
     monkeypatch.setattr(distributed, "apply_nccl_p2p_decision", decide)
-    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    # setenv first: it records the value to restore (a delenv of an unset variable records
+    # nothing, and the "1" set below would outlive the test).
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "")
+    monkeypatch.delenv("NCCL_P2P_DISABLE")
     distributed._agree_on_nccl_p2p(store, 0)
     monkeypatch.delenv("NCCL_P2P_DISABLE")  # another rank of the machine: its own process
     distributed._agree_on_nccl_p2p(store, 1)
