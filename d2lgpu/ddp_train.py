@@ -64,7 +64,7 @@ class DDPConfig:
     """The settings of a run (chapter 5); the command line's flags of the same names set them."""
 
     epochs: int = 2
-    batch_size: int = 256  # global, split evenly over the ranks
+    batch_size: int = 256  # global, split evenly over the ranks (the data-parallel replicas)
     lr: float = 0.1
     model: str = "small_cnn"
     seed: int = 0

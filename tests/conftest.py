@@ -36,9 +36,10 @@ def restore_matmul_settings():
     torch.backends.mkldnn.matmul.fp32_precision = mkldnn
 
 
-#: Variables that pytest, torch.compile and the package's profiling (Kineto's log level, kept
-#: quiet for the whole process on purpose) set for the process themselves.
-_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_", "KINETO_LOG_LEVEL")
+#: Variables that pytest, torch.compile (its cache directory, for its compile workers) and the
+#: package's profiling (Kineto's log level, kept quiet for the whole process on purpose) set
+#: for the process themselves.
+_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "KINETO_LOG_LEVEL")
 
 
 @pytest.fixture(autouse=True)

@@ -59,7 +59,8 @@ def add_training_flags(
         parser.add_argument("--epochs", type=positive_int_flag, default=epochs,
                             help="total epochs, including those a checkpoint already holds")
     parser.add_argument("--batch-size", type=positive_int_flag, default=batch_size,
-                        help="global batch size, split evenly over the ranks (default %(default)s)")
+                        help="global batch size, split evenly over the data-parallel replicas "
+                        "(default %(default)s)")
     parser.add_argument("--lr", type=positive_number_flag, default=lr,
                         help=f"{lr_help} (default %(default)s)".lstrip())
     if seed is not None:
