@@ -80,8 +80,10 @@ def format_ablation_table(
                  "their range")
     lines.append("img/s: the baseline's median times the x prev of every row down to this one")
     units = profiling.COUNT_UNITS
-    lines.extend(f"  {r.label}: {units[r.step.technique]} {counted[r.label][0]:.3g} -> "
-                 f"{counted[r.label][1]:.3g}, counted" for r in rows if r.label in (counted or {}))
+    counted = counted or {}
+    lines.extend(f"  {r.label}: {units[r.step.technique]} {counted[r.step.technique][0]:.3g} -> "
+                 f"{counted[r.step.technique][1]:.3g}, counted" for r in rows
+                 if r.step.technique in counted)
     return "\n".join(lines)
 
 

@@ -70,12 +70,17 @@ def runs_dir(name: str) -> Path:
     return path
 
 
+def _quiet_kineto() -> None:
+    """Without a GPU, Kineto logs that it found none, and then every profiler start and stop."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def profiler_activities(device: torch.device | str) -> list[torch.profiler.ProfilerActivity]:
     """What ``torch.profiler.profile`` should record for work on ``device``: host operators,
     and on a GPU its kernels and copies too (chapter 7)."""
     device = as_device(device)
-    if device.type == "cpu":  # without a GPU, Kineto logs only that it found none
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if device.type == "cpu":
+        _quiet_kineto()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -576,13 +581,16 @@ ABLATION_LABELS: dict[str | None, str] = {
 
 @dataclass(frozen=True)
 class AblationStep:
-    """One row of the ablation: its label, the techniques on so far, or why this row's
-    technique is skipped (then ``techniques`` are the previous row's) (chapter 7)."""
+    """One row of the ablation: the techniques on so far, or why this row's technique is
+    skipped (then ``techniques`` are the previous row's) (chapter 7)."""
 
     technique: str | None  # None for the baseline
-    label: str
     techniques: Techniques
     skip_reason: str | None = None
+
+    @property
+    def label(self) -> str:
+        return ABLATION_LABELS[self.technique]
 
 
 def ablation_plan(
@@ -597,13 +605,13 @@ def ablation_plan(
         raise ValueError(f"skip names unknown techniques {sorted(set(skip) - set(TECHNIQUES))}; "
                          f"see {TECHNIQUES}")
     current = Techniques.d2l_style()
-    plan = [AblationStep(None, ABLATION_LABELS[None], current)]
+    plan = [AblationStep(None, current)]
     for name in TECHNIQUES:
         reason = skip.get(name) or technique_skip_reason(name, device)
         if reason is None:
             on = "auto" if name == "precision" else True
             current = dataclasses.replace(current, **{name: on})
-        plan.append(AblationStep(name, ABLATION_LABELS[name], current, reason))
+        plan.append(AblationStep(name, current, reason))
     return plan
 
 
@@ -744,7 +752,7 @@ COUNT_UNITS = {
 
 
 def _profiled_events(fn: Callable[[], Any]) -> list:
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else Kineto logs every start and stop
+    _quiet_kineto()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return prof.events()
@@ -824,7 +832,7 @@ def count_effects(
     plan: Sequence[AblationStep], make_model: Callable[[], nn.Module],
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]], lr: float, device: torch.device | str,
 ) -> dict[str, tuple[float, float]]:
-    """``{label: (without, with)}`` for the rows of ``plan`` that run a technique of
+    """``{technique: (without, with)}`` for the rows of ``plan`` that run a technique of
     :data:`COUNTED_ON_CPU`: :func:`count_technique_effect` on top of the row before that runs,
     in ``COUNT_UNITS[technique]`` (chapter 7)."""
     device = as_device(device)
@@ -832,7 +840,7 @@ def count_effects(
     for step in plan:
         if step.skip_reason is None:
             if step.technique in COUNTED_ON_CPU:
-                counts[step.label] = count_technique_effect(
+                counts[step.technique] = count_technique_effect(
                     step.technique, make_model, batches, lr, device, before)
             before = step.techniques
     return counts
