@@ -22,7 +22,7 @@ from d2lgpu.models import MLPBlock
 from d2lgpu.profiling import idle_gaps
 from d2lgpu.runtime.checks import check_positive_int, check_training_loss
 from d2lgpu.runtime.distributed import DistContext, mark_progress
-from d2lgpu.sharding import CollectiveCounter, CommStats, full_cpu_state
+from d2lgpu.sharding import CollectiveCounter, CommStats, dtype_name, full_cpu_state
 from d2lgpu.timing import synchronize
 
 #: Pipeline schedules by name: (class in torch.distributed.pipelining, stages per rank).
@@ -641,7 +641,7 @@ class TwoDRun:
                 [spec.kind, spec.width, spec.hidden, spec.depth, spec.heads, spec.norm],
                 "global batch size": self.batch_size, "sequence length": self.seq_len,
                 "learning rate": self.lr, "optimizer": "sgd, momentum 0.9", "seed": self.seed,
-                "compute dtype": str(self.param_dtype or torch.float32).removeprefix("torch.")}
+                "compute dtype": dtype_name(self.param_dtype)}
 
 
 def _train_2d(run: TwoDRun, ctx: DistContext) -> TrainResult:

@@ -309,7 +309,7 @@ class FSDPRun:
                 "global batch size": plan.batch_size, "learning rate": plan.lr,
                 "optimizer": plan.optimizer, "seed": plan.seed, "shuffle": plan.shuffle,
                 "training examples": len(plan.labels),
-                "compute dtype": _dtype_name(self.param_dtype)}
+                "compute dtype": dtype_name(self.param_dtype)}
 
 
 @dataclass
@@ -336,7 +336,8 @@ class FSDPResult:
     watch: list[StepWatch]  # the last step
 
 
-def _dtype_name(dtype: torch.dtype | None) -> str:
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """"bfloat16" for torch.bfloat16; None (no autocast, no cast) is "float32"."""
     return str(dtype or torch.float32).removeprefix("torch.")
 
 
@@ -359,7 +360,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     if watch is not None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         watch.comm, watch.gradient_bytes = counter.stats, _local_bytes(grads)
-        watch.compute_dtype, watch.grad_dtype = _dtype_name(out.dtype), _dtype_name(grads[0].dtype)
+        watch.compute_dtype, watch.grad_dtype = dtype_name(out.dtype), dtype_name(grads[0].dtype)
         watch.cuda_peak = torch.cuda.max_memory_allocated(X.device) if X.is_cuda else None
     scaler.step(optimizer)  # fp16: skips a step where a gradient overflowed, on every rank
     scaler.update()
