@@ -135,10 +135,14 @@ def main() -> None:
         done = "ran" if step.skip_reason is None else f"skipped: {step.skip_reason}"
         print(f"  {step.label}: {done} ({time.perf_counter() - start:.0f} s so far)", flush=True)
 
-    rows = profiling.run_ablation(
-        settings.make_model, plan, data, resident, settings.num_epochs, settings.lr, device,
-        seed=args.seed, on_run=report, repeats=repeats,
-    )
+    def train_row(step: profiling.AblationStep) -> d2lgpu.History:
+        # a fresh model from the same seed, on the loaders the row's techniques ask for
+        loaders = resident if step.techniques.device_data else data
+        return d2lgpu.train_fast(settings.make_model(), *loaders, settings.num_epochs,
+                                 settings.lr, device, seed=args.seed,
+                                 techniques=step.techniques, progress=False)
+
+    rows = profiling.run_ablation(plan, train_row, repeats=repeats, on_run=report)
     # On a CPU the techniques that save what a GPU has are counted as well as timed.
     counted = (profiling.count_effects(plan, settings.make_model, resident[0], settings.lr, device)
                if device.type == "cpu" else {})

@@ -34,7 +34,6 @@ from d2lgpu.fast import (
     fast_epoch,
     make_sgd,
     technique_skip_reason,
-    train_fast,
 )
 from d2lgpu.runtime.config import small_data, smoke_mode, workload
 from d2lgpu.runtime.gpus import as_device, cuda_usable
@@ -723,7 +722,7 @@ def ablation_data(
     test_size: int | None = None, quick: bool | None = None,
 ) -> tuple[tuple[Iterable, Iterable], tuple[DeviceLoader, DeviceLoader]]:
     """The first ``train_size``/``test_size`` Fashion-MNIST examples (None: all) as DataLoaders
-    and as :class:`d2lgpu.DeviceLoader` s on ``device``, for :func:`run_ablation` (chapter 7),
+    and as :class:`d2lgpu.DeviceLoader` s on ``device``, for chapter 7's ablation,
     from the quick subsets when ``quick`` (None: in quick and smoke mode)."""
     loaders, resident = [], []
     for loader, size, train in zip(load_data_fashion_mnist(batch_size, quick=quick),
@@ -799,28 +798,22 @@ def count_technique_effect(
 
 
 def run_ablation(
-    make_model: Callable[[], nn.Module], plan: Sequence[AblationStep],
-    dataloaders: tuple[Iterable, Iterable], device_loaders: tuple[Iterable, Iterable],
-    num_epochs: int, lr: float, device: torch.device | str, *, seed: int = 0,
-    on_run: Callable[[AblationStep], None] | None = None, repeats: int = 1,
+    plan: Sequence[AblationStep], train_row: Callable[[AblationStep], History], *,
+    repeats: int = 1, on_run: Callable[[AblationStep], None] | None = None,
 ) -> list[AblationRow]:
-    """Train a fresh ``make_model()`` with :func:`d2lgpu.train_fast` for every row of ``plan``
-    not skipped, on ``device_loaders`` with ``device_data``, else ``dataloaders`` (chapter 7).
-    ``repeats`` rounds run the rows forwards, then backwards, and so on, so that a busy spell
-    favours no row; ``on_run`` gets the step of every run."""
+    """``train_row(step)`` for every row of ``plan`` not skipped, ``repeats`` rounds: forwards,
+    then backwards, and so on, so that a busy spell favours no row (chapter 7). Dynamo is
+    reset before every compiled run; ``on_run`` gets the step of every run."""
     plan = list(plan)
     histories: list[list[History]] = [[] for _ in plan]
     for round_ in range(repeats):
         for i in range(len(plan)) if round_ % 2 == 0 else reversed(range(len(plan))):
             step = plan[i]
             if step.skip_reason is None:
-                loaders = device_loaders if step.techniques.device_data else dataloaders
                 if step.techniques.compile or step.techniques.cuda_graphs:
                     # a fresh model each run: past dynamo's recompile limit, fullgraph raises
                     torch._dynamo.reset()
-                histories[i].append(train_fast(
-                    make_model(), *loaders, num_epochs, lr, device, seed=seed,
-                    techniques=step.techniques, progress=False))
+                histories[i].append(train_row(step))
             if on_run is not None:
                 on_run(step)
     return [AblationRow(step, runs[0], tuple(tuple(h.examples_per_second[1:]

@@ -412,13 +412,22 @@ def test_ablation_plan_on_a_cpu_adds_one_technique_per_row(monkeypatch):
         P.ablation_plan(CPU, skip={"warp_speed": "no"})
 
 
+def train_rows(dataloaders, resident, num_epochs=2):
+    """What chapter 7's cell trains for a row: a fresh model from seed 0 on its loaders."""
+    def train_row(step):
+        loaders = resident if step.techniques.device_data else dataloaders
+        return d2lgpu.train_fast(tiny_net(), *loaders, num_epochs, 0.1, CPU, seed=0,
+                                 techniques=step.techniques, progress=False)
+    return train_row
+
+
 def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
     import matplotlib
 
     matplotlib.use("Agg")
     dataloaders, resident = tiny_loaders(n=64, batch=16)
     plan = P.ablation_plan(CPU, skip={"compile": "slow in tests"})[:4]
-    rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU)
+    rows = P.run_ablation(plan, train_rows(dataloaders, resident))
     assert [r.label for r in rows] == [s.label for s in plan]
     ran = [r for r in rows if r.ran]
     assert all(r.images_per_second > 0 for r in ran)
@@ -679,16 +688,14 @@ def test_ablation_numbers_chain_the_paired_ratios_so_table_and_bars_agree():
 def test_run_ablation_interleaves_its_repeats(monkeypatch):
     order = []
 
-    def fake_train(net, train_iter, test_iter, num_epochs, lr, device, *, techniques, **kw):
-        order.append(str(techniques))
+    def fake_train(step, num_epochs=3):
+        order.append(str(step.techniques))
         return d2lgpu.History(examples_per_second=[1.0] + [10.0 * len(order)] * (num_epochs - 1),
                               test_acc=[0.9] * num_epochs, epoch_seconds=[1.0] * num_epochs)
 
-    monkeypatch.setattr(P, "train_fast", fake_train)
     plan = P.ablation_plan(CPU, skip={"compile": "not here"})[:3]
     ran = []
-    rows = P.run_ablation(tiny_net, plan, (None, None), (None, None), 3, 0.1, CPU,
-                          repeats=2, on_run=ran.append)
+    rows = P.run_ablation(plan, fake_train, repeats=2, on_run=ran.append)
     labels = [str(step.techniques) for step in plan]
     assert order == labels + labels[::-1]  # round 1 of every row, then round 2 backwards
     assert ran == plan + plan[::-1] and [r.label for r in rows] == [s.label for s in plan]
@@ -754,17 +761,16 @@ def test_compile_modes_compile_the_whole_step_after_a_reset(monkeypatch):
 def test_run_ablation_resets_dynamo_before_every_compiled_run(monkeypatch):
     events = []
 
-    def fake_train(net, train_iter, test_iter, num_epochs, lr, device, *, techniques, **kw):
-        events.append("compiled" if techniques.compile else "eager")
+    def fake_train(step):
+        events.append("compiled" if step.techniques.compile else "eager")
         return d2lgpu.History(examples_per_second=[1.0, 2.0], test_acc=[0.9] * 2,
                               epoch_seconds=[1.0] * 2)
 
-    monkeypatch.setattr(P, "train_fast", fake_train)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
     plan = [s for s in P.ablation_plan(CPU) if s.technique in (None, "compile")]
     if plan[-1].skip_reason:
         pytest.skip(f"no torch.compile here: {plan[-1].skip_reason}")
-    P.run_ablation(tiny_net, plan, (None, None), (None, None), 2, 0.1, CPU, repeats=2)
+    P.run_ablation(plan, fake_train, repeats=2)
     # round 2 runs the rows backwards: the compiled row first
     assert events == ["eager", "reset", "compiled", "reset", "compiled", "eager"]
 
@@ -809,7 +815,7 @@ def test_on_a_cpu_the_gpu_techniques_are_counted_as_well_as_timed(monkeypatch, n
     assert (auto < 0.75 * fp32) if native_bf16 else (auto == fp32)
 
     plan = P.ablation_plan(CPU, skip={"compile": "slow in tests"})[:3]
-    rows = P.run_ablation(tiny_net, plan, dataloaders, resident, 2, 0.1, CPU)
+    rows = P.run_ablation(plan, train_rows(dataloaders, resident))
     counted = P.count_effects(plan, tiny_net, batches, 0.1, CPU)
     # Counted as well as timed: the row keeps its paired ratios.
     assert counted == {"no_sync": (2, 0)}  # the data-on-device row counts nothing
