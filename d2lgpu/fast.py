@@ -3,7 +3,6 @@ and :func:`train_fast`, chapter 4's loop with those switches."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import sys
@@ -238,11 +237,11 @@ def _model_and_optimizer(
 def train_fast(
     net: nn.Module, train_iter: Iterable, test_iter: Iterable, num_epochs: int, lr: float,
     device: torch.device | str, *, techniques: Techniques | None = None, seed: int | None = 0,
-    precision: str | None = None, progress: bool = True,
+    progress: bool = True,
 ) -> History:
     """Chapter 4's :func:`d2lgpu.train` on one ``device`` with the switches of ``techniques``
     (None: :meth:`Techniques.fast`) (chapter 7); with ``device_data`` the loaders hold the data
-    there (:func:`d2lgpu.fashion_mnist_on_device`). ``precision`` overrides their word."""
+    there (:func:`d2lgpu.fashion_mnist_on_device`)."""
     checks.check_module("net", net)
     checks.check_positive_int("num_epochs", num_epochs)
     checks.check_positive_float("lr", lr)
@@ -252,8 +251,6 @@ def train_fast(
         raise ValueError(f"train_fast cannot use {device.type!r} devices: pass 'cpu' or 'cuda:0'")
     techniques = Techniques.fast(device) if techniques is None else techniques
     _check_techniques(techniques)
-    if precision is not None:
-        techniques = dataclasses.replace(techniques, precision=check_precision(precision))
     _check_loaders(techniques.device_data, train_iter, test_iter)
     if seed is not None:
         set_seed(seed)

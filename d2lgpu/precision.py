@@ -33,24 +33,11 @@ __all__ = [
 #: The one precision vocabulary every entry point that trains takes; "auto": the device decides.
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16")
 
-# What people write instead, and the word of the vocabulary that means it.
-_SPELLINGS: dict[object, str] = {
-    True: "auto", False: "fp32", None: "fp32", torch.float32: "fp32", torch.float16: "fp16",
-    torch.bfloat16: "bf16", "off": "fp32", "float32": "fp32", "float16": "fp16", "half": "fp16",
-    "bfloat16": "bf16",
-}
-
-
 def check_precision(precision: object, name: str = "precision") -> str:
-    """``precision`` if it is a word of :data:`PRECISIONS`; else a ValueError naming the fix."""
+    """``precision`` if it is a word of :data:`PRECISIONS`; else a ValueError naming them."""
     if isinstance(precision, str) and precision in PRECISIONS:
         return precision
-    key = precision.lower() if isinstance(precision, str) else precision
-    spelt = isinstance(precision, (str, bool, torch.dtype)) or precision is None  # not 1 == True
-    hint = _SPELLINGS.get(key, key) if spelt else None
-    fix = f": write {name}={hint!r}" if hint in PRECISIONS else ""
-    choices = ", ".join(repr(p) for p in PRECISIONS)
-    raise ValueError(f"{name}={precision!r} is not one of {choices}{fix}")
+    raise ValueError(f"{name}={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
 
 
 @dataclass(frozen=True)
@@ -178,11 +165,9 @@ def tf32_switches(matmul: str, conv: str) -> Iterator[None]:
     """:func:`set_tf32` in the body; on exit what was there comes back, "medium" included."""
     words = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
              torch.backends.cudnn.rnn.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
-    try:
-        with _quiet_legacy_api():
-            legacy = torch.get_float32_matmul_precision()
-    except RuntimeError:  # the learner set only the new API: the legacy value is moot
-        legacy = None
+    legacy = None  # unreadable where the learner set only the new API: then it is moot
+    with _quiet_legacy_api(), contextlib.suppress(RuntimeError):
+        legacy = torch.get_float32_matmul_precision()
     set_tf32(matmul, conv)
     try:
         yield

@@ -828,7 +828,6 @@ def count_effects(
     """``{technique: (without, with)}`` for the rows of ``plan`` that run a technique of
     :data:`COUNTED_ON_CPU`: :func:`count_technique_effect` on top of the row before that runs,
     in ``COUNT_UNITS[technique]`` (chapter 7)."""
-    device = as_device(device)
     counts, before = {}, None
     for step in plan:
         if step.skip_reason is None:

@@ -69,32 +69,13 @@ def test_the_vocabulary_is_the_five_words_every_entry_point_takes():
         assert P.check_precision(word) == word
 
 
-@pytest.mark.parametrize(
-    ("precision", "fix"),
-    [
-        (True, "precision='auto'"),
-        (False, "precision='fp32'"),
-        (None, "precision='fp32'"),
-        ("half", "precision='fp16'"),
-        ("BF16", "precision='bf16'"),
-        ("bfloat16", "precision='bf16'"),
-        ("off", "precision='fp32'"),
-        (torch.float16, "precision='fp16'"),
-        (torch.bfloat16, "precision='bf16'"),
-        (torch.float32, "precision='fp32'"),
-    ],
-)
-def test_other_spellings_are_refused_with_the_word_to_write(precision, fix):
-    with pytest.raises(ValueError, match="is not one of") as info:
+@pytest.mark.parametrize("precision", [True, False, None, "half", "BF16", "bfloat16", "off",
+                                       "fp8", "yes", 1, 0.5, torch.float16, torch.float64])
+def test_other_spellings_are_refused_with_the_five_words(precision):
+    # not even the close ones: one vocabulary, spelt one way, in every entry point
+    with pytest.raises(ValueError, match=r"precision=.* is not one of 'auto', 'fp32', 'tf32', "
+                                         r"'fp16', 'bf16'$"):
         P.precision_policy("cpu", precision)
-    assert fix in str(info.value)
-
-
-@pytest.mark.parametrize("precision", ["fp8", "yes", 1, 0.5, torch.float64, torch.int8])
-def test_bad_precision_values_are_rejected_with_the_valid_choices(precision):
-    with pytest.raises(ValueError, match="'auto', 'fp32', 'tf32', 'fp16', 'bf16'") as info:
-        P.precision_policy("cpu", precision)
-    assert "write" not in str(info.value)  # no fix to suggest: the choices are the help
 
 
 def test_tf32_switch_acts_on_cuda_only(monkeypatch):
@@ -624,7 +605,7 @@ def test_mixed_precision_training_on_cpu_converges(precision):
     test_iter = loader(_blobs(256, 1), batch_size=128)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
     history = train_fast(net, train_iter, test_iter, num_epochs=4, lr=0.2, device="cpu", seed=0,
-                         techniques=Techniques(), precision=precision, progress=False)
+                         techniques=Techniques(precision=precision), progress=False)
     assert history.train_loss[-1] < 0.5 * history.train_loss[0]
     assert history.test_acc[-1] > 0.95  # chance is 1/3
     assert all(p.dtype == torch.float32 for p in net.parameters())  # master weights stay fp32
