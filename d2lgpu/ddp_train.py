@@ -66,8 +66,7 @@ class DDPConfig:
     epochs: int = 2
     batch_size: int = 256  # global, split evenly over the ranks (the data-parallel replicas)
     lr: float = 0.1
-    model: str = "small_cnn"
-    seed: int = 0
+    seed: int = 0  # the shuffle's; the callers below seed the weights with it too
     log: bool = True  # rank 0 prints one line per epoch
     #: A word of d2lgpu.precision.PRECISIONS; "fp32" is strict (TF32 off), so that DDP can
     #: be compared with one process to 1e-5.
@@ -77,8 +76,6 @@ class DDPConfig:
         check_positive_int("epochs", self.epochs)
         check_positive_int("batch_size", self.batch_size)
         check_positive_float("lr", self.lr)
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         check_seed(self.seed)
         check_bool("log", self.log)
         check_precision(self.precision)
@@ -117,21 +114,25 @@ def build_model(name: str) -> nn.Module:
 
 
 # --- Training ---
-def _check_data(data: object) -> None:
-    """``data`` must be (train images, train labels, test images, test labels), finite."""
+def _check_inputs(model: object, data: object, batch_size: int, world_size: int) -> None:
+    """A model; (train images, train labels, test images, test labels), finite; and a global
+    batch that the ranks split evenly."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module (e.g. build_model('small_cnn')), got "
+                        f"{type(model).__name__}")
     if not (isinstance(data, (tuple, list)) and len(data) == 4
             and all(isinstance(t, torch.Tensor) for t in data)):
         raise TypeError("data must be a tuple of 4 tensors (train images, train labels, test "
                         f"images, test labels), got {type(data).__name__}")
     for name, images, labels in (("train", data[0], data[1]), ("test", data[2], data[3])):
-        if len(images) == 0:
-            raise ValueError(f"the {name} set is empty (0 {name} images): pass at least one "
-                             "example per rank")
-        if len(images) != len(labels) or labels.is_floating_point():
-            raise ValueError(f"{len(images)} {name} images need as many integer class labels, "
-                             f"got {len(labels)} of {labels.dtype}")
+        if len(images) == 0 or len(images) != len(labels) or labels.is_floating_point():
+            raise ValueError(f"the {name} set needs images and one integer class label each, got "
+                             f"{len(images)} images and {len(labels)} labels of {labels.dtype}")
         if images.is_floating_point() and not torch.isfinite(images).all():
             raise ValueError(f"the {name} images hold nan or inf: clean the data before training")
+    if batch_size % world_size:
+        raise ValueError(f"batch_size={batch_size} is the global batch and must be divisible "
+                         f"by the {world_size} ranks: use a multiple of {world_size}")
 
 
 def _make_loaders(
@@ -179,27 +180,23 @@ def _epoch(
     return loss_sum.item(), correct.item(), seen, first_loss.item()
 
 
-def train_ddp(cfg: DDPConfig, ctx: DistContext | None, data: Tensors4,
+def train_ddp(cfg: DDPConfig, ctx: DistContext | None, data: Tensors4, model: nn.Module,
               device: torch.device | None = None, hooks: Any = None) -> DDPResult:
-    """Train ``cfg.model`` on ``data`` with DDP inside the process group ``ctx`` (chapter 5);
+    """Train ``model`` on ``data`` with DDP inside the process group ``ctx`` (chapter 5);
     ``ctx=None`` trains in this one process, the baseline DDP must reproduce. ``hooks``: the
     command line's resume, checkpoints and crash on purpose (``_EntryHooks``)."""
     world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
-    _check_data(data)
-    if cfg.batch_size % world_size:
-        raise ValueError(f"batch_size={cfg.batch_size} is the global batch and must be divisible "
-                         f"by the {world_size} ranks: use a multiple of {world_size}")
+    _check_inputs(model, data, cfg.batch_size, world_size)
     device = device or (ctx.device if ctx is not None else torch.device("cpu"))
     sampler, train_loader, test_loader = _make_loaders(cfg, data, rank, world_size)
-    torch.manual_seed(cfg.seed)  # the same initial weights everywhere
-    model = build_model(cfg.model).to(device)
+    model = model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     policy = precision_policy(device, cfg.precision)
     scaler = policy.make_scaler()
     result = DDPResult(world_size=world_size, backend=ctx.backend if ctx else "none",
                        device=str(device))
     start_loss = hooks.restore(result, model, optimizer, scaler, ctx) if hooks else None
-    # DDP's hooks all-reduce gradient buckets while backward is still running.
+    # DDP copies rank 0's weights to all ranks; its hooks all-reduce gradients during backward.
     net = model if ctx is None else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
     steps = len(train_loader)
@@ -234,13 +231,14 @@ def train_ddp(cfg: DDPConfig, ctx: DistContext | None, data: Tensors4,
 
 
 def ddp_worker(
-    rank: int, world_size: int, master_port: int, cfg: DDPConfig, data: Tensors4,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    rank: int, world_size: int, master_port: int, cfg: DDPConfig, model_name: str,
+    data: Tensors4, timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> DDPResult:
-    """What :func:`d2lgpu.runtime.distributed.launch` runs: join the group, train, leave
-    (chapter 5)."""
+    """What :func:`d2lgpu.runtime.distributed.launch` runs: join the group, build the model
+    of :data:`MODELS` named ``model_name`` from ``cfg.seed``, train, leave (chapter 5)."""
     with process_group(rank, world_size, master_port=master_port, timeout_s=timeout_s) as ctx:
-        return train_ddp(cfg, ctx, data)
+        torch.manual_seed(cfg.seed)
+        return train_ddp(cfg, ctx, data, build_model(model_name))
 
 
 # --- The command line ---
@@ -297,7 +295,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, argparse.Namespa
     check_checkpoint_flags(parser, args)
     args.quick = small_data() if args.quick is None else args.quick
     args.model = args.model or ("small_cnn" if args.quick else "resnet18")
-    return DDPConfig(args.epochs, args.batch_size, args.lr, args.model, args.seed,
+    return DDPConfig(args.epochs, args.batch_size, args.lr, args.seed,
                      precision=args.precision), args
 
 
@@ -307,23 +305,25 @@ def main(argv: Sequence[str] | None = None) -> DDPResult:
 
     cfg, args = _parse_args(argv)
     # The settings a resumed run must repeat, by their flags.
-    config = {"--model": cfg.model, "--batch-size": cfg.batch_size, "--lr": cfg.lr,
+    config = {"--model": args.model, "--batch-size": cfg.batch_size, "--lr": cfg.lr,
               "--seed": cfg.seed, "--precision": cfg.precision, "--quick": args.quick}
     hooks = _EntryHooks(args.checkpoint_dir, config=config, epochs=cfg.epochs,
                         fail_after_epoch=args.fail_after_epoch)
     data = (*fashion_mnist_tensors(train=True, root=args.data_root, quick=args.quick),
             *fashion_mnist_tensors(train=False, root=args.data_root, quick=args.quick))
+    torch.manual_seed(cfg.seed)  # the same initial weights in every process
+    model = build_model(args.model)
     if "RANK" not in os.environ:
         device = try_gpu()
         print(f"not started by torchrun: training in this one process on {device}, "
               "without a process group")
-        return train_ddp(cfg, None, data, device, hooks)
+        return train_ddp(cfg, None, data, model, device, hooks)
     with process_group(timeout_s=args.timeout) as ctx:
         if ctx.is_main:
-            print(f"{ctx.world_size} ranks, backend {ctx.backend}, model {cfg.model}, "
+            print(f"{ctx.world_size} ranks, backend {ctx.backend}, model {args.model}, "
                   f"global batch {cfg.batch_size} ({cfg.batch_size // ctx.world_size} per rank)",
                   flush=True)
-        result = train_ddp(cfg, ctx, data, hooks=hooks)
+        result = train_ddp(cfg, ctx, data, model, hooks=hooks)
         if ctx.is_main:
             print(f"done: {result.num_epochs} epochs, final test acc {result.test_acc[-1]:.3f}",
                   flush=True)

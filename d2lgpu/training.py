@@ -69,13 +69,6 @@ class History:
             if name != "self":
                 getattr(self, name).append(value)
 
-    def summary(self) -> str:
-        if not self.train_loss:
-            return f"no epochs run on {self.device}"
-        speed = sum(self.examples_per_second) / len(self.examples_per_second)
-        return (f"loss {self.train_loss[-1]:.3f}, train acc {self.train_acc[-1]:.3f}, test acc "
-                f"{self.test_acc[-1]:.3f}; {speed:.1f} examples/sec on {self.device}")
-
 
 def evaluate_accuracy(net: nn.Module, data_iter: Iterable, device: torch.device) -> float:
     """The fraction of ``data_iter`` that ``net`` classifies right, in eval mode (chapter 4)."""

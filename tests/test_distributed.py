@@ -133,7 +133,7 @@ def test_global_batch_must_split_evenly():
         device=torch.device("cpu"),
     )
     with pytest.raises(ValueError, match="multiple of 3"):
-        train_ddp(DDPConfig(batch_size=32), ctx, _synthetic_images())
+        train_ddp(DDPConfig(batch_size=32), ctx, _synthetic_images(), build_model("small_cnn"))
 
 
 # --- several processes through the launcher --------------------------------------------
@@ -143,15 +143,17 @@ def test_ddp_on_two_ranks_matches_one_process_on_the_full_batch(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the spawned ranks use gloo on CPUs
     data = _synthetic_images()
     # No batch norm: it normalises with local-batch statistics, which DDP does not average.
-    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False)
-    two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 30.0), timeout_s=180)
-    one = train_ddp(cfg, None, data)
+    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, log=False)
+    two = launch(ddp_worker, 2, (2, find_free_port(), cfg, "small_cnn_nobn", data, 30.0),
+                 timeout_s=180)
+    torch.manual_seed(cfg.seed)  # the initial weights ddp_worker builds on every rank
+    one = train_ddp(cfg, None, data, build_model("small_cnn_nobn"))
     assert two.world_size == 2 and two.backend == "gloo" and two.num_epochs == 2
     diff = _max_abs_diff(two.state_dict, one.state_dict)
     assert diff < 1e-5, f"DDP and single-process weights differ by {diff}"
     # The parameters moved (otherwise equality would prove nothing).
-    torch.manual_seed(cfg.seed)  # the initial weights, built as train_ddp builds them
-    assert _max_abs_diff(build_model(cfg.model).state_dict(), one.state_dict) > 1e-3
+    torch.manual_seed(cfg.seed)
+    assert _max_abs_diff(build_model("small_cnn_nobn").state_dict(), one.state_dict) > 1e-3
     assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
 
 
@@ -160,11 +162,11 @@ def test_ddp_with_nccl_on_two_gpus_matches_one_process_on_the_full_batch():
     data = _synthetic_images()
     # Strict fp32, TF32 off in both runs (cuDNN convolutions use it by default from Ampere on): its
     # 10-bit mantissa alone can move the weights by more than the tolerance.
-    cfg = DDPConfig(
-        epochs=2, batch_size=32, lr=0.1, model="small_cnn_nobn", log=False, precision="fp32"
-    )
-    two = launch(ddp_worker, 2, (2, find_free_port(), cfg, data, 60.0), timeout_s=300)
-    one = train_ddp(cfg, None, data, device=torch.device("cuda", 0))
+    cfg = DDPConfig(epochs=2, batch_size=32, lr=0.1, log=False, precision="fp32")
+    two = launch(ddp_worker, 2, (2, find_free_port(), cfg, "small_cnn_nobn", data, 60.0),
+                 timeout_s=300)
+    torch.manual_seed(cfg.seed)
+    one = train_ddp(cfg, None, data, build_model("small_cnn_nobn"), torch.device("cuda", 0))
     assert two.backend == "nccl" and two.num_epochs == 2
     # Looser than on the CPU: cuDNN may choose other convolution algorithms per batch size.
     diff = _max_abs_diff(two.state_dict, one.state_dict)

@@ -80,9 +80,11 @@ def test_other_spellings_are_refused_with_the_five_words(precision):
 
 def test_tf32_switch_acts_on_cuda_only(monkeypatch):
     calls = []
-    monkeypatch.setattr(
-        P, "tf32_matmuls", lambda enabled: calls.append(enabled) or contextlib.nullcontext()
-    )
+    def record(matmul, conv):
+        calls.append((matmul, conv))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(P, "tf32_switches", record)
     with P.PrecisionPolicy("cpu", None, False, tf32=True).matmul_precision():
         pass
     with P.PrecisionPolicy("cuda", None, False, tf32=None).matmul_precision():
@@ -92,7 +94,7 @@ def test_tf32_switch_acts_on_cuda_only(monkeypatch):
         pass
     with P.PrecisionPolicy("cuda", None, False, tf32=True).matmul_precision():
         pass
-    assert calls == [False, True]
+    assert calls == [("ieee", "ieee"), ("tf32", "tf32")]  # strict fp32, then TF32
 
 
 @pytest.mark.parametrize(
