@@ -212,9 +212,13 @@ def _check_techniques(techniques: object) -> None:
                         f"got {techniques!r}")
 
 
-def _check_loaders(device_data: bool, train_iter: object, test_iter: object) -> None:
+def _check_inputs(device: torch.device, techniques: object, train_iter: object,
+                  test_iter: object) -> None:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"train_fast cannot use {device.type!r} devices: pass 'cpu' or 'cuda:0'")
+    _check_techniques(techniques)
     for name, loader in (("train_iter", train_iter), ("test_iter", test_iter)):
-        if device_data and isinstance(loader, torch.utils.data.DataLoader):
+        if techniques.device_data and isinstance(loader, torch.utils.data.DataLoader):
             raise TypeError(
                 f"{name} is a DataLoader, but the device_data switch is on: pass loaders that "
                 "hold the data on the device, d2lgpu.fashion_mnist_on_device(batch_size, device), "
@@ -247,11 +251,8 @@ def train_fast(
     checks.check_positive_float("lr", lr)
     checks.check_bool("progress", progress)
     device = require_cuda_device(device, "train_fast")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"train_fast cannot use {device.type!r} devices: pass 'cpu' or 'cuda:0'")
     techniques = Techniques.fast(device) if techniques is None else techniques
-    _check_techniques(techniques)
-    _check_loaders(techniques.device_data, train_iter, test_iter)
+    _check_inputs(device, techniques, train_iter, test_iter)
     if seed is not None:
         set_seed(seed)
         if hasattr(train_iter, "manual_seed"):  # a DeviceLoader shuffles with its own generator

@@ -104,8 +104,7 @@ class TrainPlan:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Full batches in one pass over the data (a last, partial batch is left out)."""
-        return max(len(self.labels) // self.batch_size, 1)
+        return max(len(self.labels) // self.batch_size, 1)  # full batches: a partial one is left
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The examples of step ``step``: the same whatever the number of ranks."""
