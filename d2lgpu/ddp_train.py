@@ -292,7 +292,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[DDPConfig, argparse.Namespa
                         help="default: small_cnn in quick mode, resnet18 otherwise")
     add_job_flags(parser, crash_point="this epoch's checkpoint")
     args = parser.parse_args(argv)
-    check_checkpoint_flags(parser, args)
+    check_checkpoint_flags(parser, args, args.epochs)
     args.quick = small_data() if args.quick is None else args.quick
     args.model = args.model or ("small_cnn" if args.quick else "resnet18")
     return DDPConfig(args.epochs, args.batch_size, args.lr, args.seed,

@@ -96,7 +96,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        precisions=PRECISIONS, precision="fp32")
     add_job_flags(parser, crash_point="this epoch's checkpoint")
     args = parser.parse_args(argv)
-    check_checkpoint_flags(parser, args)  # before any work: not after the first epoch
+    check_checkpoint_flags(parser, args, args.epochs)  # before any work: not after epoch 1
     return args
 
 

@@ -107,7 +107,8 @@ def _parse_args(argv: Sequence[str] | None,
     """The flags, and (given the job's ``world_size``) the checked run they describe."""
     parser = _parser()
     args = parser.parse_args(argv)
-    check_checkpoint_flags(parser, args)  # before any work: not after the first checkpoint's
+    # before any work, not after the first checkpoint; an epoch here is --save-every steps
+    check_checkpoint_flags(parser, args, -(-args.steps // args.save_every))
     try:
         spec = ModelSpec(args.width, args.hidden, args.depth, args.kind, args.heads)
     except ValueError as exc:  # e.g. a width that does not split into the heads

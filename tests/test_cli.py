@@ -63,3 +63,19 @@ def test_checkpoint_flags_are_checked_before_any_work(tmp_path, capsys):
     root = tmp_path / "ckpt"
     check_checkpoint_flags(parser, parser.parse_args(["--checkpoint-dir", str(root)]))
     assert root.is_dir()  # created, ready for the first checkpoint
+
+
+@pytest.mark.parametrize("fail, epochs, refused", [(1, 2, False), (2, 2, True), (3, 2, True),
+                                                  (1, 1, True)])
+def test_a_crash_must_come_before_the_last_epoch(fail, epochs, refused, tmp_path, capsys):
+    parser = _parser(epochs=epochs)
+    args = parser.parse_args(["--fail-after-epoch", str(fail), "--checkpoint-dir",
+                              str(tmp_path / "ckpt"), "--epochs", str(epochs)])
+    if not refused:
+        check_checkpoint_flags(parser, args, epochs)
+        return
+    with pytest.raises(SystemExit) as info:
+        check_checkpoint_flags(parser, args, epochs)
+    assert info.value.code == 2
+    assert f"--fail-after-epoch {fail} is not before the run's last epoch ({epochs})" in (
+        capsys.readouterr().err)

@@ -64,6 +64,9 @@ def test_bad_settings_are_refused_by_name(change, name):
         (["--precision", "half"], "--precision"),
         (["--fail-after-epoch", "1"], "--fail-after-epoch needs --checkpoint-dir"),
         (["--checkpoint-dir", "/proc/d2lgpu/ckpt"], "--checkpoint-dir"),
+        # a crash after the last epoch: the restart would find nothing left to train
+        (["--epochs", "2", "--fail-after-epoch", "2", "--checkpoint-dir", "{tmp}"],
+         "--fail-after-epoch 2 is not before the run's last epoch (2)"),
     ],
 )
 def test_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
@@ -71,7 +74,8 @@ def test_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
     not_a_directory = tmp_path / "file"
     not_a_directory.touch()
     with pytest.raises(SystemExit) as info:
-        main([*argv, "--data-root", str(not_a_directory)])
+        main([*(a.format(tmp=tmp_path / "ckpt") for a in argv), "--data-root",
+              str(not_a_directory)])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err, err

@@ -92,6 +92,9 @@ def test_killed_on_a_2x1_mesh_and_resumed_on_1x2_equals_one_process(tmp_path):
         (["--steps=0"], None, "argument --steps: must be a positive int"),
         (["--seed=-1"], None, "argument --seed"),
         (["--fail-after-epoch=1"], None, "--fail-after-epoch needs --checkpoint-dir"),
+        # an epoch here is --save-every steps: 40 steps of 10 have epochs 1 to 3 to crash after
+        (["--steps=40", "--save-every=10", "--fail-after-epoch=4", "--checkpoint-dir=ckpt"],
+         None, r"--fail-after-epoch 4 is not before the run's last epoch \(4\)"),
         (["--data-root=x"], None, "unrecognized arguments: --data-root"),  # synthetic data
     ],
 )

@@ -91,11 +91,19 @@ def add_job_flags(
                             "(to try --max-restarts)")
 
 
-def check_checkpoint_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_checkpoint_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                           epochs: int | None = None) -> None:
     """Usage errors, before any work: ``--fail-after-epoch`` without ``--checkpoint-dir`` to
-    resume from, or a checkpoint directory that cannot be written (created here)."""
-    if getattr(args, "fail_after_epoch", None) is not None and args.checkpoint_dir is None:
+    resume from, or not before the run's last epoch (of ``epochs``: a restart would find
+    nothing left to train, or the crash would never come), or a checkpoint directory that
+    cannot be written (created here)."""
+    fail = getattr(args, "fail_after_epoch", None)
+    if fail is not None and args.checkpoint_dir is None:
         parser.error("--fail-after-epoch needs --checkpoint-dir, to resume from after the crash")
+    if fail is not None and epochs is not None and fail >= epochs:
+        parser.error(f"--fail-after-epoch {fail} is not before the run's last epoch ({epochs}): "
+                     "a restarted job would have nothing left to train. Pass a smaller number, "
+                     "or make the run longer")
     if args.checkpoint_dir is not None:
         try:
             prepare_checkpoint_root(args.checkpoint_dir)
