@@ -2,7 +2,7 @@
 
 Starting from a d2l-style loop (DataLoader, ``.item()`` after every step, fp32), each
 row switches on one more technique of ``d2lgpu.Techniques`` and trains a fresh model
-from the same seed with ``d2lgpu.train``: data on the device, no per-step sync,
+from the same seed with ``d2lgpu.train_fast``: data on the device, no per-step sync,
 mixed precision in the device's fast format (``precision="auto"``), channels-last, a
 fused optimizer, ``torch.compile``, CUDA graphs. A technique that does not apply on the device is a
 row that says why (``d2lgpu.technique_skip_reason``) and stays off below it.

@@ -182,9 +182,10 @@ def _epoch(
 
 def train_ddp(cfg: DDPConfig, ctx: DistContext | None, data: Tensors4, model: nn.Module,
               device: torch.device | None = None, hooks: Any = None) -> DDPResult:
-    """Train ``model`` on ``data`` with DDP inside the process group ``ctx`` (chapter 5);
-    ``ctx=None`` trains in this one process, the baseline DDP must reproduce. ``hooks``: the
-    command line's resume, checkpoints and crash on purpose (``_EntryHooks``)."""
+    """Train ``model``, in place, on ``data`` with DDP inside the process group ``ctx``
+    (chapter 5); ``ctx=None`` trains in this one process, the baseline DDP must reproduce (seed
+    torch alike before building both models). ``hooks``: the command line's resume,
+    checkpoints and crash on purpose (``_EntryHooks``)."""
     world_size, rank = (ctx.world_size, ctx.rank) if ctx is not None else (1, 0)
     _check_inputs(model, data, cfg.batch_size, world_size)
     device = device or (ctx.device if ctx is not None else torch.device("cpu"))

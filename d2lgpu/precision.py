@@ -58,16 +58,18 @@ class PrecisionPolicy:
         name = "fp16" if self.dtype == torch.float16 else "bf16"
         return name + (" + GradScaler" if self.use_scaler else "")
 
-    def autocast(self) -> torch.autocast:
-        """``torch.autocast`` in this policy's dtype; switched off for fp32 (``dtype`` None)."""
-        return torch.autocast(self.device_type, self.dtype, enabled=self.dtype is not None)
+    def autocast(self) -> AbstractContextManager:
+        """``torch.autocast`` for this policy, or a context that does nothing for fp32 (on
+        any device type: ``torch.autocast`` refuses those it has no autocast for, even off)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
     def matmul_precision(self) -> AbstractContextManager:
         """TF32 on or off as ``tf32`` says (:func:`tf32_matmuls`); CUDA only has TF32."""
         if self.tf32 is None or self.device_type != "cuda":
             return contextlib.nullcontext()
-        word = "tf32" if self.tf32 else "ieee"
-        return tf32_switches(word, word)
+        return tf32_matmuls(self.tf32)
 
     def make_scaler(self) -> torch.amp.GradScaler:
         """A GradScaler, enabled only when this policy needs loss scaling (fp16)."""

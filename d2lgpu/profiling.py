@@ -811,7 +811,7 @@ def run_ablation(
             step = plan[i]
             if step.skip_reason is None:
                 if step.techniques.compile or step.techniques.cuda_graphs:
-                    # a fresh model each run: past dynamo's recompile limit, fullgraph raises
+                    # every run compiles anew: past dynamo's recompile limit, fullgraph raises
                     torch._dynamo.reset()
                 histories[i].append(train_row(step))
             if on_run is not None:
@@ -828,6 +828,7 @@ def count_effects(
     """``{technique: (without, with)}`` for the rows of ``plan`` that run a technique of
     :data:`COUNTED_ON_CPU`: :func:`count_technique_effect` on top of the row before that runs,
     in ``COUNT_UNITS[technique]`` (chapter 7)."""
+    device = as_device(device)
     counts, before = {}, None
     for step in plan:
         if step.skip_reason is None:

@@ -104,7 +104,7 @@ class TrainPlan:
 
     @property
     def steps_per_epoch(self) -> int:
-        return max(len(self.labels) // self.batch_size, 1)  # full batches: a partial one is left
+        return max(len(self.labels) // self.batch_size, 1)  # full batches only (drop_last)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The examples of step ``step``: the same whatever the number of ranks."""

@@ -193,6 +193,12 @@ def test_settings_of_the_wrong_type_are_refused_by_name():
         DDPConfig(**{**COMMON, "log": "no"})
 
 
+def test_train_ddp_refuses_a_model_name_where_it_takes_the_model():
+    with pytest.raises(TypeError, match=r"model must be an nn.Module \(e.g. build_model\("
+                                        r"'small_cnn'\)\), got str"):
+        train_ddp(DDPConfig(**COMMON), None, _images(), "small_cnn")
+
+
 def test_train_ddp_refuses_data_that_is_not_four_tensors():
     with pytest.raises(TypeError, match="data must be a tuple of 4 tensors"):
         train_ddp(DDPConfig(**COMMON), None, [1, 2], _model())

@@ -95,6 +95,9 @@ def test_killed_on_a_2x1_mesh_and_resumed_on_1x2_equals_one_process(tmp_path):
         # an epoch here is --save-every steps: 40 steps of 10 have epochs 1 to 3 to crash after
         (["--steps=40", "--save-every=10", "--fail-after-epoch=4", "--checkpoint-dir=ckpt"],
          None, r"--fail-after-epoch 4 is not before the run's last epoch \(4\)"),
+        # 45 steps: a crash after epoch 4 (step 40) comes in step 41 and leaves 41-45 to resume
+        (["--steps=45", "--save-every=10", "--fail-after-epoch=5", "--checkpoint-dir=ckpt"],
+         None, r"--fail-after-epoch 5 is not before the run's last epoch \(5\)"),
         (["--data-root=x"], None, "unrecognized arguments: --data-root"),  # synthetic data
     ],
 )

@@ -80,11 +80,9 @@ def test_other_spellings_are_refused_with_the_five_words(precision):
 
 def test_tf32_switch_acts_on_cuda_only(monkeypatch):
     calls = []
-    def record(matmul, conv):
-        calls.append((matmul, conv))
-        return contextlib.nullcontext()
-
-    monkeypatch.setattr(P, "tf32_switches", record)
+    monkeypatch.setattr(
+        P, "tf32_matmuls", lambda enabled: calls.append(enabled) or contextlib.nullcontext()
+    )
     with P.PrecisionPolicy("cpu", None, False, tf32=True).matmul_precision():
         pass
     with P.PrecisionPolicy("cuda", None, False, tf32=None).matmul_precision():
@@ -94,7 +92,7 @@ def test_tf32_switch_acts_on_cuda_only(monkeypatch):
         pass
     with P.PrecisionPolicy("cuda", None, False, tf32=True).matmul_precision():
         pass
-    assert calls == [("ieee", "ieee"), ("tf32", "tf32")]  # strict fp32, then TF32
+    assert calls == [False, True]
 
 
 @pytest.mark.parametrize(
@@ -116,6 +114,9 @@ def test_fp32_policy_autocast_changes_nothing():
     layer = nn.Linear(4, 3)
     with P.precision_policy("cpu", "fp32").autocast():
         assert layer(torch.randn(2, 4)).dtype == torch.float32
+    # nothing at all, on any device type: torch.autocast refuses "meta", even switched off
+    with P.PrecisionPolicy("meta", None, False).autocast():
+        assert not torch.is_autocast_enabled()
 
 
 def test_cpu_bf16_autocast_lowers_matmuls_and_keeps_losses_in_fp32():

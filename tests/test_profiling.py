@@ -421,7 +421,7 @@ def train_rows(dataloaders, resident, num_epochs=2):
     return train_row
 
 
-def test_run_ablation_trains_each_row_from_the_same_seed_and_tables_it():
+def test_run_ablation_tables_every_row_and_the_same_seed_trains_alike():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -702,6 +702,21 @@ def test_run_ablation_interleaves_its_repeats(monkeypatch):
     # The baseline ran first in round 1 and last (the 6th run) in round 2:
     assert rows[0].images_per_second == 35.0
     assert rows[0].round_speeds == ((10.0, 10.0), (60.0, 60.0))
+
+
+def test_run_ablation_trains_no_skipped_row_but_reports_it():
+    plan = P.ablation_plan(CPU, skip={"no_sync": "not this time", "compile": "not here"})[:4]
+    trained, reported = [], []
+
+    def fake_train(step):
+        trained.append(step.technique)
+        return d2lgpu.History(examples_per_second=[1.0, 2.0], test_acc=[0.9] * 2,
+                              epoch_seconds=[1.0] * 2)
+
+    rows = P.run_ablation(plan, fake_train, on_run=reported.append)
+    assert [s.technique for s in plan][2] == "no_sync" and plan[2].skip_reason
+    assert None in trained and "no_sync" not in trained and reported == plan
+    assert not rows[2].ran and rows[2].images_per_second is None and rows[1].ran
 
 
 @pytest.mark.parametrize("call, name", [

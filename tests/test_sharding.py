@@ -342,16 +342,19 @@ def test_three_ranks_resume_the_two_rank_checkpoint_and_a_failing_rank_ends_the_
         (["--timeout", "inf"], "--timeout"),
         (["--fail-after-epoch", "0"], "--fail-after-epoch"),
         (["--precision", "half"], "--precision"),
+        (["--epochs", "3", "--fail-after-epoch", "3", "--checkpoint-dir", "{tmp}"],
+         "--fail-after-epoch 3 is not before the run's last epoch (3)"),
     ],
 )
-def test_fsdp_train_bad_command_line_values_are_usage_errors(argv, flag, capsys):
+def test_fsdp_train_bad_command_line_values_are_usage_errors(argv, flag, tmp_path, capsys):
     from d2lgpu.fsdp_train import _parse_args
 
     with pytest.raises(SystemExit) as info:
-        _parse_args(argv)
+        _parse_args([a.format(tmp=tmp_path / "ckpt") for a in argv])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}:" in err and "Traceback" not in err, err
+    said = flag if " " in flag else f"argument {flag}:"
+    assert said in err and "Traceback" not in err, err
 
 
 # --- faults and bad input, in this process (a one-rank group where FSDP2 needs one) -------

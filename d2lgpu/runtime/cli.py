@@ -102,8 +102,9 @@ def check_checkpoint_flags(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error("--fail-after-epoch needs --checkpoint-dir, to resume from after the crash")
     if fail is not None and epochs is not None and fail >= epochs:
         parser.error(f"--fail-after-epoch {fail} is not before the run's last epoch ({epochs}): "
-                     "a restarted job would have nothing left to train. Pass a smaller number, "
-                     "or make the run longer")
+                     "the crash would come after the last checkpoint, where a restarted job has "
+                     "nothing left to train, or never. Pass a smaller number, or make the run "
+                     "longer")
     if args.checkpoint_dir is not None:
         try:
             prepare_checkpoint_root(args.checkpoint_dir)
