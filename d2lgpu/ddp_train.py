@@ -126,8 +126,9 @@ def _check_inputs(model: object, data: object, batch_size: int, world_size: int)
                         f"images, test labels), got {type(data).__name__}")
     for name, images, labels in (("train", data[0], data[1]), ("test", data[2], data[3])):
         if len(images) == 0 or len(images) != len(labels) or labels.is_floating_point():
-            raise ValueError(f"the {name} set needs images and one integer class label each, got "
-                             f"{len(images)} images and {len(labels)} labels of {labels.dtype}")
+            raise ValueError(f"the {name} set needs images (one per rank at least) and an "
+                             f"integer class label each, got {len(images)} images and "
+                             f"{len(labels)} labels of {labels.dtype}")
         if images.is_floating_point() and not torch.isfinite(images).all():
             raise ValueError(f"the {name} images hold nan or inf: clean the data before training")
     if batch_size % world_size:
