@@ -1,5 +1,6 @@
 """Checks on the repository as a whole: notebooks, lint, README vs CI, conda vs pip."""
 
+import ast
 import importlib.util
 import json
 import os
@@ -409,3 +410,32 @@ def test_a_chapter_states_its_time_up_front_and_says_before_the_exercises_what_i
     before = [c for c in cells[:exercises] if c["cell_type"] == "code"][-1]
     assert "time.perf_counter() - chapter_start" in "".join(before["source"])
     assert "nbval-ignore-output" in before["metadata"].get("tags", [])
+
+
+def _distributed_scripts() -> list[tuple[str, str]]:
+    """(notebook and file name, source) of every script a notebook writes that joins a group."""
+    found = []
+    for path in sorted(REPO_ROOT.glob("notebooks/**/*.ipynb")):
+        for cell in _cells(path):
+            source = _source(cell)
+            if source.startswith("%%writefile") and "init_process_group" in source:
+                found.append((f"{path.name}: {source.splitlines()[0].split()[-1]}", source))
+    return found
+
+
+def test_every_distributed_script_a_notebook_writes_leaves_past_the_teardown():
+    # A rank on gloo that returns through the interpreter's teardown after
+    # destroy_process_group is aborted now and then ("terminate called without an active
+    # exception"): chapter 5 explains, and the package's end_process leaves the same way.
+    scripts = _distributed_scripts()
+    assert len(scripts) >= 7, [name for name, _ in scripts]
+    for name, source in scripts:
+        tree = ast.parse(source.split("\n", 1)[1])
+        main_block = [node for node in tree.body if isinstance(node, ast.If)
+                      and "__main__" in ast.unparse(node.test)]
+        if not main_block:  # appended to a file that has one (%%writefile -a)
+            continue
+        calls = [ast.unparse(n.func) for n in ast.walk(main_block[0]) if isinstance(n, ast.Call)]
+        helpers = {f.name for f in tree.body if isinstance(f, ast.FunctionDef)
+                   and "os._exit" in ast.unparse(f)}
+        assert "os._exit" in calls or helpers & set(calls), f"{name} ends through the teardown"
