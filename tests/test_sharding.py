@@ -145,6 +145,22 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
         load_checkpoint(tmp_path / "step-000008", fresh, fresh_optimizer)
 
 
+def test_a_checkpoint_directory_under_home_is_written_and_found_there(tmp_path, monkeypatch):
+    # "~/ck" as a command line passes it (bash leaves the ~ of --checkpoint-dir=~/ck alone)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    torch.manual_seed(0)
+    model = SHAPE.build()
+    optimizer = make_optimizer("adam", model.parameters(), lr=1e-2)
+    hooks = Checkpoints("~/ck", every=1)
+    assert hooks.resume(model, optimizer, None, {}, 3).path is None
+    saved = hooks.after_step(1, model, optimizer, None, {}, 3, {"losses": [1.0]})
+    assert saved == tmp_path / "ck" / "step-000001" and latest_checkpoint("~/ck") == saved
+    assert not (Path.cwd() / "~").exists()
+    fresh = SHAPE.build(seed=1)
+    resumed = hooks.resume(fresh, make_optimizer("adam", fresh.parameters(), lr=1e-2), None, {}, 3)
+    assert (resumed.step, resumed.path) == (1, saved)
+
+
 def test_resume_latest_restores_model_optimizer_and_scaler_hashing_each_file_once(
     tmp_path, monkeypatch
 ):
@@ -654,4 +670,5 @@ def test_an_empty_checkpoint_dir_is_a_usage_error(capsys):
         _parse_args(["--checkpoint-dir="])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --checkpoint-dir: the checkpoint directory must be a path" in err
+    assert ("argument --checkpoint-dir: cannot write checkpoints: the checkpoint directory must "
+            "be a path") in err

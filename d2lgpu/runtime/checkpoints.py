@@ -54,7 +54,7 @@ def prepare_checkpoint_root(root: str | Path) -> Path:
     try:
         root = check_writable_path("the checkpoint directory", root, kind="directory")
         root.mkdir(parents=True, exist_ok=True)
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # TypeError: not a path, or an empty one
         raise CheckpointError(f"cannot write checkpoints: {exc}") from None
     return root
 
@@ -102,18 +102,14 @@ def _verify_checkpoint(path: Path) -> None:
     if damage is None:
         return
     step = _step_of(path)
-    older = [
-        p
-        for p in path.parent.iterdir()
-        if (s := _step_of(p)) is not None
-        and step is not None
-        and s < step
-        and _checkpoint_damage(p) is None
-    ]
+    earlier = sorted((p for p in path.parent.iterdir() if step is not None
+                      and (s := _step_of(p)) is not None and s < step), key=_step_of, reverse=True)
+    # newest first, hashing no further than the first intact one
+    intact = next((p for p in earlier if _checkpoint_damage(p) is None), None)
     fresh = _start_fresh(path.parent)
-    if older:
+    if intact is not None:
         way_on = (
-            f"Delete {path} to resume from {max(older, key=_step_of).name}, the newest "
+            f"Delete {path} to resume from {intact.name}, the newest "
             f"intact checkpoint before it; or, {fresh}"
         )
     else:
@@ -174,7 +170,8 @@ def save_checkpoint(
     extra = dict(extra or {})
     if scaler is not None and scaler.is_enabled():
         extra["scaler"] = scaler.state_dict()
-    root = prepare_checkpoint_root(root) if _is_main() else Path(root)
+    # ~ expanded on every rank, as prepare_checkpoint_root expands it on rank 0
+    root = prepare_checkpoint_root(root) if _is_main() else Path(root).expanduser()
     final = root / f"{_STEP_PREFIX}{step:06d}"
     tmp = root / f".{final.name}.tmp"
     if _is_main():
@@ -201,7 +198,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     Entries that only look like checkpoints (``step-abc``) are an error when they are all there
     is: a resumed run must never start from scratch without a word.
     """
-    root = Path(root)
+    root = Path(root).expanduser()
     entries = list(root.iterdir()) if root.is_dir() else []
     done = [p for p in entries if _step_of(p) is not None]
     lookalikes = sorted(
@@ -300,8 +297,8 @@ class Checkpoints:
         """Called before the first step; a bad ``root`` is refused before any training."""
         if self.root is None:
             return Resumed(0, {}, None)
-        prepare_checkpoint_root(self.root)
-        return resume_latest(self.root, model, optimizer, {**settings, **self.config},
+        root = prepare_checkpoint_root(self.root)
+        return resume_latest(root, model, optimizer, {**settings, **self.config},
                              end=end, scaler=scaler)
 
     def after_forward(self, step: int) -> None:

@@ -108,5 +108,5 @@ def check_checkpoint_flags(parser: argparse.ArgumentParser, args: argparse.Names
     if args.checkpoint_dir is not None:
         try:
             prepare_checkpoint_root(args.checkpoint_dir)
-        except (CheckpointError, TypeError) as exc:  # TypeError: an empty path
+        except CheckpointError as exc:
             parser.error(f"argument --checkpoint-dir: {exc}")
