@@ -203,6 +203,8 @@ def fast_epoch(
             first_loss = loss.detach() if first_loss is None else first_loss
             count += len(y)
         bar.update(1)
+    if count == 0:  # an iterator without a length passes check_loader even when it is empty
+        raise ValueError("train_iter gave no batches: train_fast needs a non-empty training set")
     return loss_sum.item() / count, correct.item() / count, count, first_loss.item()
 
 

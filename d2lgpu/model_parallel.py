@@ -662,9 +662,9 @@ def _train_2d(run: TwoDRun, ctx: DistContext) -> TrainResult:
     opt = _optimizer(model.parameters(), run.lr)
     # fp16: the scaler agrees over all ranks whether any gradient overflowed.
     scaler = ShardedGradScaler(ctx.device.type, enabled=run.param_dtype == torch.float16)
-    hooks, start, losses = run.hooks, 0, []
+    hooks, start, losses, settings = run.hooks, 0, [], run.settings()
     if hooks:
-        resumed = hooks.resume(model, opt, scaler, run.settings(), run.steps)
+        resumed = hooks.resume(model, opt, scaler, settings, run.steps)
         start, losses = resumed.step, list(resumed.extra.get("losses", []))
     dp_rank, local = mesh["dp"].get_local_rank(), run.batch_size // dp
     rows = slice(dp_rank * local, (dp_rank + 1) * local)  # this dp group's share of a batch
@@ -686,7 +686,7 @@ def _train_2d(run: TwoDRun, ctx: DistContext) -> TrainResult:
                             first_loss=losses[0] if len(losses) > 1 else None,
                             advice=f"try {run.lr / 10:g}")
         if hooks:
-            hooks.after_step(step + 1, model, opt, scaler, run.settings(), run.steps,
+            hooks.after_step(step + 1, model, opt, scaler, settings, run.steps,
                              {"losses": losses, "mesh": [dp, tp]})
     sizes: list[Any] = [None] * ctx.world_size
     optim = (v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))

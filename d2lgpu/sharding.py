@@ -382,9 +382,9 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
     optimizer = make_optimizer(plan.optimizer, model.parameters(), lr=plan.lr)
     # fp16 needs loss scaling (chapter 6); the sharded scaler agrees on overflows over ranks.
     scaler = ShardedGradScaler(ctx.device.type, enabled=run.param_dtype == torch.float16)
-    start, losses = 0, []
+    start, losses, settings = 0, [], run.settings()  # the settings, once: a checkpoint's record
     if hooks:
-        resumed = hooks.resume(model, optimizer, scaler, run.settings(), plan.steps)
+        resumed = hooks.resume(model, optimizer, scaler, settings, plan.steps)
         start, losses = resumed.step, list(resumed.extra.get("losses", []))
     watch = StepWatch()
     for step in range(start, plan.steps):
@@ -396,7 +396,7 @@ def train_fsdp(run: FSDPRun, ctx: DistContext) -> FSDPResult:
         # On the mean every rank shares, so all ranks stop together, before a save.
         _check_loss(losses, plan)
         if hooks:
-            hooks.after_step(step + 1, model, optimizer, scaler, run.settings(), plan.steps,
+            hooks.after_step(step + 1, model, optimizer, scaler, settings, plan.steps,
                              {"losses": losses, "world_size": ctx.world_size})
 
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]

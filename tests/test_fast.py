@@ -241,6 +241,14 @@ def test_train_fast_is_reproducible_under_a_seed():
     assert runs[0].examples_per_second[0] > 0
 
 
+def test_train_fast_names_an_empty_training_set_a_generator_hid():
+    loader = DeviceLoader(*indexed_data(20), 10, device=CPU)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(16, 20))
+    with pytest.raises(ValueError, match="train_iter gave no batches"):
+        train_fast(net, (batch for batch in []), loader, 1, 0.1, CPU, progress=False,
+                   techniques=Techniques(device_data=True))
+
+
 def test_train_fast_rejects_a_dataloader_and_names_the_fix():
     train_iter, test_iter = d2lgpu.load_data_fashion_mnist(64, quick=True)
     with pytest.raises(TypeError, match="fashion_mnist_on_device"):
